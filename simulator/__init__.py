@@ -1,0 +1,29 @@
+"""twinrpc.simulator: a deterministic, in-process world on virtual time.
+
+Run a program as N workers in one process::
+
+    from twinrpc.simulator import Simulation
+
+    result = Simulation(world_size=3, seed=7).run(program)   # program(rank) on every worker
+    result.values(), result.digest
+"""
+
+from __future__ import annotations
+
+from ._errors import SimulationDeadlock, SimulationError
+from ._network import NetworkModel
+from ._simulation import RunResult, Simulation, WorkerOutcome, now, sleep
+from ._trace import Trace, TraceEvent
+
+__all__ = [
+    "NetworkModel",
+    "RunResult",
+    "Simulation",
+    "SimulationDeadlock",
+    "SimulationError",
+    "Trace",
+    "TraceEvent",
+    "WorkerOutcome",
+    "now",
+    "sleep",
+]

@@ -1,0 +1,175 @@
+"""Virtual time and simulated tasks.
+
+Every simulated task is a greenlet; exactly one runs at a time, and it gives control back to the
+scheduler (the hub) only by blocking on a world primitive. The event queue is ordered by (virtual time,
+a seeded random tie-break, sequence number), so equal-time events run in a seed-dependent but
+reproducible order. Nothing here reads the wall clock or global random state.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import heapq
+import random
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import greenlet
+
+from ._errors import SimulationDeadlock, SimulationError
+
+
+class Task:
+    """A simulated task: a worker's main program, a request handler, a delivery, a timer callback."""
+
+    __slots__ = ("done", "g", "id", "name", "waiting_on", "worker")
+
+    def __init__(self, task_id: int, worker: int, name: str) -> None:
+        self.id = task_id
+        self.worker = worker
+        self.name = name
+        self.waiting_on: Any = None
+        self.done = False
+        self.g: greenlet.greenlet | None = None
+
+    def describe(self) -> str:
+        where = "".join(traceback.format_stack(self.g.gr_frame)) if self.g is not None and self.g.gr_frame else ""
+        return f"task {self.name!r} (worker {self.worker}) waiting on {self.waiting_on!r}\n{where}"
+
+
+class _TaskGreenlet(greenlet.greenlet):  # type: ignore[misc]
+    task: Task
+
+
+class TimerHandle:
+    __slots__ = ("cancelled",)
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Scheduler:
+    """The event loop of one simulation."""
+
+    def __init__(self, seed: int, *, max_time: float | None = None) -> None:
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self.max_time = max_time
+        self._heap: list[tuple[float, float, int, Callable[[Any], None], Any]] = []
+        self._seq = 0
+        self._task_ids = 0
+        self.tasks: dict[int, Task] = {}
+        self.hub: greenlet.greenlet | None = None
+        self.failure: BaseException | None = None
+        self.stopped = False
+        self.switches = 0
+
+    # -- events -----------------------------------------------------------------------------------
+    def schedule(self, delay: float, fn: Callable[[Any], None], arg: Any = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (self.now + delay, self.rng.random(), self._seq, fn, arg))
+
+    # -- tasks ------------------------------------------------------------------------------------
+    def spawn(
+        self, worker: int, context: contextvars.Context, name: str, fn: Callable[..., Any], args: tuple[Any, ...]
+    ) -> Task:
+        """Start ``fn(*args)`` as a new task of ``worker``, running in a copy of ``context``."""
+        self._task_ids += 1
+        task = Task(self._task_ids, worker, name)
+        g = _TaskGreenlet(self._task_main, parent=self.hub)
+        g.gr_context = context.copy()
+        g.task = task
+        task.g = g
+        self.tasks[task.id] = task
+        self.schedule(0.0, self._start, (task, fn, args))
+        return task
+
+    def _start(self, item: tuple[Task, Callable[..., Any], tuple[Any, ...]]) -> None:
+        task, fn, args = item
+        self.switches += 1
+        assert task.g is not None
+        task.g.switch(task, fn, args)
+
+    def _task_main(self, task: Task, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # a task must not fail silently: stop the simulation with it
+            if self.failure is None:
+                self.failure = SimulationError(
+                    f"simulated task {task.name!r} on worker {task.worker} failed at t={self.now:.6f}: {exc!r}"
+                )
+                self.failure.__cause__ = exc
+        finally:
+            task.done = True
+            self.tasks.pop(task.id, None)
+
+    def current_task(self) -> Task | None:
+        g = greenlet.getcurrent()
+        return getattr(g, "task", None)
+
+    def park(self, waiting_on: Any) -> None:
+        """Block the current task until someone calls :meth:`wake` for it."""
+        g = greenlet.getcurrent()
+        task: Task | None = getattr(g, "task", None)
+        if task is None:
+            raise RuntimeError(
+                "twinrpc.simulator: a blocking call was made outside a simulated task (for example in a "
+                "callback run by the scheduler itself); block only from worker programs and RPC handlers"
+            )
+        task.waiting_on = waiting_on
+        assert self.hub is not None
+        self.hub.switch()
+        task.waiting_on = None
+
+    def wake(self, task: Task) -> None:
+        self.schedule(0.0, self._resume, task)
+
+    def _resume(self, task: Task) -> None:
+        if task.done or task.g is None:
+            return
+        self.switches += 1
+        task.g.switch()
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> TimerHandle:
+        handle = TimerHandle()
+        self.schedule(delay, self._fire, (handle, fn))
+        return handle
+
+    @staticmethod
+    def _fire(item: tuple[TimerHandle, Callable[[], None]]) -> None:
+        handle, fn = item
+        if not handle.cancelled:
+            fn()
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self, until: Callable[[], bool]) -> None:
+        """Run events until ``until()`` holds. Raises SimulationDeadlock when nothing can run."""
+        self.hub = greenlet.getcurrent()
+        heap = self._heap
+        pop = heapq.heappop
+        while not until():
+            if self.failure is not None:
+                raise self.failure
+            if not heap:
+                raise SimulationDeadlock(self.deadlock_report())
+            t, _, _, fn, arg = pop(heap)
+            if self.max_time is not None and t > self.max_time:
+                raise SimulationError(
+                    f"virtual time passed max_time={self.max_time} s with work still pending:\n"
+                    + self.deadlock_report()
+                )
+            self.now = t
+            fn(arg)
+        if self.failure is not None:
+            raise self.failure
+
+    def deadlock_report(self) -> str:
+        blocked = [t for t in self.tasks.values() if not t.done]
+        lines = [f"simulation deadlock at t={self.now:.6f} s: every task is blocked and no event is pending"]
+        for t in sorted(blocked, key=lambda t: (t.worker, t.id)):
+            lines.append(t.describe())
+        return "\n".join(lines)

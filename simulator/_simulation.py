@@ -1,0 +1,198 @@
+"""``Simulation``: run a program as N workers in one process, deterministically, on virtual time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from twinrpc._future import Future
+from twinrpc._message import REQUEST_KINDS, Message
+from twinrpc._worker_info import WorkerInfo
+
+from ._errors import SimulationError
+from ._network import NetworkModel
+from ._scheduler import Scheduler
+from ._trace import Trace
+from ._world import SimBlocker, SimWorker, SimWorld
+
+_RENDEZVOUS_DELAY = 1e-3  # a store round trip at init
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOutcome:
+    """What one worker's program returned or raised."""
+
+    rank: int
+    value: Any = None
+    error: BaseException | None = None
+
+    def get(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """The result of :meth:`Simulation.run`."""
+
+    outcomes: tuple[WorkerOutcome, ...]
+    trace: Trace
+    virtual_time: float
+    seed: int
+
+    def values(self) -> list[Any]:
+        """Each worker's return value; re-raises the first worker error in rank order."""
+        return [o.get() for o in self.outcomes]
+
+    @property
+    def digest(self) -> str:
+        return self.trace.digest()
+
+
+class Simulation:
+    """A deterministic world of ``world_size`` workers in this process.
+
+    ``Simulation(world_size=3, seed=7).run(fn)`` runs ``fn(rank)`` as each worker's program; ``fn``
+    calls ``init_rpc``/``shutdown`` itself, exactly as under ``torch.multiprocessing.spawn``. Time is
+    virtual: timeouts and sleeps take no wall time. Same seed + same program = the same trace.
+
+    Args:
+        world_size: number of workers.
+        seed: seeds every choice the simulation makes (latency jitter, ties between events).
+        network: the network model (latency, jitter, bandwidth).
+        trace: record a trace (needed for digests and timelines).
+        max_time: fail the run if virtual time passes this many seconds.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        seed: int = 0,
+        network: NetworkModel | None = None,
+        *,
+        trace: bool = True,
+        max_time: float | None = None,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        self.world_size = world_size
+        self.seed = seed
+        self.network = network or NetworkModel()
+        self.sched = Scheduler(seed, max_time=max_time)
+        self.blocker = SimBlocker(self.sched)
+        self.trace = Trace(trace)
+        self.workers = [SimWorker(self, r) for r in range(world_size)]
+        self._rendezvous: dict[int, dict[int, str]] = {}
+        self._rendezvous_done: dict[int, Future[None]] = {}
+        self._used = False
+
+    @property
+    def now(self) -> float:
+        return self.sched.now
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> RunResult:
+        """Run ``fn(rank, *args)`` on every worker until all return; a deadlock raises
+        :class:`SimulationDeadlock` naming every blocked task."""
+        if self._used:
+            raise SimulationError("a Simulation runs once; make a new one (with the same seed to replay)")
+        self._used = True
+        outcomes: list[WorkerOutcome | None] = [None] * self.world_size
+        remaining = [self.world_size]
+
+        def main(rank: int) -> None:
+            try:
+                value = fn(rank, *args)
+            except BaseException as exc:
+                outcomes[rank] = WorkerOutcome(rank, error=exc)
+            else:
+                outcomes[rank] = WorkerOutcome(rank, value=value)
+            finally:
+                remaining[0] -= 1
+                self.trace.record(self.sched.now, rank, "exit", "error" if outcomes[rank] and outcomes[rank].error else "ok")  # type: ignore[union-attr]
+
+        for worker in self.workers:
+            worker.spawn(f"main[{worker.rank}]", main, worker.rank)
+        self.sched.run(until=lambda: remaining[0] == 0)
+        return RunResult(tuple(o for o in outcomes if o is not None), self.trace, self.sched.now, self.seed)
+
+    # -- rendezvous (the simulated store) -----------------------------------------------------------
+    def _connect(
+        self,
+        worker: SimWorker,
+        *,
+        name: str,
+        rank: int,
+        world_size: int | None,
+        options: Any,
+        generation: int,
+    ) -> tuple[SimWorld, WorkerInfo, list[WorkerInfo]]:
+        if rank not in (-1, worker.rank):
+            raise ValueError(
+                f"init_rpc(rank={rank}) on simulated worker {worker.rank}: in a Simulation each program's "
+                "rank is the rank it was started with (pass that rank, or -1)"
+            )
+        if world_size not in (None, self.world_size):
+            raise ValueError(
+                f"init_rpc(world_size={world_size}) in a Simulation of world_size={self.world_size}"
+            )
+        joined = self._rendezvous.setdefault(generation, {})
+        done = self._rendezvous_done.setdefault(generation, Future())
+        joined[worker.rank] = name
+        self.trace.record(self.sched.now, worker.rank, "init", f"{name} generation {generation}")
+        if len(joined) == self.world_size:
+            self.sched.call_later(_RENDEZVOUS_DELAY, lambda: done.set_result(None))
+        done.wait()
+        by_name: dict[str, int] = {}
+        for r in sorted(joined):
+            other = by_name.setdefault(joined[r], r)
+            if other != r:
+                raise RuntimeError(
+                    f"RPC worker name {joined[r]} is not unique. Workers {other} and {r} share the same name."
+                )
+        infos = [WorkerInfo(joined[r], r) for r in sorted(joined)]
+        world = SimWorld(worker, options.num_worker_threads)
+        worker.world = world
+        return world, infos[worker.rank], infos
+
+    # -- network --------------------------------------------------------------------------------------
+    def _deliver(self, msg: Message) -> None:
+        dst = self.workers[msg.dst].world
+        if dst is None:
+            self._bounce(msg, f"worker {msg.dst} has not initialised RPC")
+            return
+        dst.deliver(msg)
+
+    def _bounce(self, msg: Message, why: str) -> None:
+        self.trace.record(self.sched.now, msg.dst, "bounce", f"{msg.describe()}: {why}")
+        src = self.workers[msg.src].world
+        if src is not None and msg.kind in REQUEST_KINDS:
+            src.fail_send(msg, why)
+
+
+def sleep(seconds: float) -> None:
+    """Sleep on the current world's clock: virtual time inside a simulation, wall time outside."""
+    from twinrpc._future import CURRENT_BLOCKER
+
+    blocker = CURRENT_BLOCKER.get()
+    if not isinstance(blocker, SimBlocker):
+        import time
+
+        time.sleep(seconds)
+        return
+    fut: Future[None] = Future()
+    blocker.sched.call_later(max(0.0, float(seconds)), lambda: fut.set_result(None))
+    fut.wait()
+
+
+def now() -> float:
+    """The current world's clock: virtual seconds inside a simulation, ``time.monotonic()`` outside."""
+    from twinrpc._future import CURRENT_BLOCKER
+
+    blocker = CURRENT_BLOCKER.get()
+    if isinstance(blocker, SimBlocker):
+        return blocker.sched.now
+    import time
+
+    return time.monotonic()

@@ -1,0 +1,145 @@
+"""One simulated worker's world: the simulator's implementation of ``twinrpc._world.World``."""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from twinrpc._current import CURRENT_SLOT, WorkerSlot
+from twinrpc._errors import WorkerUnavailableError
+from twinrpc._future import CURRENT_BLOCKER, Future
+from twinrpc._message import Message
+from twinrpc._serialize import copy_storages
+
+from ._scheduler import Scheduler, TimerHandle
+
+if TYPE_CHECKING:
+    from twinrpc._agent import RpcAgent
+
+    from ._simulation import Simulation
+
+_log = logging.getLogger("twinrpc.simulator")
+
+
+class SimBlocker:
+    """Blocking in the simulator: park the current task until the future completes."""
+
+    __slots__ = ("sched",)
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+
+    def wait_done(self, fut: Future[Any]) -> None:
+        sched = self.sched
+        task = sched.current_task()
+        if task is None:
+            raise RuntimeError(
+                "twinrpc.simulator: Future.wait() outside a simulated task; wait only from worker "
+                "programs, RPC handlers and callbacks"
+            )
+        if fut._add_callback_if_pending(lambda _f: sched.wake(task)):
+            sched.park(fut)
+
+
+class SimWorker:
+    """The per-worker state a simulation keeps across init_rpc/shutdown cycles."""
+
+    def __init__(self, sim: Simulation, rank: int) -> None:
+        self.sim = sim
+        self.rank = rank
+        self.slot = WorkerSlot(connect=self._connect)
+        self.context = contextvars.Context()
+        self.context.run(CURRENT_SLOT.set, self.slot)
+        self.context.run(CURRENT_BLOCKER.set, sim.blocker)
+        self.world: SimWorld | None = None
+        self.crashed = False
+
+    def spawn(self, name: str, fn: Callable[..., Any], *args: Any) -> None:
+        self.sim.sched.spawn(self.rank, self.context, name, fn, args)
+
+    def _connect(self, **kwargs: Any) -> Any:
+        return self.sim._connect(self, **kwargs)
+
+
+class SimWorld:
+    """Sends through the simulated network, runs tasks on the scheduler, keeps virtual time."""
+
+    clock_name = "simulated"
+
+    def __init__(self, worker: SimWorker, num_worker_threads: int) -> None:
+        self.worker = worker
+        self.sim = worker.sim
+        self.sched = worker.sim.sched
+        self.rank = worker.rank
+        self.agent: RpcAgent | None = None
+        self.stopped = False
+        self._early: list[Message] = []
+        self._pool_size = num_worker_threads
+        self._pool_busy = 0
+        self._pool_queue: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
+
+    # -- World interface ---------------------------------------------------------------------------
+    def now(self) -> float:
+        return self.sched.now
+
+    def send(self, msg: Message) -> None:
+        sim = self.sim
+        if msg.tensors:
+            msg.tensors = copy_storages(msg.tensors)
+        delay = sim.network.delay(msg.src, msg.dst, msg.nbytes, sim.sched.rng)
+        sim.trace.record(self.sched.now, self.rank, "send", msg.describe())
+        self.sched.schedule(delay, sim._deliver, msg)
+
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.worker.spawn(getattr(fn, "__name__", "task"), fn, *args)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self._pool_busy < self._pool_size:
+            self._pool_busy += 1
+            self.worker.spawn("request", self._pool_task, fn, args)
+        else:
+            self._pool_queue.append((fn, args))
+
+    def _pool_task(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        # One simulated pool thread: it keeps taking queued requests, as a real pool thread does.
+        while True:
+            fn(*args)
+            if not self._pool_queue:
+                self._pool_busy -= 1
+                return
+            fn, args = self._pool_queue.popleft()
+
+    def call_later(self, delay: float, fn: Callable[[], Any]) -> TimerHandle:
+        return self.sched.call_later(delay, lambda: self.worker.spawn("timer", fn))
+
+    def start(self, agent: RpcAgent) -> None:
+        self.agent = agent
+        early, self._early = self._early, []
+        for msg in early:
+            self.worker.spawn("deliver", agent.on_message, msg)
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.agent = None
+
+    # -- deliveries (called by the Simulation) -------------------------------------------------------
+    def deliver(self, msg: Message) -> None:
+        agent = self.agent
+        if agent is not None:
+            self.sim.trace.record(self.sched.now, self.rank, "deliver", msg.describe())
+            self.worker.spawn("deliver", agent.on_message, msg)
+        elif not self.stopped:
+            self._early.append(msg)
+        else:
+            self.sim._bounce(msg, f"worker {self.rank} has shut down")
+
+    def fail_send(self, msg: Message, why: str) -> None:
+        agent = self.agent
+        if agent is None:
+            return
+        info = agent.workers[msg.dst] if msg.dst < len(agent.workers) else msg.dst
+        exc = WorkerUnavailableError(f"{agent.info} cannot reach {info}: {why}")
+        self.worker.spawn("send-failed", agent.on_send_failed, msg, exc)

@@ -1,0 +1,566 @@
+"""The RPC agent: the protocol core, written once for both worlds.
+
+It turns API calls into messages and messages into calls, keeps the table of pending requests with
+their timeouts, serves requests on the world's request pool, and runs graceful shutdown. It blocks only
+through futures and never touches threads, sockets or clocks: those belong to its :class:`World`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _serialize
+from ._errors import (
+    RemoteError,
+    RPCError,
+    RPCTimeoutError,
+    SerializationError,
+    ShutdownError,
+    WorkerUnavailableError,
+)
+from ._future import Future
+from ._message import REQUEST_KINDS, Kind, Message
+from ._rref import OwnerState, RRef, UserState
+from ._rref_context import RRefContext
+from ._worker_info import WorkerInfo
+from ._world import Timer, World
+
+_log = logging.getLogger("twinrpc")
+
+UNSET_RPC_TIMEOUT = -1.0
+#: requests served on the request pool (they run user code, which may block)
+_POOL_KINDS = frozenset({Kind.CALL, Kind.REMOTE_CALL})
+#: how long graceful shutdown waits for owners to be released when no timeout is given (PyTorch: 100 s)
+_OWNER_DRAIN_TIMEOUT = 100.0
+
+
+class _Pending:
+    __slots__ = ("dst", "fut", "kind", "timer")
+
+    def __init__(self, fut: Future[Any], dst: int, kind: Kind) -> None:
+        self.fut = fut
+        self.dst = dst
+        self.kind = kind
+        self.timer: Timer | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _RemoteException:
+    """An exception as it travels: its type (by reference) and its formatted message."""
+
+    exc_type: type[BaseException]
+    message: str
+
+
+def _is_builtin(func: Any) -> bool:
+    try:
+        return torch.jit._builtins._find_builtin(func) is not None
+    except Exception:
+        return False
+
+
+class RpcAgent:
+    """One worker's RPC agent. Thread-safe; every public method may be called from any task."""
+
+    def __init__(
+        self,
+        world: World,
+        info: WorkerInfo,
+        workers: list[WorkerInfo],
+        rpc_timeout: float,
+        num_worker_threads: int,
+    ) -> None:
+        self.world = world
+        self.info = info
+        self.workers = sorted(workers, key=lambda w: w.id)
+        self._by_name = {w.name: w for w in workers}
+        self._by_id = {w.id: w for w in workers}
+        self.rpc_timeout = rpc_timeout
+        self.num_worker_threads = num_worker_threads
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._pending: dict[int, _Pending] = {}
+        self._active_calls = 0
+        self._idle: Future[None] | None = None
+        self._sent_requests = 0
+        self._served_requests = 0
+        self._gathered: dict[Any, dict[int, Any]] = {}
+        self._gather_done: dict[Any, Future[Any]] = {}
+        self._scattered: dict[Any, Future[Any]] = {}
+        self.running = True
+        self.rrefs = RRefContext(self)
+        self.leader = min(self.workers, key=lambda w: w.name)
+
+    # -- names ----------------------------------------------------------------------------------
+    def resolve(self, to: Any) -> WorkerInfo:
+        """``to`` as a WorkerInfo: a worker name, a rank or a WorkerInfo (RPC-5)."""
+        if isinstance(to, WorkerInfo):
+            known = self._by_name.get(to.name)
+            if known is None or known.id != to.id:
+                raise RuntimeError(f"name:{self.info.name},rank:{self.info.id} could not find destination {to}")
+            return known
+        if isinstance(to, str):
+            info = self._by_name.get(to)
+            if info is None:
+                raise RuntimeError(
+                    f"name:{self.info.name},rank:{self.info.id} could not find destination name {to}"
+                )
+            return info
+        if isinstance(to, int) and not isinstance(to, bool):
+            info = self._by_id.get(to)
+            if info is None:
+                raise RuntimeError(
+                    f"name:{self.info.name},rank:{self.info.id} could not find destination id {to}"
+                )
+            return info
+        if hasattr(to, "name") and hasattr(to, "id"):  # a torch WorkerInfo
+            return self.resolve(WorkerInfo(to.name, to.id))
+        raise ValueError(f"Cannot get WorkerInfo from name {to}")
+
+    def worker_by_id(self, rank: int) -> WorkerInfo:
+        return self._by_id[rank]
+
+    # -- client side ----------------------------------------------------------------------------
+    def effective_timeout(self, timeout: float) -> float:
+        if timeout is None or timeout < 0:
+            return self.rpc_timeout
+        return float(timeout)
+
+    def request(self, dst: int, kind: Kind, obj: Any, timeout: float) -> Future[Any]:
+        """Send a request and return a future of the deserialized reply.
+
+        Raises:
+            SerializationError: ``obj`` cannot be pickled (nothing was sent).
+            NotInitializedError: the agent has shut down.
+        """
+        if not self.running:
+            from ._errors import NotInitializedError
+
+            raise NotInitializedError()
+        payload, tensors = _serialize.dumps(obj, lambda rref: self.rrefs.fork(rref, dst))
+        fut: Future[Any] = Future()
+        pending = _Pending(fut, dst, kind)
+        timeout = self.effective_timeout(timeout)
+        with self._lock:
+            msg_id = next(self._ids)
+            self._pending[msg_id] = pending
+            self._active_calls += 1
+            self._sent_requests += 1
+        if timeout > 0:
+            pending.timer = self.world.call_later(timeout, lambda: self._on_timeout(msg_id, timeout))
+        self.world.send(Message(kind, msg_id, self.info.id, dst, payload, tensors))
+        return fut
+
+    def call(self, to: Any, func: Any, args: Any, kwargs: Any, timeout: float) -> Future[Any]:
+        """``rpc_async``: run ``func(*args, **kwargs)`` on ``to``."""
+        dst = self.resolve(to)
+        return self.request(dst.id, Kind.CALL, (func, tuple(args or ()), dict(kwargs or {})), timeout)
+
+    def remote(self, to: Any, func: Any, args: Any, kwargs: Any, timeout: float) -> RRef[Any]:
+        """``rpc.remote``: run ``func`` on ``to``, which becomes the owner of the result."""
+        dst = self.resolve(to)
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        if dst.id == self.info.id:
+            owner = self.rrefs.new_owner_for_remote_to_self()
+            fut = self.request(dst.id, Kind.REMOTE_CALL, (owner.rref_id, owner.rref_id, func, args, kwargs), timeout)
+            fut.add_done_callback(lambda f: self._remote_to_self_done(f, owner))
+            rref = RRef._wrap(self, owner)
+            return rref
+        user = self.rrefs.new_user_for_remote(dst.id)
+        try:
+            fut = self.request(dst.id, Kind.REMOTE_CALL, (user.rref_id, user.fork_id, func, args, kwargs), timeout)
+        except BaseException:
+            self.rrefs.remote_timed_out(user)  # nothing was sent: this user must not send a delete
+            user.deleted = True
+            raise
+        user.created = fut.then(lambda f: self._remote_done(f, user))
+        return RRef._wrap(self, user)
+
+    def _remote_done(self, f: Future[Any], user: UserState) -> None:
+        try:
+            f.wait()
+        except RPCTimeoutError:
+            self.rrefs.remote_timed_out(user)
+            raise
+        except BaseException as exc:
+            user.creation_error = exc
+            self.rrefs.confirm_user(user)
+            raise
+        self.rrefs.confirm_user(user)
+
+    def _remote_to_self_done(self, f: Future[Any], owner: OwnerState) -> None:
+        try:
+            f.wait()
+        except BaseException as exc:
+            if not owner.value.done():
+                owner.value.set_exception(exc)
+        self.rrefs._drop_fork(owner.rref_id, owner.rref_id)
+
+    def _finish_call(self, msg_id: int) -> _Pending | None:
+        with self._lock:
+            pending = self._pending.pop(msg_id, None)
+        if pending is not None and pending.timer is not None:
+            pending.timer.cancel()
+        return pending
+
+    def _call_ended(self) -> None:
+        with self._lock:
+            self._active_calls -= 1
+            idle = self._idle if self._active_calls == 0 else None
+            if idle is not None:
+                self._idle = None
+        if idle is not None:
+            idle.set_result(None)
+
+    def _on_timeout(self, msg_id: int, timeout: float) -> None:
+        pending = self._finish_call(msg_id)
+        if pending is None:
+            return
+        dst = self._by_id[pending.dst]
+        pending.fut.set_exception(
+            RPCTimeoutError(
+                f"RPC ran for more than set timeout ({round(timeout * 1000)} ms) and will now be marked "
+                f"with an error: {pending.kind.name} to '{dst.name}' (rank {dst.id}) got no reply within "
+                f"{timeout:.2f} s ({self.world.clock_name} time); pass timeout=0 to wait forever or "
+                "raise rpc_timeout in init_rpc"
+            )
+        )
+        self._call_ended()
+
+    def on_send_failed(self, msg: Message, exc: BaseException) -> None:
+        """The world could not deliver ``msg`` (dead or departed peer)."""
+        if msg.kind not in REQUEST_KINDS:
+            return
+        with self._lock:
+            self._sent_requests -= 1
+        pending = self._finish_call(msg.id)
+        if pending is not None:
+            pending.fut.set_exception(exc)
+            self._call_ended()
+
+    # -- incoming -------------------------------------------------------------------------------
+    def on_message(self, msg: Message) -> None:
+        """Entry point for every delivered message; runs on a task of this worker."""
+        kind = msg.kind
+        if kind is Kind.RESPONSE or kind is Kind.EXCEPTION:
+            self._on_reply(msg)
+        elif kind in _POOL_KINDS:
+            self.world.submit(self._serve, msg)
+        elif kind in REQUEST_KINDS:
+            self._serve(msg)
+        elif kind is Kind.GATHER:
+            self._on_gather(msg)
+        elif kind is Kind.SCATTER:
+            self._on_scatter(msg)
+        else:
+            _log.warning("twinrpc: %s dropped a message of unknown kind %r", self.info, kind)
+
+    def _on_reply(self, msg: Message) -> None:
+        pending = self._finish_call(msg.id)
+        if pending is None:
+            return  # a late reply to a call that timed out: dropped (ERR-4)
+        try:
+            value, _ = _serialize.loads(msg.payload, msg.tensors, msg.src, self.rrefs.rebuild)
+        except BaseException as exc:
+            pending.fut.set_exception(
+                SerializationError(f"the reply from {self._by_id[msg.src]} could not be unpickled: {exc!r}")
+            )
+        else:
+            if msg.kind is Kind.EXCEPTION:
+                pending.fut.set_exception(self._rebuild_exception(value))
+            else:
+                pending.fut.set_result(value)
+        self._call_ended()
+
+    @staticmethod
+    def _rebuild_exception(remote: Any) -> BaseException:
+        if not isinstance(remote, _RemoteException):
+            return RemoteError(f"malformed exception reply: {remote!r}")
+        try:
+            return remote.exc_type(remote.message)
+        except BaseException as exc:
+            return RuntimeError(
+                f"Failed to create original exception type. Error msg was {exc} "
+                f"Original exception on remote side was {remote.message}"
+            )
+
+    # -- serving --------------------------------------------------------------------------------
+    def _serve(self, msg: Message) -> None:
+        """Run one request and reply (now, or when the value it waits for is ready)."""
+        try:
+            obj, load = _serialize.loads(msg.payload, msg.tensors, msg.src, self.rrefs.rebuild)
+        except BaseException as exc:
+            self._reply_error(msg, SerializationError(
+                f"{self.info} could not unpickle a {msg.kind.name} request from "
+                f"{self._by_id.get(msg.src, msg.src)}: {exc!r}"
+            ))
+            return
+        for user in load.unconfirmed_rrefs:  # RREF-F3: run only once argument RRefs are confirmed
+            user.confirmed.wait()
+        kind = msg.kind
+        try:
+            if kind is Kind.CALL:
+                func, args, kwargs = obj
+                self._run(msg, func, args, kwargs, on_value=None)
+            elif kind is Kind.REMOTE_CALL:
+                rref_id, fork_id, func, args, kwargs = obj
+                owner = self.rrefs.get_or_create_owner(rref_id)
+                if fork_id != rref_id:
+                    self.rrefs.on_fork_request(rref_id, fork_id)
+                self._run(msg, func, args, kwargs, on_value=owner)
+            elif kind is Kind.RREF_FETCH:
+                owner = self.rrefs.get_or_create_owner(obj)
+                owner.value.add_done_callback(lambda f: self._reply_from(msg, f))
+            elif kind is Kind.RREF_TYPE:
+                owner = self.rrefs.get_or_create_owner(obj)
+                owner.value.add_done_callback(lambda f: self._reply_from(msg, f, transform=type))
+            elif kind is Kind.RREF_USER_DELETE:
+                self.rrefs.on_user_delete(*obj)
+                self._reply(msg, None)
+            elif kind is Kind.RREF_FORK_REQUEST:
+                self.rrefs.on_fork_request(*obj)
+                self._reply(msg, None)
+            elif kind is Kind.RREF_CHILD_ACCEPT:
+                self.rrefs.on_child_accept(obj)
+                self._reply(msg, None)
+            else:
+                self._reply_error(msg, RPCError(f"{self.info} cannot serve a {kind.name} request"))
+        except BaseException as exc:
+            self._reply_error(msg, exc)
+
+    def _run(self, msg: Message, func: Any, args: Any, kwargs: Any, on_value: OwnerState | None) -> None:
+        is_async = getattr(func, "_wrapped_async_rpc_function", None) is not None
+        try:
+            result = func(*args, **kwargs)
+        except Exception as exc:
+            if _is_builtin(func) and not isinstance(exc, RuntimeError):
+                exc = RuntimeError(f"{type(exc).__name__}: {exc}").with_traceback(exc.__traceback__)
+            self._finish_run(msg, None, exc, on_value)
+            return
+        if not is_async:
+            self._finish_run(msg, result, None, on_value)
+            return
+        if not (isinstance(result, Future) or isinstance(result, torch.futures.Future)):
+            err = RuntimeError(
+                "Functions decorated with @rpc.async_function must return a torch.futures.Future "
+                f"object, but got {type(result)}"
+            )
+            self._finish_run(msg, None, err, on_value)
+            return
+
+        def done(f: Any) -> None:
+            try:
+                value = f.wait()
+            except BaseException as exc:
+                self._finish_run(msg, None, exc, on_value)
+            else:
+                self._finish_run(msg, value, None, on_value)
+
+        result.add_done_callback(done)
+
+    def _finish_run(self, msg: Message, value: Any, exc: BaseException | None, owner: OwnerState | None) -> None:
+        if owner is not None:  # remote(): keep the value (or error) on the owner, reply with an ack
+            if not owner.value.done():
+                if exc is None:
+                    owner.value.set_result(value)
+                else:
+                    owner.value.set_exception(exc)
+            self._reply(msg, None)
+        elif exc is None:
+            self._reply(msg, value)
+        else:
+            self._reply_error(msg, exc)
+
+    def _reply_from(self, msg: Message, f: Future[Any], transform: Callable[[Any], Any] | None = None) -> None:
+        try:
+            value = f.wait()
+        except BaseException as exc:
+            self._reply_error(msg, exc)
+            return
+        self._reply(msg, value if transform is None else transform(value))
+
+    def _reply(self, msg: Message, value: Any) -> None:
+        try:
+            payload, tensors = _serialize.dumps(value, lambda rref: self.rrefs.fork(rref, msg.src))
+        except BaseException as exc:
+            self._reply_error(msg, SerializationError(
+                f"the result of a {msg.kind.name} request on {self.info} cannot be sent back: {exc}"
+            ))
+            return
+        self._send_reply(Message(Kind.RESPONSE, msg.id, self.info.id, msg.src, payload, tensors))
+
+    def _reply_error(self, msg: Message, exc: BaseException) -> None:
+        text = "".join(traceback.format_exception(exc))
+        remote = _RemoteException(type(exc), f"On {self.info}:\n{exc!r}\n{text}")
+        try:
+            payload, tensors = _serialize.dumps(remote)
+        except BaseException:  # the type itself cannot travel (e.g. a local class)
+            payload, tensors = _serialize.dumps(_RemoteException(RemoteError, remote.message))
+        self._send_reply(Message(Kind.EXCEPTION, msg.id, self.info.id, msg.src, payload, tensors))
+
+    def _send_reply(self, reply: Message) -> None:
+        with self._lock:
+            self._served_requests += 1
+        self.world.send(reply)
+
+    # -- collectives for shutdown ---------------------------------------------------------------
+    def all_gather(self, tag: Any, value: Any, timeout: float) -> list[Any]:
+        """Gather one value per worker through the leader (lexicographically smallest name)."""
+        n = len(self.workers)
+        me = self.info.id
+        if me == self.leader.id:
+            with self._lock:
+                got = self._gathered.setdefault(tag, {})
+                got[me] = value
+                done = self._gather_done.setdefault(tag, Future())
+                complete = len(got) == n
+            if complete and not done.done():
+                done.set_result(None)
+            self._wait_bounded(done, timeout, lambda: self._gather_timeout_msg(tag, timeout))
+            with self._lock:
+                got = self._gathered.pop(tag)
+                self._gather_done.pop(tag, None)
+            result = [got[w.id] for w in self.workers]
+            payload, _ = _serialize.dumps((tag, result))
+            for w in self.workers:
+                if w.id != me:
+                    self.world.send(Message(Kind.SCATTER, 0, me, w.id, payload))
+            return result
+        with self._lock:
+            fut = self._scattered.setdefault(tag, Future())
+        payload, _ = _serialize.dumps((tag, value))
+        self.world.send(Message(Kind.GATHER, 0, me, self.leader.id, payload))
+        result = self._wait_bounded(
+            fut, timeout, lambda: f"{self.info} timed out after {timeout} s waiting for the shutdown leader "
+            f"{self.leader} in _all_gather"
+        )
+        with self._lock:
+            self._scattered.pop(tag, None)
+        return result  # type: ignore[no-any-return]
+
+    def _gather_timeout_msg(self, tag: Any, timeout: float) -> str:
+        with self._lock:
+            got = self._gathered.get(tag, {})
+        missing = [w.name for w in self.workers if w.id not in got]
+        return f"Followers {missing} timed out in _all_gather after {timeout:.2f} seconds"
+
+    def _on_gather(self, msg: Message) -> None:
+        (tag, value), _ = _serialize.loads(msg.payload, msg.tensors, msg.src)
+        with self._lock:
+            got = self._gathered.setdefault(tag, {})
+            got[msg.src] = value
+            done = self._gather_done.setdefault(tag, Future())
+            complete = len(got) == len(self.workers)
+        if complete and not done.done():
+            done.set_result(None)
+
+    def _on_scatter(self, msg: Message) -> None:
+        (tag, result), _ = _serialize.loads(msg.payload, msg.tensors, msg.src)
+        with self._lock:
+            fut = self._scattered.setdefault(tag, Future())
+        if not fut.done():
+            fut.set_result(result)
+
+    def _wait_bounded(self, fut: Future[Any], timeout: float, message: Callable[[], str]) -> Any:
+        if timeout > 0 and not fut.done():
+            timer = self.world.call_later(
+                timeout, lambda: fut.done() or fut.set_exception(RPCTimeoutError(message()))
+            )
+            try:
+                return fut.wait()
+            finally:
+                timer.cancel()
+        return fut.wait()
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def wait_idle(self) -> None:
+        """Block until this worker has no outstanding client call."""
+        with self._lock:
+            if self._active_calls == 0:
+                return
+            if self._idle is None:
+                self._idle = Future()
+            idle = self._idle
+        idle.wait()
+
+    def join(self, timeout: float) -> None:
+        """Wait until no request is in flight anywhere (SHUT-1 step 3).
+
+        Four-counter termination detection: each round every worker first drains its own calls, then
+        all-gathers (requests sent, requests served); the world is quiet when the totals are equal
+        and unchanged across two consecutive rounds.
+        """
+        previous = None
+        for round_no in itertools.count():
+            self.wait_idle()
+            with self._lock:
+                counts = (self._sent_requests, self._served_requests)
+            gathered = self.all_gather(("join", round_no), counts, timeout)
+            totals = (sum(c[0] for c in gathered), sum(c[1] for c in gathered))
+            if totals[0] == totals[1] and totals == previous:
+                return
+            previous = totals
+
+    def shutdown(self, graceful: bool, timeout: float) -> None:
+        try:
+            if graceful:
+                self.all_gather(("shutdown",), None, timeout)
+                self.join(timeout)
+                self.rrefs.delete_all_users()
+                drain_bound = timeout if timeout > 0 else _OWNER_DRAIN_TIMEOUT
+                try:
+                    self._wait_bounded(
+                        self.rrefs.wait_owners_drained(),
+                        drain_bound,
+                        lambda: f"{self.info} timed out after {drain_bound} s waiting for its owner RRefs "
+                        "to be released",
+                    )
+                except RPCTimeoutError as exc:  # as in PyTorch, only logged; the leak check reports it
+                    _log.warning("twinrpc: %s", exc)
+                self.join(timeout)
+        finally:
+            self.finalize()
+
+    def finalize(self) -> None:
+        """Local teardown: stop the world, fail whatever is still pending."""
+        if not self.running:
+            return
+        self.running = False
+        self.rrefs.closed = True
+        leaks = self.rrefs.leaks()
+        if leaks:
+            _log.warning("twinrpc: Detected RRef Leaks during shutdown on %s: %s", self.info, leaks)
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for p in pending.values():
+            if p.timer is not None:
+                p.timer.cancel()
+            p.fut.set_exception(ShutdownError(
+                f"RPC agent of {self.info} shut down while a {p.kind.name} to {self._by_id[p.dst]} was pending"
+            ))
+        self.world.stop()
+
+    def statistics(self) -> dict[str, Any]:
+        with self._lock:
+            stats = {
+                "name": self.info.name,
+                "rank": self.info.id,
+                "pending_calls": len(self._pending),
+                "active_calls": self._active_calls,
+                "sent_requests": self._sent_requests,
+                "served_requests": self._served_requests,
+            }
+        stats.update(self.rrefs.statistics())
+        return stats
+
+
+def peer_unavailable(agent_info: WorkerInfo, peer: WorkerInfo, why: str) -> WorkerUnavailableError:
+    return WorkerUnavailableError(f"{agent_info} cannot reach {peer}: {why}")

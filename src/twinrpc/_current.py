@@ -1,0 +1,67 @@
+"""Which worker is "this" worker.
+
+A real process is one worker. In the simulator many workers share a process, so each simulated task
+carries its worker's slot in a context variable; the public API looks the agent up here and so works
+unchanged in both worlds.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._errors import NotInitializedError, RPCError
+
+if TYPE_CHECKING:
+    from ._agent import RpcAgent
+
+
+Connector = Callable[..., Any]
+
+
+@dataclass(eq=False)
+class WorkerSlot:
+    """Holds a worker's agent between init_rpc and shutdown, and how init_rpc joins its world."""
+
+    connect: Connector
+    agent: RpcAgent | None = None
+    #: how many times this worker has called init_rpc (a simulated worker's k-th init joins round k)
+    generation: int = 0
+
+
+def _connect_real_world(*args: Any, **kwargs: Any) -> Any:
+    try:
+        from .impl import connect  # type: ignore[attr-defined]
+    except ImportError:
+        connect = None
+    if connect is None:
+        raise RPCError(
+            "twinrpc's multiprocess gloo world is not available in this version; run the program "
+            "inside twinrpc.simulator.Simulation (or `python -m twinrpc.simulator`) to use the simulator"
+        )
+    return connect(*args, **kwargs)
+
+
+PROCESS_SLOT = WorkerSlot(connect=_connect_real_world)
+CURRENT_SLOT: contextvars.ContextVar[WorkerSlot | None] = contextvars.ContextVar("twinrpc_slot", default=None)
+
+
+def current_slot() -> WorkerSlot:
+    slot = CURRENT_SLOT.get()
+    return PROCESS_SLOT if slot is None else slot
+
+
+def current_agent() -> RpcAgent:
+    """This worker's running agent, or ``RuntimeError("RPC has not been initialized...")``."""
+    slot = CURRENT_SLOT.get()
+    agent = (PROCESS_SLOT if slot is None else slot).agent
+    if agent is None:
+        raise NotInitializedError()
+    return agent
+
+
+def maybe_current_agent() -> RpcAgent | None:
+    slot = CURRENT_SLOT.get()
+    return (PROCESS_SLOT if slot is None else slot).agent

@@ -1,0 +1,211 @@
+"""Futures that block correctly in both worlds.
+
+``Future`` has the methods of ``torch.futures.Future``. How a waiting caller blocks is the world's
+business: a simulated task parks its greenlet and hands control to the scheduler, a real thread waits on
+an event. The world installs its blocker in a context variable, so the same ``wait()`` works in both.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+T = TypeVar("T")
+S = TypeVar("S")
+
+_log = logging.getLogger("twinrpc")
+_PENDING = object()
+
+
+class Blocker(Protocol):
+    """How the current task waits for a future to complete."""
+
+    def wait_done(self, fut: Future[Any]) -> None: ...
+
+
+class _ThreadBlocker:
+    """The real world: block this OS thread on an event set by the completing thread."""
+
+    def wait_done(self, fut: Future[Any]) -> None:
+        event = threading.Event()
+        if fut._add_callback_if_pending(lambda _f: event.set()):
+            event.wait()
+
+
+THREAD_BLOCKER: Blocker = _ThreadBlocker()
+CURRENT_BLOCKER: contextvars.ContextVar[Blocker | None] = contextvars.ContextVar(
+    "twinrpc_blocker", default=None
+)
+
+
+def current_blocker() -> Blocker:
+    blocker = CURRENT_BLOCKER.get()
+    return THREAD_BLOCKER if blocker is None else blocker
+
+
+class Future(Generic[T]):
+    """The result of an asynchronous operation, as ``torch.futures.Future``.
+
+    Thread-safe. Callbacks run in registration order on whichever task completes the future (in
+    twinrpc, an RPC worker task), after the result is set; they may block.
+    """
+
+    __slots__ = ("__weakref__", "_callbacks", "_exception", "_lock", "_result")
+
+    def __init__(self, *, devices: list[Any] | None = None) -> None:
+        self._lock = threading.Lock()
+        self._result: Any = _PENDING
+        self._exception: BaseException | None = None
+        self._callbacks: list[Callable[[Future[T]], None]] = []
+
+    # -- state -------------------------------------------------------------------------------
+    def done(self) -> bool:
+        """Whether a result or an exception has been set. Never blocks."""
+        return self._result is not _PENDING or self._exception is not None
+
+    def wait(self) -> T:
+        """Block until complete; return the result or raise the exception (again on every call)."""
+        if not self.done():
+            current_blocker().wait_done(self)
+        if self._exception is not None:
+            raise self._exception
+        return self._result  # type: ignore[no-any-return]
+
+    def value(self) -> T:
+        """The result of a completed future (raises its exception); an error if not yet complete."""
+        if not self.done():
+            raise RuntimeError("Future.value() called before the future completed; call wait() instead")
+        if self._exception is not None:
+            raise self._exception
+        return self._result  # type: ignore[no-any-return]
+
+    # -- completion --------------------------------------------------------------------------
+    def set_result(self, result: T) -> None:
+        """Complete with ``result`` and run the callbacks. A future completes only once."""
+        self._complete(result, None)
+
+    def set_exception(self, result: BaseException) -> None:
+        """Complete with an error: ``wait()`` and ``value()`` raise it."""
+        if not isinstance(result, BaseException):
+            raise TypeError(f"set_exception needs an exception instance, got {type(result).__name__}")
+        self._complete(_PENDING, result)
+
+    def _complete(self, result: Any, exc: BaseException | None) -> None:
+        with self._lock:
+            if self.done():
+                raise RuntimeError("Future can only be marked completed once.")
+            if exc is not None:
+                self._exception = exc
+            else:
+                self._result = result
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            self._run_callback(cb)
+
+    def _run_callback(self, cb: Callable[[Future[T]], None]) -> None:
+        try:
+            cb(self)
+        except Exception:
+            _log.exception("twinrpc: a Future callback raised; the error is ignored")
+
+    # -- chaining ----------------------------------------------------------------------------
+    def add_done_callback(self, callback: Callable[[Future[T]], None]) -> None:
+        """Run ``callback(self)`` when complete (now, if already complete). Its errors are logged."""
+        if self._add_callback_if_pending(callback):
+            return
+        self._run_callback(callback)
+
+    def then(self, callback: Callable[[Future[T]], S]) -> Future[S]:
+        """A new future completed with ``callback(self)``'s result, or with the error it raised."""
+        out: Future[S] = Future()
+
+        def chain(fut: Future[T]) -> None:
+            try:
+                value = callback(fut)
+            except BaseException as exc:
+                out.set_exception(exc)
+            else:
+                out.set_result(value)
+
+        self.add_done_callback(chain)
+        return out
+
+    def _add_callback_if_pending(self, callback: Callable[[Future[T]], None]) -> bool:
+        with self._lock:
+            if self.done():
+                return False
+            self._callbacks.append(callback)
+            return True
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("error" if self._exception else "done")
+        return f"<twinrpc Future {state}>"
+
+
+AnyFuture = Any  # a twinrpc Future or a torch.futures.Future
+
+
+def on_done(fut: AnyFuture, callback: Callable[[], None]) -> None:
+    """Run ``callback()`` when ``fut`` (ours or torch's) completes."""
+    fut.add_done_callback(lambda _f: callback())
+
+
+def collect_all(futures: Sequence[AnyFuture]) -> Future[list[AnyFuture]]:
+    """A future completed with the list of ``futures`` once every one of them has completed."""
+    out: Future[list[AnyFuture]] = Future()
+    futures = list(futures)
+    remaining = [len(futures)]
+    lock = threading.Lock()
+    if not futures:
+        out.set_result([])
+        return out
+
+    def one_done() -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            out.set_result(futures)
+
+    for f in futures:
+        on_done(f, one_done)
+    return out
+
+
+def wait_all(futures: Sequence[AnyFuture]) -> list[Any]:
+    """Wait for every future and return their results; raise the first error as soon as it is seen."""
+    futures = list(futures)
+    first: Future[None] = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+    if not futures:
+        return []
+
+    fired = [False]
+
+    def one_done(f: AnyFuture) -> None:
+        failed = _failed(f)
+        with lock:
+            remaining[0] -= 1
+            fire = not fired[0] and (failed or remaining[0] == 0)
+            fired[0] = fired[0] or fire
+        if fire:
+            first.set_result(None)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    first.wait()
+    return [f.wait() for f in futures]
+
+
+def _failed(f: AnyFuture) -> bool:
+    if isinstance(f, Future):
+        return f._exception is not None
+    try:
+        f.value()
+    except BaseException:
+        return True
+    return False

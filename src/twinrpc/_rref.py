@@ -1,0 +1,234 @@
+"""RRef: the public remote reference, and the owner/user state behind it.
+
+One ``RRef`` class (generic, so ``RRef[torch.Tensor]`` works) wraps either an :class:`OwnerState`
+(this worker holds the value) or a :class:`UserState` (a fork held elsewhere). The protocol that keeps
+owners and users consistent lives in :mod:`twinrpc._rref_context`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from ._current import current_agent, maybe_current_agent
+from ._errors import RPCError
+from ._future import Future
+
+if TYPE_CHECKING:
+    from ._agent import RpcAgent
+    from ._worker_info import WorkerInfo
+
+T = TypeVar("T")
+
+RREF_TIMEOUT_MSG = (
+    "RRef creation via rpc.remote() timed out, and it is possible that the RRef on the owner node "
+    "does not exist."
+)
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class GloballyUniqueId:
+    """An RRef or fork id: the creating worker's rank and a per-worker counter."""
+
+    created_on: int
+    local_id: int
+
+    def __repr__(self) -> str:
+        return f"GloballyUniqueId(created_on={self.created_on}, local_id={self.local_id})"
+
+
+@dataclass(frozen=True, slots=True)
+class ForkData:
+    """What travels when an RRef is pickled inside an RPC (RREF-F1)."""
+
+    owner: int
+    rref_id: GloballyUniqueId
+    fork_id: GloballyUniqueId
+    parent: int
+
+
+class OwnerState:
+    """The single owner of a value. ``value`` completes when the creating function finishes."""
+
+    __slots__ = ("__weakref__", "rref_id", "value")
+
+    def __init__(self, rref_id: GloballyUniqueId) -> None:
+        self.rref_id = rref_id
+        self.value: Future[Any] = Future()
+
+    is_owner = True
+
+
+class UserState:
+    """A fork of a remote value. Dying sends RREF_USER_DELETE to the owner exactly once (G1)."""
+
+    __slots__ = (
+        "__weakref__",
+        "agent",
+        "confirmed",
+        "created",
+        "creation_error",
+        "deleted",
+        "fork_id",
+        "owner",
+        "reported_confirmed",
+        "rref_id",
+        "timed_out",
+        "type_future",
+    )
+
+    def __init__(
+        self, agent: RpcAgent, owner: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId
+    ) -> None:
+        self.agent = agent
+        self.owner = owner
+        self.rref_id = rref_id
+        self.fork_id = fork_id
+        #: completes when the owner knows this fork (remote() ack or fork-request ack)
+        self.confirmed: Future[None] = Future()
+        #: what confirmed_by_owner() reports; False for a fork received straight from the owner (RREF-6)
+        self.reported_confirmed = False
+        #: the remote() creation future (its _get_future()), or None for a fork
+        self.created: Future[None] | None = None
+        self.creation_error: BaseException | None = None
+        self.timed_out = False
+        self.deleted = False
+        self.type_future: Future[type] | None = None
+
+    is_owner = False
+
+    def __del__(self) -> None:
+        if not self.deleted:
+            self.agent.rrefs.user_died(self)
+
+
+class RRef(Generic[T]):
+    """A reference to a value owned by some worker, as ``torch.distributed.rpc.RRef``.
+
+    ``RRef(value)`` makes this worker the owner of ``value``. Every other RRef comes from
+    ``rpc.remote`` or arrives inside an RPC (a fork). The owner keeps the value alive while any fork
+    anywhere is alive.
+    """
+
+    __slots__ = ("__weakref__", "_agent", "_state")
+
+    def __init__(self, value: T, type_hint: Any = None) -> None:
+        agent = maybe_current_agent()
+        if agent is None:
+            raise RPCError(
+                "Current RPC agent is not set! Did you initialize the RPC framework "
+                "(e.g. calling rpc.init_rpc)?"
+            )
+        self._agent = agent
+        self._state: OwnerState | UserState = agent.rrefs.new_local_owner(value)
+
+    @classmethod
+    def _wrap(cls, agent: RpcAgent, state: OwnerState | UserState) -> RRef[Any]:
+        obj = cls.__new__(cls)
+        obj._agent = agent
+        obj._state = state
+        return obj
+
+    # -- identity ---------------------------------------------------------------------------
+    def is_owner(self) -> bool:
+        """Whether this worker owns the value."""
+        return self._state.is_owner
+
+    def owner(self) -> WorkerInfo:
+        """The owner's WorkerInfo."""
+        return self._agent.worker_by_id(self._owner_rank())
+
+    def owner_name(self) -> str:
+        """The owner's worker name."""
+        return self.owner().name
+
+    def _owner_rank(self) -> int:
+        state = self._state
+        return self._agent.info.id if isinstance(state, OwnerState) else state.owner
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner knows this reference. Always True on the owner.
+
+        As in PyTorch, a fork received directly from the owner reports False: the owner registered
+        it when sending, so it is safe, but no confirmation message ever arrives.
+        """
+        state = self._state
+        if isinstance(state, OwnerState):
+            return True
+        return state.reported_confirmed
+
+    # -- values -----------------------------------------------------------------------------
+    def local_value(self) -> T:
+        """The value, on the owner only (no copy). Blocks until the creating function finished."""
+        state = self._state
+        if isinstance(state, UserState):
+            raise RuntimeError(
+                f"For UserRRef(rref_id={state.rref_id}, fork_id={state.fork_id}), can't call "
+                f"localValue() on user {self._agent.info}. Call it on owner "
+                f"{self._agent.worker_by_id(state.owner)}"
+            )
+        return state.value.wait()  # type: ignore[no-any-return]
+
+    def to_here(self, timeout: float = -1.0) -> T:
+        """The value: on the owner the object itself, on a user a copy fetched from the owner.
+
+        Blocks. ``timeout`` (seconds; -1 = the default RPC timeout, 0 = never) bounds this fetch only.
+        """
+        return self._agent.rrefs.to_here(self, timeout)  # type: ignore[no-any-return]
+
+    # -- proxies ----------------------------------------------------------------------------
+    def rpc_sync(self, timeout: float = -1.0) -> Any:
+        """A proxy: ``rref.rpc_sync().m(*a)`` runs ``rref.local_value().m(*a)`` on the owner, waits."""
+        from ._rref_proxy import RRefProxy
+
+        return RRefProxy(self, "rpc_sync", timeout)
+
+    def rpc_async(self, timeout: float = -1.0) -> Any:
+        """A proxy whose method calls return a Future of the owner-side call's result."""
+        from ._rref_proxy import RRefProxy
+
+        return RRefProxy(self, "rpc_async", timeout)
+
+    def remote(self, timeout: float = -1.0) -> Any:
+        """A proxy whose method calls return an RRef to the owner-side call's result."""
+        from ._rref_proxy import RRefProxy
+
+        return RRefProxy(self, "remote", timeout)
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run backward from the tensor this RRef holds (RREF-10)."""
+        self._agent.rrefs.backward(self, dist_autograd_ctx_id, retain_graph)
+
+    # -- internals PyTorch also exposes -----------------------------------------------------
+    def _get_future(self) -> Future[None]:
+        """The creation future of ``rpc.remote``; complete at once for other RRefs."""
+        state = self._state
+        if isinstance(state, UserState) and state.created is not None:
+            return state.created
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
+        """The type of the value: local on the owner, one cached RPC on a user."""
+        fut = self._agent.rrefs.get_type(self, timeout)
+        return fut.wait() if blocking else fut
+
+    def __reduce__(self) -> Any:
+        raise RuntimeError(
+            "Can not pickle rref in python pickler, rref can only be pickled when using RPC"
+        )
+
+    def __repr__(self) -> str:
+        state = self._state
+        if isinstance(state, OwnerState):
+            return f"OwnerRRef({state.rref_id!r})"
+        return f"UserRRef(RRefId = {state.rref_id!r}, ForkId = {state.fork_id!r})"
+
+    __str__ = __repr__
+
+
+def rref_for_current_agent(value: Any) -> RRef[Any]:
+    """``RRef(value)`` on the calling worker (used by the optimizer and proxies)."""
+    current_agent()
+    return RRef(value)

@@ -1,0 +1,77 @@
+"""RRef proxies: ``rref.rpc_sync().method(*args)`` runs the method on the owner (RPC-15)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._future import Future
+
+if TYPE_CHECKING:
+    from ._rref import RRef
+
+
+def _local_invoke(rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+def _local_invoke_async(
+    rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+_local_invoke_async._wrapped_async_rpc_function = _local_invoke_async  # type: ignore[attr-defined]
+
+
+class RRefProxy:
+    """Turns attribute access into an RPC to the RRef's owner, in one of three modes."""
+
+    def __init__(self, rref: RRef[Any], mode: str, timeout: float) -> None:
+        self._rref = rref
+        self._mode = mode
+        self._timeout = timeout
+
+    def __getattr__(self, name: str) -> Any:
+        return _ProxyMethod(self._rref, self._mode, self._timeout, name)
+
+
+class _ProxyMethod:
+    def __init__(self, rref: RRef[Any], mode: str, timeout: float, name: str) -> None:
+        self._rref, self._mode, self._timeout, self._name = rref, mode, timeout, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from .rpc import api
+
+        rref, name, timeout = self._rref, self._name, self._timeout
+        call = getattr(api, self._mode)
+
+        def invoke(rref_type: type) -> Any:
+            attr = getattr(rref_type, name)  # AttributeError("type object 'X' has no attribute 'y'")
+            fn = _local_invoke_async if hasattr(attr, "_wrapped_async_rpc_function") else _local_invoke
+            return call(rref.owner(), fn, args=(rref, name, args, kwargs), timeout=timeout)
+
+        if self._mode != "rpc_async":
+            return invoke(rref._get_type(timeout=timeout))
+        # rpc_async: don't block on the type lookup; chain it.
+        out: Future[Any] = Future()
+        type_fut = rref._get_type(timeout=timeout, blocking=False)
+
+        def on_type(f: Future[type]) -> None:
+            try:
+                inner = invoke(f.wait())
+            except BaseException as exc:
+                out.set_exception(exc)
+                return
+            inner.add_done_callback(lambda g: _forward(g, out))
+
+        type_fut.add_done_callback(on_type)
+        return out
+
+
+def _forward(src: Any, dst: Future[Any]) -> None:
+    try:
+        value = src.wait()
+    except BaseException as exc:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(value)

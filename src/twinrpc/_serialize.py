@@ -1,0 +1,167 @@
+"""Pickling for RPC, shared by both worlds (DESIGN.md §2).
+
+Tensors leave the byte stream: each distinct storage in a message becomes one flat ``uint8`` tensor in
+the message's tensor list, and each tensor becomes a small record (storage index, dtype, size, stride,
+storage offset, requires_grad), so views, strides and storage sharing within one message survive as in
+PyTorch (RPC-9). RRefs go through the fork protocol (RREF-F1) via a hook the agent installs. Functions
+and classes travel by reference, as with PyTorch's pickler.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import io
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._errors import SerializationError
+from ._future import Future
+from ._rref import RRef
+
+# A view whose storage is at least this big and at least twice the view's bytes is cloned compact
+# before sending, as PyTorch's cloneSparseTensors does (RPC-9).
+_COMPACT_MIN_STORAGE_BYTES = 8192
+
+
+@dataclass(slots=True)
+class LoadState:
+    """What unpickling one message needs: its storages, and the RRef hook with the message's source."""
+
+    storages: list[torch.Tensor]
+    src: int
+    rebuild_rref: Callable[[Any, int, LoadState], Any] | None
+    unconfirmed_rrefs: list[Any] = field(default_factory=list)
+
+
+_FUTURE_TYPES = (torch.futures.Future, Future)
+
+_LOAD_STATE: contextvars.ContextVar[LoadState | None] = contextvars.ContextVar("twinrpc_load", default=None)
+
+
+def _rebuild_tensor(
+    index: int,
+    dtype: torch.dtype,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    offset: int,
+    requires_grad: bool,
+) -> torch.Tensor:
+    state = _LOAD_STATE.get()
+    if state is None:
+        raise SerializationError("a twinrpc tensor record was unpickled outside an RPC message")
+    storage = state.storages[index].untyped_storage()
+    t = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _rebuild_rref(fork_data: Any) -> Any:
+    state = _LOAD_STATE.get()
+    if state is None or state.rebuild_rref is None:
+        raise SerializationError("an RRef was unpickled outside an RPC message")
+    return state.rebuild_rref(fork_data, state.src, state)
+
+
+class _RpcPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, fork_rref: Callable[[Any], Any] | None) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.storages: list[torch.Tensor] = []
+        self._storage_index: dict[tuple[int, int], int] = {}
+        self._fork_rref = fork_rref
+        # Keep every tensor we cloned alive until the message is built, so no storage address is reused.
+        self._keepalive: list[torch.Tensor] = []
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._reduce_tensor(obj)
+        if isinstance(obj, _FUTURE_TYPES):
+            raise SerializationError(
+                "Can not pickle torch.futures.Future: a Future cannot be an RPC argument or result; "
+                "wait for it first and send its value"
+            )
+        if isinstance(obj, RRef):
+            if self._fork_rref is None:
+                raise SerializationError("an RRef can only be sent inside an RPC to a known worker")
+            return (_rebuild_rref, (self._fork_rref(obj),))
+        return NotImplemented
+
+    def _reduce_tensor(self, t: torch.Tensor) -> Any:
+        if t.layout != torch.strided or type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return NotImplemented  # sparse and subclasses: torch's own reduce, whose parts come back here
+        if t.device.type != "cpu":
+            raise SerializationError(
+                f"twinrpc only supports CPU tensors; got a tensor on {t.device} "
+                f"(shape {tuple(t.shape)}, {t.dtype}). Move it to the CPU with .cpu() before the RPC"
+            )
+        requires_grad = t.requires_grad
+        t = t.detach()
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes >= _COMPACT_MIN_STORAGE_BYTES and nbytes >= 2 * t.numel() * t.element_size():
+            t = t.clone()
+            self._keepalive.append(t)
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+        key = (storage.data_ptr(), nbytes)
+        index = self._storage_index.get(key) if nbytes else None
+        if index is None:
+            index = len(self.storages)
+            self.storages.append(torch.empty(0, dtype=torch.uint8).set_(storage))
+            if nbytes:
+                self._storage_index[key] = index
+        return (
+            _rebuild_tensor,
+            (index, t.dtype, tuple(t.size()), t.stride(), t.storage_offset(), requires_grad),
+        )
+
+
+def dumps(obj: Any, fork_rref: Callable[[Any], Any] | None = None) -> tuple[bytes, list[torch.Tensor]]:
+    """Pickle ``obj`` for an RPC: returns the payload bytes and the out-of-band storages.
+
+    Raises:
+        SerializationError: ``obj`` cannot travel (unpicklable, a lambda, a CUDA tensor, a Future).
+    """
+    buf = io.BytesIO()
+    pickler = _RpcPickler(buf, fork_rref)
+    try:
+        pickler.dump(obj)
+    except SerializationError:
+        raise
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise SerializationError(f"{exc}{_hint(exc)}") from exc
+    return buf.getvalue(), pickler.storages
+
+
+def _hint(exc: BaseException) -> str:
+    text = str(exc)
+    if "<lambda>" in text or "local object" in text or "attribute lookup" in text:
+        return (
+            ". RPC sends functions and classes by reference (module and name), so they must be "
+            "importable module-level objects on the callee; lambdas and local functions cannot be sent"
+        )
+    return ". Every RPC argument and result must be picklable"
+
+
+def loads(
+    payload: bytes,
+    storages: list[torch.Tensor],
+    src: int = -1,
+    rebuild_rref: Callable[[Any, int, LoadState], Any] | None = None,
+) -> tuple[Any, LoadState]:
+    """Unpickle a payload made by :func:`dumps`; returns the object and the load state."""
+    state = LoadState(storages, src, rebuild_rref)
+    token = _LOAD_STATE.set(state)
+    try:
+        return pickle.loads(payload), state
+    finally:
+        _LOAD_STATE.reset(token)
+
+
+def copy_storages(storages: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The simulator's wire: the receiver gets its own copy of every storage."""
+    return [s.clone() for s in storages]

@@ -1,0 +1,49 @@
+"""WorkerInfo: the identity of one worker (name and rank), a frozen value object."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9\-_:]*$")
+MAX_NAME_LEN = 128
+
+
+def check_worker_name(name: object) -> str:
+    """Validate a worker name with PyTorch's rules (LIFE-1) and return it."""
+    if not isinstance(name, str):
+        raise TypeError(f"Worker name must be a str, but got {type(name).__name__}: {name!r}")
+    if not _NAME_RE.match(name):
+        raise RuntimeError(
+            f"Worker name must match ^[A-Za-z0-9-_:]*$, but got {name!r}; use only letters, digits, "
+            "'-', '_' and ':'"
+        )
+    if name == "":
+        raise RuntimeError("Worker name must be non-empty, but got ''")
+    if len(name) >= MAX_NAME_LEN:
+        raise RuntimeError(
+            f"Worker name must be shorter than {MAX_NAME_LEN} chars, but got {name!r} ({len(name)} chars)"
+        )
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A worker's name and id (its rank). Compares and hashes by value; picklable.
+
+    Matches ``torch.distributed.rpc.WorkerInfo``: ``WorkerInfo(name, id)`` with fields ``name``
+    and ``id`` and the repr ``WorkerInfo(id=1, name=w1)``.
+    """
+
+    name: str
+    id: int
+
+    def __post_init__(self) -> None:
+        check_worker_name(self.name)
+        if not isinstance(self.id, int) or not 0 <= self.id < 2**15:
+            raise ValueError(f"WorkerInfo id must be an int in [0, 32767], but got {self.id!r}")
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+    __str__ = __repr__

@@ -1,0 +1,48 @@
+"""The seam between the protocol core and a world (DESIGN.md §1).
+
+The protocol core (the agent, RRefs, dist-autograd) never touches threads, sockets or the clock: it
+asks its ``World`` to send messages, run tasks and set timers. The simulator and the gloo world are two
+implementations of this small interface, so the simulator runs the very code that runs multiprocess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from ._agent import RpcAgent
+    from ._message import Message
+
+
+class Timer(Protocol):
+    def cancel(self) -> None:
+        """Stop the timer; a no-op once it fired."""
+
+
+class World(Protocol):
+    """One worker's view of its world. Every method is non-blocking and thread-safe."""
+
+    #: "simulated" or "wall-clock": how error messages describe durations.
+    clock_name: str
+
+    def now(self) -> float:
+        """Seconds on this world's clock (virtual in the simulator)."""
+
+    def send(self, msg: Message) -> None:
+        """Hand ``msg`` to the network. Failures surface through ``agent.on_send_failed``."""
+
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on a new task of this worker (protocol-internal work, unbounded)."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the worker's request pool (``num_worker_threads`` tasks at most)."""
+
+    def call_later(self, delay: float, fn: Callable[[], Any]) -> Timer:
+        """Run ``fn()`` on a task of this worker after ``delay`` seconds of this world's clock."""
+
+    def start(self, agent: RpcAgent) -> None:
+        """Begin delivering incoming messages to ``agent.on_message`` (each on a task)."""
+
+    def stop(self) -> None:
+        """Stop delivering; release the world's resources for this worker."""

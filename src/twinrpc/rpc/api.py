@@ -1,0 +1,184 @@
+"""The RPC API, with ``torch.distributed.rpc``'s names, signatures and defaults.
+
+Every function finds this worker's agent through :mod:`twinrpc._current`, so the same program runs in
+the simulator (many workers in one process) and in the real world (one worker per process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from .._agent import RpcAgent
+from .._current import current_agent, current_slot
+from .._errors import RPCError
+from .._future import Future
+from .._rref import RRef
+from .._worker_info import WorkerInfo, check_worker_name
+from .options import (
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    UNSET_RPC_TIMEOUT,
+    BackendType,
+    RpcBackendOptions,
+)
+
+T = TypeVar("T")
+
+
+def is_available() -> bool:
+    return True
+
+
+def init_rpc(
+    name: str,
+    backend: BackendType | None = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: RpcBackendOptions | None = None,
+) -> None:
+    """Join the RPC group as worker ``name``; blocks until every worker has joined.
+
+    Inside a :class:`twinrpc.simulator.Simulation` this joins the simulated world; otherwise the real
+    multiprocess world. Raises RuntimeError("RPC is already initialized") when called twice.
+    """
+    if backend is not None and not isinstance(backend, BackendType):
+        raise TypeError("Argument backend must be a member of BackendType")
+    if rpc_backend_options is not None and not isinstance(rpc_backend_options, RpcBackendOptions):
+        raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        raise TypeError(f"Argument rank must be an int, but got {type(rank).__name__}")
+    if world_size is not None and (not isinstance(world_size, int) or isinstance(world_size, bool)):
+        raise TypeError(f"Argument world_size must be an int, but got {type(world_size).__name__}")
+    check_worker_name(name)
+    if isinstance(getattr(rpc_backend_options, "rpc_timeout", None), datetime.timedelta):
+        raise TypeError("rpc_timeout must be a float number of seconds, not a timedelta")
+    options = rpc_backend_options if rpc_backend_options is not None else RpcBackendOptions()
+    slot = current_slot()
+    if slot.agent is not None:
+        raise RuntimeError(f"RPC is already initialized (this worker is {slot.agent.info})")
+    world, info, workers = slot.connect(
+        name=name, rank=rank, world_size=world_size, options=options, generation=slot.generation
+    )
+    slot.generation += 1
+    agent = RpcAgent(world, info, workers, options.rpc_timeout, options.num_worker_threads)
+    slot.agent = agent
+    world.start(agent)
+
+
+def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+    """Leave the RPC group.
+
+    ``graceful=True`` is a barrier: it returns once every worker has called shutdown and no RPC is in
+    flight anywhere (nested calls included), after deleting this worker's user RRefs. ``timeout``
+    (seconds, 0 = unbounded) bounds those waits. ``graceful=False`` tears down locally at once.
+    """
+    agent = current_agent()
+    slot = current_slot()
+    try:
+        agent.shutdown(graceful, float(timeout))
+    finally:
+        if slot.agent is agent:
+            slot.agent = None
+
+
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    """This worker's WorkerInfo, or the named worker's."""
+    agent = current_agent()
+    if worker_name is None:
+        return agent.info
+    return agent.resolve(worker_name)
+
+
+def get_worker_infos() -> list[WorkerInfo]:
+    """Every worker of the group, ordered by id."""
+    return list(current_agent().workers)
+
+
+def get_rpc_timeout() -> float:
+    """The default RPC timeout in seconds."""
+    return current_agent().rpc_timeout
+
+
+def _set_rpc_timeout(rpc_timeout: float) -> None:
+    """Change the default timeout; affects only RPCs issued afterwards."""
+    current_agent().rpc_timeout = float(rpc_timeout)
+
+
+def _check_callable(func: Any) -> None:
+    if not callable(func):
+        raise TypeError("function should be callable.")
+
+
+def rpc_async(
+    to: str | int | WorkerInfo,
+    func: Callable[..., T],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Future[T]:
+    """Run ``func(*args, **kwargs)`` on ``to``; returns a Future of the result at once.
+
+    Arguments are pickled now (an unpicklable one raises here and sends nothing). Thread-safe.
+    ``timeout``: seconds, -1 = the default at call time, 0 = never.
+    """
+    agent = current_agent()
+    _check_callable(func)
+    fut = agent.call(to, func, args, kwargs, timeout)
+    _track(fut)
+    return fut
+
+
+def rpc_sync(
+    to: str | int | WorkerInfo,
+    func: Callable[..., T],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> T:
+    """Run ``func(*args, **kwargs)`` on ``to`` and return its result; blocks. Re-raises the remote
+    exception with its original type, the remote worker and traceback in the message."""
+    agent = current_agent()
+    _check_callable(func)
+    return agent.call(to, func, args, kwargs, timeout).wait()
+
+
+def remote(
+    to: str | int | WorkerInfo,
+    func: Callable[..., T],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> RRef[T]:
+    """Run ``func`` on ``to``, which owns the result; returns an RRef to it at once."""
+    agent = current_agent()
+    _check_callable(func)
+    return agent.remote(to, func, args, kwargs, timeout)
+
+
+# -- _wait_all: wait on every rpc_async issued inside the block (PyTorch's private helper) --------
+_TRACKERS: list[list[Future[Any]]] = []
+
+
+def _track(fut: Future[Any]) -> None:
+    if _TRACKERS:
+        _TRACKERS[-1].append(fut)
+
+
+@contextlib.contextmanager
+def _wait_all() -> Iterator[list[Future[Any]]]:
+    futures: list[Future[Any]] = []
+    _TRACKERS.append(futures)
+    try:
+        yield futures
+    finally:
+        _TRACKERS.pop()
+    from .._future import wait_all
+
+    wait_all(futures)
+
+
+def _get_debug_info() -> dict[str, Any]:
+    """Statistics of this worker's agent and RRef context."""
+    return current_agent().statistics()
