@@ -67,6 +67,7 @@ class Scheduler:
         self.failure: BaseException | None = None
         self.stopped = False
         self.switches = 0
+        self._idle: list[_TaskGreenlet] = []
 
     # -- events -----------------------------------------------------------------------------------
     def schedule(self, delay: float, fn: Callable[[Any], None], arg: Any = None) -> None:
@@ -80,32 +81,43 @@ class Scheduler:
         """Start ``fn(*args)`` as a new task of ``worker``, running in a copy of ``context``."""
         self._task_ids += 1
         task = Task(self._task_ids, worker, name)
-        g = _TaskGreenlet(self._task_main, parent=self.hub)
+        self.tasks[task.id] = task
+        self.schedule(0.0, self._start, (task, context, fn, args))
+        return task
+
+    def _start(self, item: tuple[Task, contextvars.Context, Callable[..., Any], tuple[Any, ...]]) -> None:
+        task, context, fn, args = item
+        # Greenlets are reused: creating one costs more than the switches of a small RPC.
+        g = self._idle.pop() if self._idle else _TaskGreenlet(self._task_loop, parent=self.hub)
         g.gr_context = context.copy()
         g.task = task
         task.g = g
-        self.tasks[task.id] = task
-        self.schedule(0.0, self._start, (task, fn, args))
-        return task
-
-    def _start(self, item: tuple[Task, Callable[..., Any], tuple[Any, ...]]) -> None:
-        task, fn, args = item
         self.switches += 1
-        assert task.g is not None
-        task.g.switch(task, fn, args)
+        g.switch(task, fn, args)
 
-    def _task_main(self, task: Task, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        try:
-            fn(*args)
-        except BaseException as exc:  # a task must not fail silently: stop the simulation with it
-            if self.failure is None:
-                self.failure = SimulationError(
-                    f"simulated task {task.name!r} on worker {task.worker} failed at t={self.now:.6f}: {exc!r}"
-                )
-                self.failure.__cause__ = exc
-        finally:
+    def _task_loop(self, task: Task, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        g = greenlet.getcurrent()
+        hub = self.hub
+        assert hub is not None
+        while True:
+            try:
+                fn(*args)
+            except greenlet.GreenletExit:
+                raise
+            except BaseException as exc:  # a task must not fail silently: stop the simulation with it
+                if self.failure is None:
+                    self.failure = SimulationError(
+                        f"simulated task {task.name!r} on worker {task.worker} failed at t={self.now:.6f}: "
+                        f"{exc!r}"
+                    )
+                    self.failure.__cause__ = exc
             task.done = True
+            task.g = None
             self.tasks.pop(task.id, None)
+            g.task = None
+            task = fn = args = None  # type: ignore[assignment]  # drop references while idle
+            self._idle.append(g)
+            task, fn, args = hub.switch()
 
     def current_task(self) -> Task | None:
         g = greenlet.getcurrent()

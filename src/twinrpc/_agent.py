@@ -25,6 +25,8 @@ from ._errors import (
     SerializationError,
     ShutdownError,
     WorkerUnavailableError,
+    original_type,
+    serialization_error,
 )
 from ._future import Future
 from ._message import REQUEST_KINDS, Kind, Message
@@ -40,6 +42,9 @@ UNSET_RPC_TIMEOUT = -1.0
 _POOL_KINDS = frozenset({Kind.CALL, Kind.REMOTE_CALL})
 #: how long graceful shutdown waits for owners to be released when no timeout is given (PyTorch: 100 s)
 _OWNER_DRAIN_TIMEOUT = 100.0
+#: join rounds back off while requests are still in flight, so a slow handler costs no busy loop
+_JOIN_BACKOFF_MIN = 1e-3
+_JOIN_BACKOFF_MAX = 0.1
 
 
 class _Pending:
@@ -58,6 +63,8 @@ class _RemoteException:
 
     exc_type: type[BaseException]
     message: str
+    #: the error is a SerializationError standing for ``exc_type`` (see _errors.serialization_error)
+    serialization: bool = False
 
 
 def _is_builtin(func: Any) -> bool:
@@ -284,6 +291,8 @@ class RpcAgent:
     def _rebuild_exception(remote: Any) -> BaseException:
         if not isinstance(remote, _RemoteException):
             return RemoteError(f"malformed exception reply: {remote!r}")
+        if remote.serialization:
+            return serialization_error(remote.message, remote.exc_type)
         try:
             return remote.exc_type(remote.message)
         except BaseException as exc:
@@ -391,19 +400,22 @@ class RpcAgent:
         try:
             payload, tensors = _serialize.dumps(value, lambda rref: self.rrefs.fork(rref, msg.src))
         except BaseException as exc:
-            self._reply_error(msg, SerializationError(
-                f"the result of a {msg.kind.name} request on {self.info} cannot be sent back: {exc}"
+            self._reply_error(msg, serialization_error(
+                f"the result of a {msg.kind.name} request on {self.info} cannot be sent back: {exc}",
+                original_type(exc),
             ))
             return
         self._send_reply(Message(Kind.RESPONSE, msg.id, self.info.id, msg.src, payload, tensors))
 
     def _reply_error(self, msg: Message, exc: BaseException) -> None:
         text = "".join(traceback.format_exception(exc))
-        remote = _RemoteException(type(exc), f"On {self.info}:\n{exc!r}\n{text}")
+        remote = _RemoteException(
+            original_type(exc), f"On {self.info}:\n{exc!r}\n{text}", isinstance(exc, SerializationError)
+        )
         try:
             payload, tensors = _serialize.dumps(remote)
         except BaseException:  # the type itself cannot travel (e.g. a local class)
-            payload, tensors = _serialize.dumps(_RemoteException(RemoteError, remote.message))
+            payload, tensors = _serialize.dumps(_RemoteException(RemoteError, remote.message, remote.serialization))
         self._send_reply(Message(Kind.EXCEPTION, msg.id, self.info.id, msg.src, payload, tensors))
 
     def _send_reply(self, reply: Message) -> None:
@@ -499,6 +511,7 @@ class RpcAgent:
         and unchanged across two consecutive rounds.
         """
         previous = None
+        backoff = _JOIN_BACKOFF_MIN
         for round_no in itertools.count():
             self.wait_idle()
             with self._lock:
@@ -507,7 +520,17 @@ class RpcAgent:
             totals = (sum(c[0] for c in gathered), sum(c[1] for c in gathered))
             if totals[0] == totals[1] and totals == previous:
                 return
+            if totals[0] != totals[1] and totals == previous:
+                # Requests are still being served somewhere (a slow handler): don't spin rounds.
+                self.sleep(backoff)
+                backoff = min(backoff * 2, _JOIN_BACKOFF_MAX)
             previous = totals
+
+    def sleep(self, seconds: float) -> None:
+        """Block this task for ``seconds`` of the world's clock."""
+        fut: Future[None] = Future()
+        self.world.call_later(seconds, lambda: fut.set_result(None))
+        fut.wait()
 
     def shutdown(self, graceful: bool, timeout: float) -> None:
         try:

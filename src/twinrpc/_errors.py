@@ -52,3 +52,34 @@ class ShutdownError(RPCError):
 
 class SerializationError(RPCError, pickle.PicklingError):
     """An argument or result cannot travel in an RPC (unpicklable, a lambda, a CUDA tensor, a Future)."""
+
+
+_SERIALIZATION_TYPES: dict[type[BaseException], type[SerializationError]] = {}
+
+
+def serialization_error(message: str, like: type[BaseException] | None = None) -> SerializationError:
+    """A SerializationError that is also an instance of ``like`` (the pickler's own error type).
+
+    PyTorch lets the pickler's error through: ``TypeError`` for a lock, ``PicklingError`` for a
+    lambda. Mixing that type in keeps ``except TypeError:`` working while ``except RPCError:`` and
+    ``except RuntimeError:`` also catch it.
+    """
+    if like is None or issubclass(SerializationError, like) or not issubclass(like, Exception):
+        return SerializationError(message)
+    cls = _SERIALIZATION_TYPES.get(like)
+    if cls is None:
+        try:
+            cls = type(
+                f"SerializationError[{like.__name__}]",
+                (SerializationError, like),
+                {"__module__": __name__, "__qualname__": "SerializationError", "original_type": like},
+            )
+        except TypeError:  # an incompatible instance layout: keep the plain class
+            cls = SerializationError
+        _SERIALIZATION_TYPES[like] = cls
+    return cls(message)
+
+
+def original_type(exc: BaseException) -> type[BaseException]:
+    """The builtin a SerializationError stands for (itself for any other error)."""
+    return getattr(type(exc), "original_type", type(exc))

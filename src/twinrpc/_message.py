@@ -61,7 +61,8 @@ class Message:
     @property
     def nbytes(self) -> int:
         """Bytes on the wire: payload plus tensor data (what bandwidth is charged for)."""
-        return len(self.payload) + sum(t.numel() for t in self.tensors)
+        tensors = self.tensors
+        return len(self.payload) + (sum(t.numel() for t in tensors) if tensors else 0)
 
     def describe(self) -> str:
         return f"{self.kind.name}#{self.id} {self.src}->{self.dst} ({self.nbytes} B)"

@@ -9,16 +9,16 @@ and classes travel by reference, as with PyTorch's pickler.
 
 from __future__ import annotations
 
-import contextvars
 import io
 import pickle
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ._errors import SerializationError
+from ._errors import SerializationError, serialization_error
 from ._future import Future
 from ._rref import RRef
 
@@ -38,8 +38,15 @@ class LoadState:
 
 
 _FUTURE_TYPES = (torch.futures.Future, Future)
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
-_LOAD_STATE: contextvars.ContextVar[LoadState | None] = contextvars.ContextVar("twinrpc_load", default=None)
+class _LoadSlot(threading.local):
+    state: LoadState | None = None
+
+
+# Unpickling never blocks (no task switch can happen inside it), so a thread-local is enough in both
+# worlds, and it is much cheaper than a context variable on this hot path.
+_LOAD = _LoadSlot()
 
 
 def _rebuild_tensor(
@@ -50,7 +57,7 @@ def _rebuild_tensor(
     offset: int,
     requires_grad: bool,
 ) -> torch.Tensor:
-    state = _LOAD_STATE.get()
+    state = _LOAD.state
     if state is None:
         raise SerializationError("a twinrpc tensor record was unpickled outside an RPC message")
     storage = state.storages[index].untyped_storage()
@@ -61,20 +68,19 @@ def _rebuild_tensor(
 
 
 def _rebuild_rref(fork_data: Any) -> Any:
-    state = _LOAD_STATE.get()
+    state = _LOAD.state
     if state is None or state.rebuild_rref is None:
         raise SerializationError("an RRef was unpickled outside an RPC message")
     return state.rebuild_rref(fork_data, state.src, state)
 
 
 class _RpcPickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, fork_rref: Callable[[Any], Any] | None) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.storages: list[torch.Tensor] = []
-        self._storage_index: dict[tuple[int, int], int] = {}
-        self._fork_rref = fork_rref
-        # Keep every tensor we cloned alive until the message is built, so no storage address is reused.
-        self._keepalive: list[torch.Tensor] = []
+    # No __init__ override: a Python-level __init__ costs more than the pickling of a small call.
+    # State is created on first use by _reduce_tensor.
+    storages: list[torch.Tensor] | None = None
+    _storage_index: dict[tuple[int, int], int]
+    _keepalive: list[torch.Tensor]
+    _fork_rref: Callable[[Any], Any] | None = None
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -98,6 +104,8 @@ class _RpcPickler(pickle.Pickler):
                 f"twinrpc only supports CPU tensors; got a tensor on {t.device} "
                 f"(shape {tuple(t.shape)}, {t.dtype}). Move it to the CPU with .cpu() before the RPC"
             )
+        if self.storages is None:
+            self.storages, self._storage_index, self._keepalive = [], {}, []
         requires_grad = t.requires_grad
         t = t.detach()
         storage = t.untyped_storage()
@@ -127,14 +135,15 @@ def dumps(obj: Any, fork_rref: Callable[[Any], Any] | None = None) -> tuple[byte
         SerializationError: ``obj`` cannot travel (unpicklable, a lambda, a CUDA tensor, a Future).
     """
     buf = io.BytesIO()
-    pickler = _RpcPickler(buf, fork_rref)
+    pickler = _RpcPickler(buf, _PROTOCOL)
+    pickler._fork_rref = fork_rref
     try:
         pickler.dump(obj)
     except SerializationError:
         raise
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        raise SerializationError(f"{exc}{_hint(exc)}") from exc
-    return buf.getvalue(), pickler.storages
+        raise serialization_error(f"{exc}{_hint(exc)}", type(exc)) from exc
+    return buf.getvalue(), pickler.storages or []
 
 
 def _hint(exc: BaseException) -> str:
@@ -155,11 +164,11 @@ def loads(
 ) -> tuple[Any, LoadState]:
     """Unpickle a payload made by :func:`dumps`; returns the object and the load state."""
     state = LoadState(storages, src, rebuild_rref)
-    token = _LOAD_STATE.set(state)
+    outer, _LOAD.state = _LOAD.state, state
     try:
         return pickle.loads(payload), state
     finally:
-        _LOAD_STATE.reset(token)
+        _LOAD.state = outer
 
 
 def copy_storages(storages: list[torch.Tensor]) -> list[torch.Tensor]:

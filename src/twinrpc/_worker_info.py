@@ -13,16 +13,10 @@ def check_worker_name(name: object) -> str:
     """Validate a worker name with PyTorch's rules (LIFE-1) and return it."""
     if not isinstance(name, str):
         raise TypeError(f"Worker name must be a str, but got {type(name).__name__}: {name!r}")
-    if not _NAME_RE.match(name):
+    if not name or len(name) >= MAX_NAME_LEN or not _NAME_RE.match(name):
         raise RuntimeError(
-            f"Worker name must match ^[A-Za-z0-9-_:]*$, but got {name!r}; use only letters, digits, "
-            "'-', '_' and ':'"
-        )
-    if name == "":
-        raise RuntimeError("Worker name must be non-empty, but got ''")
-    if len(name) >= MAX_NAME_LEN:
-        raise RuntimeError(
-            f"Worker name must be shorter than {MAX_NAME_LEN} chars, but got {name!r} ({len(name)} chars)"
+            f"Worker name must match ^[A-Za-z0-9-_:]*$ and be non-empty and shorter than {MAX_NAME_LEN} "
+            f"chars, but got {name!r} ({len(name)} chars); use only letters, digits, '-', '_' and ':'"
         )
     return name
 

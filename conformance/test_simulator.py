@@ -1,0 +1,202 @@
+"""The simulator's own promises (SIM-*): determinism, seeds, virtual time, deadlock reports.
+
+These tests are simulator-only (``backends("sim")``): they inspect traces, digests and virtual time,
+which only the simulated world has.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import twinrpc.rpc as rpc
+from twinrpc.futures import Future
+from twinrpc.simulator import NetworkModel, Simulation, SimulationDeadlock, sleep
+
+pytestmark = pytest.mark.backends("sim")
+
+
+def _double(x: int) -> int:
+    return 2 * x
+
+
+def _record(log: list[tuple[int, int]], sender: int, i: int) -> None:
+    log.append((sender, i))
+
+
+_ARRIVALS: list[tuple[int, int]] = []
+
+
+def _arrive(sender: int, i: int) -> None:
+    _ARRIVALS.append((sender, i))
+
+
+def _racing_senders(rank: int) -> Any:
+    """worker1 and worker2 each fire 5 rpc_asyncs at worker0; worker0 records the arrival order."""
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3)
+    if rank > 0:
+        futs = [rpc.rpc_async("worker0", _arrive, args=(rank, i)) for i in range(5)]
+        for f in futs:
+            f.wait()
+    rpc.shutdown()
+    return None
+
+
+def _arrival_order(seed: int) -> tuple[str, tuple[tuple[int, int], ...]]:
+    _ARRIVALS.clear()
+    result = Simulation(world_size=3, seed=seed).run(_racing_senders)
+    result.values()
+    return result.digest, tuple(_ARRIVALS)
+
+
+@pytest.mark.spec("SIM-1")
+def test_same_seed_and_program_give_identical_trace_digest() -> None:
+    """Simulator-only: it inspects trace digests, which only the simulated world has."""
+    first = _arrival_order(seed=42)
+    second = _arrival_order(seed=42)
+    assert first == second
+    assert len(first[1]) == 10
+
+
+@pytest.mark.spec("SIM-2")
+def test_another_seed_changes_the_interleaving() -> None:
+    """Simulator-only: it inspects seeds and trace digests, which only the simulated world has."""
+    orders = {_arrival_order(seed)[1] for seed in range(8)}
+    digests = {_arrival_order(seed)[0] for seed in range(8)}
+    assert len(digests) == 8
+    assert len(orders) > 1, "eight seeds all delivered the racing requests in the same order"
+
+
+def _timeout_program(rank: int) -> Any:
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    out = None
+    if rank == 0:
+        try:
+            rpc.rpc_sync("worker1", sleep, args=(3600.0,), timeout=1800.0)
+        except RuntimeError as exc:
+            out = str(exc)
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.spec("SIM-3", "ERR-4")
+def test_timeouts_fire_in_virtual_time_and_take_no_wall_time() -> None:
+    """Simulator-only: it inspects virtual time, which only the simulated world has."""
+    start = time.monotonic()
+    result = Simulation(world_size=2, seed=0).run(_timeout_program)
+    wall = time.monotonic() - start
+    message = result.values()[0]
+    assert "RPC ran for more than set timeout (1800000 ms)" in message
+    assert "simulated time" in message
+    # Shutdown waits for the hour-long handler: an hour of virtual time, seconds of wall time at most.
+    assert result.virtual_time >= 3600.0
+    assert wall < 10.0
+
+
+def _sleeper(rank: int) -> float:
+    from twinrpc.simulator import now
+
+    start = now()
+    sleep(2.5 * (rank + 1))
+    return now() - start
+
+
+@pytest.mark.spec("SIM-3")
+def test_sleep_advances_virtual_time_exactly() -> None:
+    """Simulator-only: it inspects virtual time, which only the simulated world has."""
+    result = Simulation(world_size=2, seed=3).run(_sleeper)
+    assert result.values() == [2.5, 5.0]
+    assert result.virtual_time == 5.0
+
+
+_NEVER: dict[int, Future[None]] = {}
+
+
+def _waits_forever(rank: int) -> None:
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    if rank == 0:
+        fut: Future[None] = Future()
+        _NEVER[rank] = fut
+        fut.wait()  # nobody completes it
+    rpc.shutdown()
+
+
+@pytest.mark.spec("SIM-4")
+def test_deadlock_is_reported_with_each_blocked_tasks_stack() -> None:
+    """Simulator-only: it inspects the scheduler's deadlock report, which only the simulated world has."""
+    with pytest.raises(SimulationDeadlock) as info:
+        Simulation(world_size=2, seed=0).run(_waits_forever)
+    report = str(info.value)
+    assert "every task is blocked and no event is pending" in report
+    assert "main[0]" in report and "main[1]" in report
+    assert "_waits_forever" in report  # worker0's stack shows where it waits
+    assert "fut.wait()" in report
+    assert "all_gather" in report  # worker1 waits in shutdown for worker0
+
+
+def _ping(depth: int) -> int:
+    """A chain A->B->A->B... of nested rpc_sync; each hop holds a request-pool thread while it waits."""
+    if depth == 0:
+        return 0
+    me = rpc.get_worker_info().id
+    return 1 + rpc.rpc_sync(f"worker{1 - me}", _ping, args=(depth - 1,))
+
+
+def _nested_chain(rank: int, threads: int, depth: int) -> Any:
+    rpc.init_rpc(
+        f"worker{rank}", rank=rank, world_size=2,
+        rpc_backend_options=rpc.RpcBackendOptions(rpc_timeout=0, num_worker_threads=threads),
+    )
+    out = rpc.rpc_sync("worker1", _ping, args=(depth,)) if rank == 0 else None
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.spec("SIM-4", "RPC-7")
+def test_nested_rpcs_that_exhaust_the_request_pool_are_reported_as_a_deadlock() -> None:
+    """Simulator-only: it inspects the scheduler's deadlock report (a real run would hang), which only the simulated world has."""
+    # Depth 3 holds two pool threads on each worker: it fits in two, not in one (PyTorch #26362).
+    assert Simulation(world_size=2, seed=0).run(_nested_chain, 2, 3).values()[0] == 3
+    with pytest.raises(SimulationDeadlock, match="_ping"):
+        Simulation(world_size=2, seed=0).run(_nested_chain, 1, 3)
+
+
+def _bulk(rank: int) -> float:
+    from twinrpc.simulator import now
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    elapsed = 0.0
+    if rank == 0:
+        start = now()
+        rpc.rpc_sync("worker1", torch.clone, args=(torch.zeros(1_000_000, dtype=torch.uint8),))
+        elapsed = now() - start
+    rpc.shutdown()
+    return elapsed
+
+
+@pytest.mark.spec("SIM-3")
+def test_bandwidth_charges_time_by_message_size() -> None:
+    """Simulator-only: it inspects the network model's virtual time, which only the simulated world has."""
+    net = NetworkModel(latency=1e-3, jitter=0.0, bandwidth=1e8)
+    elapsed = Simulation(world_size=2, seed=0, network=net).run(_bulk).values()[0]
+    # Request and reply each carry 1 MB at 100 MB/s plus 1 ms latency.
+    assert elapsed == pytest.approx(2 * (1e-3 + 1e6 / 1e8), rel=0.01)
+
+
+def _fails_on_one(rank: int) -> int:
+    if rank == 1:
+        raise KeyError("worker 1 failed")
+    return rank
+
+
+@pytest.mark.spec("SIM-1")
+def test_run_returns_each_workers_value_or_error() -> None:
+    """Simulator-only: it inspects Simulation.run's per-worker outcomes, which only the simulated world has."""
+    result = Simulation(world_size=3, seed=0).run(_fails_on_one)
+    assert [o.value for o in result.outcomes] == [0, None, 2]
+    assert isinstance(result.outcomes[1].error, KeyError)
+    with pytest.raises(KeyError, match="worker 1 failed"):
+        result.values()
