@@ -34,7 +34,9 @@ class Task:
         self.g: greenlet.greenlet | None = None
 
     def describe(self) -> str:
-        where = "".join(traceback.format_stack(self.g.gr_frame)) if self.g is not None and self.g.gr_frame else ""
+        where = (
+            "".join(traceback.format_stack(self.g.gr_frame)) if self.g is not None and self.g.gr_frame else ""
+        )
         return f"task {self.name!r} (worker {self.worker}) waiting on {self.waiting_on!r}\n{where}"
 
 
@@ -76,7 +78,12 @@ class Scheduler:
 
     # -- tasks ------------------------------------------------------------------------------------
     def spawn(
-        self, worker: int, context: contextvars.Context, name: str, fn: Callable[..., Any], args: tuple[Any, ...]
+        self,
+        worker: int,
+        context: contextvars.Context,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
     ) -> Task:
         """Start ``fn(*args)`` as a new task of ``worker``, running in a copy of ``context``."""
         self._task_ids += 1

@@ -110,7 +110,9 @@ class Simulation:
                 outcomes[rank] = WorkerOutcome(rank, value=value)
             finally:
                 remaining[0] -= 1
-                self.trace.record(self.sched.now, rank, "exit", "error" if outcomes[rank] and outcomes[rank].error else "ok")  # type: ignore[union-attr]
+                outcome = outcomes[rank]
+                status = "error" if outcome is not None and outcome.error is not None else "ok"
+                self.trace.record(self.sched.now, rank, "exit", status)
 
         for worker in self.workers:
             worker.spawn(f"main[{worker.rank}]", main, worker.rank)

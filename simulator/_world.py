@@ -139,7 +139,9 @@ class SimWorld:
     def deliver(self, msg: Message) -> None:
         agent = self.agent
         if agent is not None:
-            self.sim.trace.record(self.sched.now, self.rank, "deliver", (msg.kind, msg.id, msg.src, msg.dst, msg.nbytes))
+            self.sim.trace.record(
+                self.sched.now, self.rank, "deliver", (msg.kind, msg.id, msg.src, msg.dst, msg.nbytes)
+            )
             self.worker.spawn(_DELIVER, agent.on_message, msg)
         elif not self.stopped:
             self._early.append(msg)

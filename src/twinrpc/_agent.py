@@ -69,7 +69,7 @@ class _RemoteException:
 
 def _is_builtin(func: Any) -> bool:
     try:
-        return torch.jit._builtins._find_builtin(func) is not None
+        return torch.jit._builtins._find_builtin(func) is not None  # type: ignore[no-untyped-call]
     except Exception:
         return False
 
@@ -112,7 +112,9 @@ class RpcAgent:
         if isinstance(to, WorkerInfo):
             known = self._by_name.get(to.name)
             if known is None or known.id != to.id:
-                raise RuntimeError(f"name:{self.info.name},rank:{self.info.id} could not find destination {to}")
+                raise RuntimeError(
+                    f"name:{self.info.name},rank:{self.info.id} could not find destination {to}"
+                )
             return known
         if isinstance(to, str):
             info = self._by_name.get(to)
@@ -177,13 +179,17 @@ class RpcAgent:
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         if dst.id == self.info.id:
             owner = self.rrefs.new_owner_for_remote_to_self()
-            fut = self.request(dst.id, Kind.REMOTE_CALL, (owner.rref_id, owner.rref_id, func, args, kwargs), timeout)
+            fut = self.request(
+                dst.id, Kind.REMOTE_CALL, (owner.rref_id, owner.rref_id, func, args, kwargs), timeout
+            )
             fut.add_done_callback(lambda f: self._remote_to_self_done(f, owner))
             rref = RRef._wrap(self, owner)
             return rref
         user = self.rrefs.new_user_for_remote(dst.id)
         try:
-            fut = self.request(dst.id, Kind.REMOTE_CALL, (user.rref_id, user.fork_id, func, args, kwargs), timeout)
+            fut = self.request(
+                dst.id, Kind.REMOTE_CALL, (user.rref_id, user.fork_id, func, args, kwargs), timeout
+            )
         except BaseException:
             self.rrefs.remote_timed_out(user)  # nothing was sent: this user must not send a delete
             user.deleted = True
@@ -207,8 +213,7 @@ class RpcAgent:
         try:
             f.wait()
         except BaseException as exc:
-            if not owner.value.done():
-                owner.value.set_exception(exc)
+            owner.value.try_set_exception(exc)
         self.rrefs._drop_fork(owner.rref_id, owner.rref_id)
 
     def _finish_call(self, msg_id: int) -> _Pending | None:
@@ -307,10 +312,13 @@ class RpcAgent:
         try:
             obj, load = _serialize.loads(msg.payload, msg.tensors, msg.src, self.rrefs.rebuild)
         except BaseException as exc:
-            self._reply_error(msg, SerializationError(
-                f"{self.info} could not unpickle a {msg.kind.name} request from "
-                f"{self._by_id.get(msg.src, msg.src)}: {exc!r}"
-            ))
+            self._reply_error(
+                msg,
+                SerializationError(
+                    f"{self.info} could not unpickle a {msg.kind.name} request from "
+                    f"{self._by_id.get(msg.src, msg.src)}: {exc!r}"
+                ),
+            )
             return
         for user in load.unconfirmed_rrefs:  # RREF-F3: run only once argument RRefs are confirmed
             user.confirmed.wait()
@@ -357,7 +365,7 @@ class RpcAgent:
         if not is_async:
             self._finish_run(msg, result, None, on_value)
             return
-        if not (isinstance(result, Future) or isinstance(result, torch.futures.Future)):
+        if not (isinstance(result, (Future, torch.futures.Future))):
             err = RuntimeError(
                 "Functions decorated with @rpc.async_function must return a torch.futures.Future "
                 f"object, but got {type(result)}"
@@ -375,20 +383,23 @@ class RpcAgent:
 
         result.add_done_callback(done)
 
-    def _finish_run(self, msg: Message, value: Any, exc: BaseException | None, owner: OwnerState | None) -> None:
+    def _finish_run(
+        self, msg: Message, value: Any, exc: BaseException | None, owner: OwnerState | None
+    ) -> None:
         if owner is not None:  # remote(): keep the value (or error) on the owner, reply with an ack
-            if not owner.value.done():
-                if exc is None:
-                    owner.value.set_result(value)
-                else:
-                    owner.value.set_exception(exc)
+            if exc is None:
+                owner.value.try_set_result(value)
+            else:
+                owner.value.try_set_exception(exc)
             self._reply(msg, None)
         elif exc is None:
             self._reply(msg, value)
         else:
             self._reply_error(msg, exc)
 
-    def _reply_from(self, msg: Message, f: Future[Any], transform: Callable[[Any], Any] | None = None) -> None:
+    def _reply_from(
+        self, msg: Message, f: Future[Any], transform: Callable[[Any], Any] | None = None
+    ) -> None:
         try:
             value = f.wait()
         except BaseException as exc:
@@ -400,10 +411,13 @@ class RpcAgent:
         try:
             payload, tensors = _serialize.dumps(value, lambda rref: self.rrefs.fork(rref, msg.src))
         except BaseException as exc:
-            self._reply_error(msg, serialization_error(
-                f"the result of a {msg.kind.name} request on {self.info} cannot be sent back: {exc}",
-                original_type(exc),
-            ))
+            self._reply_error(
+                msg,
+                serialization_error(
+                    f"the result of a {msg.kind.name} request on {self.info} cannot be sent back: {exc}",
+                    original_type(exc),
+                ),
+            )
             return
         self._send_reply(Message(Kind.RESPONSE, msg.id, self.info.id, msg.src, payload, tensors))
 
@@ -415,7 +429,9 @@ class RpcAgent:
         try:
             payload, tensors = _serialize.dumps(remote)
         except BaseException:  # the type itself cannot travel (e.g. a local class)
-            payload, tensors = _serialize.dumps(_RemoteException(RemoteError, remote.message, remote.serialization))
+            payload, tensors = _serialize.dumps(
+                _RemoteException(RemoteError, remote.message, remote.serialization)
+            )
         self._send_reply(Message(Kind.EXCEPTION, msg.id, self.info.id, msg.src, payload, tensors))
 
     def _send_reply(self, reply: Message) -> None:
@@ -434,8 +450,8 @@ class RpcAgent:
                 got[me] = value
                 done = self._gather_done.setdefault(tag, Future())
                 complete = len(got) == n
-            if complete and not done.done():
-                done.set_result(None)
+            if complete:
+                done.try_set_result(None)
             self._wait_bounded(done, timeout, lambda: self._gather_timeout_msg(tag, timeout))
             with self._lock:
                 got = self._gathered.pop(tag)
@@ -451,8 +467,12 @@ class RpcAgent:
         payload, _ = _serialize.dumps((tag, value))
         self.world.send(Message(Kind.GATHER, 0, me, self.leader.id, payload))
         result = self._wait_bounded(
-            fut, timeout, lambda: f"{self.info} timed out after {timeout} s waiting for the shutdown leader "
-            f"{self.leader} in _all_gather"
+            fut,
+            timeout,
+            lambda: (
+                f"{self.info} timed out after {timeout} s waiting for the shutdown leader "
+                f"{self.leader} in _all_gather"
+            ),
         )
         with self._lock:
             self._scattered.pop(tag, None)
@@ -471,21 +491,18 @@ class RpcAgent:
             got[msg.src] = value
             done = self._gather_done.setdefault(tag, Future())
             complete = len(got) == len(self.workers)
-        if complete and not done.done():
-            done.set_result(None)
+        if complete:
+            done.try_set_result(None)
 
     def _on_scatter(self, msg: Message) -> None:
         (tag, result), _ = _serialize.loads(msg.payload, msg.tensors, msg.src)
         with self._lock:
             fut = self._scattered.setdefault(tag, Future())
-        if not fut.done():
-            fut.set_result(result)
+        fut.try_set_result(result)
 
     def _wait_bounded(self, fut: Future[Any], timeout: float, message: Callable[[], str]) -> Any:
         if timeout > 0 and not fut.done():
-            timer = self.world.call_later(
-                timeout, lambda: fut.done() or fut.set_exception(RPCTimeoutError(message()))
-            )
+            timer = self.world.call_later(timeout, lambda: fut.try_set_exception(RPCTimeoutError(message())))
             try:
                 return fut.wait()
             finally:
@@ -543,8 +560,10 @@ class RpcAgent:
                     self._wait_bounded(
                         self.rrefs.wait_owners_drained(),
                         drain_bound,
-                        lambda: f"{self.info} timed out after {drain_bound} s waiting for its owner RRefs "
-                        "to be released",
+                        lambda: (
+                            f"{self.info} timed out after {drain_bound} s waiting for its owner RRefs "
+                            "to be released"
+                        ),
                     )
                 except RPCTimeoutError as exc:  # as in PyTorch, only logged; the leak check reports it
                     _log.warning("twinrpc: %s", exc)
@@ -566,9 +585,11 @@ class RpcAgent:
         for p in pending.values():
             if p.timer is not None:
                 p.timer.cancel()
-            p.fut.set_exception(ShutdownError(
-                f"RPC agent of {self.info} shut down while a {p.kind.name} to {self._by_id[p.dst]} was pending"
-            ))
+            p.fut.set_exception(
+                ShutdownError(
+                    f"RPC agent of {self.info} shut down while a {p.kind.name} to {self._by_id[p.dst]} was pending"
+                )
+            )
         self.world.stop()
 
     def statistics(self) -> dict[str, Any]:

@@ -93,9 +93,19 @@ class Future(Generic[T]):
             raise TypeError(f"set_exception needs an exception instance, got {type(result).__name__}")
         self._complete(_PENDING, result)
 
-    def _complete(self, result: Any, exc: BaseException | None) -> None:
+    def try_set_result(self, result: T) -> bool:
+        """Complete with ``result`` unless already complete; returns whether it did (atomic)."""
+        return self._complete(result, None, strict=False)
+
+    def try_set_exception(self, exc: BaseException) -> bool:
+        """Complete with ``exc`` unless already complete; returns whether it did (atomic)."""
+        return self._complete(_PENDING, exc, strict=False)
+
+    def _complete(self, result: Any, exc: BaseException | None, strict: bool = True) -> bool:
         with self._lock:
             if self.done():
+                if not strict:
+                    return False
                 raise RuntimeError("Future can only be marked completed once.")
             if exc is not None:
                 self._exception = exc
@@ -104,6 +114,7 @@ class Future(Generic[T]):
             callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
             self._run_callback(cb)
+        return True
 
     def _run_callback(self, cb: Callable[[Future[T]], None]) -> None:
         try:
@@ -126,7 +137,11 @@ class Future(Generic[T]):
             try:
                 value = callback(fut)
             except BaseException as exc:
-                out.set_exception(exc)
+                # As torch.futures: an error raised by the callback reaches the chained future as a
+                # RuntimeError naming the original type (the original is its __cause__).
+                err = RuntimeError(f"{type(exc).__name__}: {exc}")
+                err.__cause__ = exc
+                out.set_exception(err)
             else:
                 out.set_result(value)
 
@@ -148,64 +163,47 @@ class Future(Generic[T]):
 AnyFuture = Any  # a twinrpc Future or a torch.futures.Future
 
 
-def on_done(fut: AnyFuture, callback: Callable[[], None]) -> None:
-    """Run ``callback()`` when ``fut`` (ours or torch's) completes."""
-    fut.add_done_callback(lambda _f: callback())
-
-
 def collect_all(futures: Sequence[AnyFuture]) -> Future[list[AnyFuture]]:
-    """A future completed with the list of ``futures`` once every one of them has completed."""
-    out: Future[list[AnyFuture]] = Future()
+    """A future of the list of ``futures``, completed once all of them have completed.
+
+    As ``torch.futures.collect_all``: if one of them fails, the combined future fails at once with
+    that error, without waiting for the others.
+    """
     futures = list(futures)
-    remaining = [len(futures)]
-    lock = threading.Lock()
+    out: Future[list[AnyFuture]] = Future()
     if not futures:
         out.set_result([])
         return out
+    remaining = [len(futures)]
+    lock = threading.Lock()
 
-    def one_done() -> None:
+    def one_done(f: AnyFuture) -> None:
+        error = _error_of(f)
         with lock:
             remaining[0] -= 1
             last = remaining[0] == 0
-        if last:
-            out.set_result(futures)
+        if error is not None:
+            out.try_set_exception(error)
+        elif last:
+            out.try_set_result(futures)
 
     for f in futures:
-        on_done(f, one_done)
+        f.add_done_callback(one_done)
     return out
 
 
 def wait_all(futures: Sequence[AnyFuture]) -> list[Any]:
     """Wait for every future and return their results; raise the first error as soon as it is seen."""
     futures = list(futures)
-    first: Future[None] = Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-    if not futures:
-        return []
-
-    fired = [False]
-
-    def one_done(f: AnyFuture) -> None:
-        failed = _failed(f)
-        with lock:
-            remaining[0] -= 1
-            fire = not fired[0] and (failed or remaining[0] == 0)
-            fired[0] = fired[0] or fire
-        if fire:
-            first.set_result(None)
-
-    for f in futures:
-        f.add_done_callback(one_done)
-    first.wait()
+    collect_all(futures).wait()
     return [f.wait() for f in futures]
 
 
-def _failed(f: AnyFuture) -> bool:
+def _error_of(f: AnyFuture) -> BaseException | None:
     if isinstance(f, Future):
-        return f._exception is not None
+        return f._exception
     try:
         f.value()
-    except BaseException:
-        return True
-    return False
+    except BaseException as exc:
+        return exc
+    return None

@@ -215,9 +215,7 @@ class RRef(Generic[T]):
         return fut.wait() if blocking else fut
 
     def __reduce__(self) -> Any:
-        raise RuntimeError(
-            "Can not pickle rref in python pickler, rref can only be pickled when using RPC"
-        )
+        raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled when using RPC")
 
     def __repr__(self) -> str:
         state = self._state

@@ -106,8 +106,7 @@ class RRefContext:
         with self._lock:
             self.pending_users.pop(state.fork_id, None)
         state.reported_confirmed = True
-        if not state.confirmed.done():
-            state.confirmed.set_result(None)
+        state.confirmed.try_set_result(None)
 
     def remote_timed_out(self, state: UserState) -> None:
         state.timed_out = True

@@ -14,9 +14,7 @@ def _local_invoke(rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dic
     return getattr(rref.local_value(), name)(*args, **kwargs)
 
 
-def _local_invoke_async(
-    rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+def _local_invoke_async(rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return getattr(rref.local_value(), name)(*args, **kwargs)
 
 

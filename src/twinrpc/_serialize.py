@@ -40,6 +40,7 @@ class LoadState:
 _FUTURE_TYPES = (torch.futures.Future, Future)
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 
+
 class _LoadSlot(threading.local):
     state: LoadState | None = None
 

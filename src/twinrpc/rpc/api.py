@@ -13,7 +13,6 @@ from typing import Any, TypeVar
 
 from .._agent import RpcAgent
 from .._current import current_agent, current_slot
-from .._errors import RPCError
 from .._future import Future
 from .._rref import RRef
 from .._worker_info import WorkerInfo, check_worker_name
@@ -141,7 +140,8 @@ def rpc_sync(
     exception with its original type, the remote worker and traceback in the message."""
     agent = current_agent()
     _check_callable(func)
-    return agent.call(to, func, args, kwargs, timeout).wait()
+    result: T = agent.call(to, func, args, kwargs, timeout).wait()
+    return result
 
 
 def remote(
