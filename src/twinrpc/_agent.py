@@ -137,6 +137,14 @@ class RpcAgent:
     def worker_by_id(self, rank: int) -> WorkerInfo:
         return self._by_id[rank]
 
+    def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
+        """As PyTorch's agent method: this worker's info, or the named worker's."""
+        return self.info if worker_name is None else self.resolve(worker_name)
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        """As PyTorch's agent method: every worker, ordered by id."""
+        return list(self.workers)
+
     # -- client side ----------------------------------------------------------------------------
     def effective_timeout(self, timeout: float) -> float:
         if timeout is None or timeout < 0:

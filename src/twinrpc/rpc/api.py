@@ -179,6 +179,11 @@ def _wait_all() -> Iterator[list[Future[Any]]]:
     wait_all(futures)
 
 
+def _get_current_rpc_agent() -> RpcAgent:
+    """This worker's agent (PyTorch's private accessor; portable code uses its ``get_worker_infos()``)."""
+    return current_agent()
+
+
 def _get_debug_info() -> dict[str, Any]:
     """Statistics of this worker's agent and RRef context."""
     return current_agent().statistics()
