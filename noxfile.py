@@ -45,8 +45,14 @@ def _conformance(session: nox.Session, backend: str, *extra: str) -> None:
     report = ROOT / "build" / "conformance" / f"{backend}.json"
     report.parent.mkdir(parents=True, exist_ok=True)
     session.run(
-        "pytest", "conformance", "-q", "-n", _workers(), f"--backend={backend}",
-        f"--matrix-json={report}", *extra,
+        "pytest",
+        "conformance",
+        "-q",
+        "-n",
+        _workers(),
+        f"--backend={backend}",
+        f"--matrix-json={report}",
+        *extra,
     )
 
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import torch
+from twinrpc.simulator import NetworkModel, Simulation, SimulationDeadlock, sleep
 
 import twinrpc.rpc as rpc
 from twinrpc.futures import Future
-from twinrpc.simulator import NetworkModel, Simulation, SimulationDeadlock, sleep
 
 pytestmark = pytest.mark.backends("sim")
 
@@ -147,7 +147,9 @@ def _ping(depth: int) -> int:
 
 def _nested_chain(rank: int, threads: int, depth: int) -> Any:
     rpc.init_rpc(
-        f"worker{rank}", rank=rank, world_size=2,
+        f"worker{rank}",
+        rank=rank,
+        world_size=2,
         rpc_backend_options=rpc.RpcBackendOptions(rpc_timeout=0, num_worker_threads=threads),
     )
     out = rpc.rpc_sync("worker1", _ping, args=(depth,)) if rank == 0 else None

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 
 import torch
+from twinrpc.simulator import Simulation, sleep
 
 import twinrpc.rpc as rpc
-from twinrpc.simulator import Simulation, sleep
 
 
 def scale(t: torch.Tensor, factor: float) -> torch.Tensor:
@@ -37,7 +37,9 @@ def program(rank: int) -> str:
         futs = [rpc.rpc_async(f"worker{r}", scale, args=(torch.arange(3.0), r)) for r in (1, 2)]
         lines.append(f"rpc_async scale on worker1 and worker2 -> {[f.wait().tolist() for f in futs]}")
         rref = rpc.remote("worker2", scale, args=(torch.ones(2), 10.0))
-        lines.append(f"remote on worker2, to_here              -> {rref.to_here().tolist()} (owner {rref.owner_name()})")
+        lines.append(
+            f"remote on worker2, to_here              -> {rref.to_here().tolist()} (owner {rref.owner_name()})"
+        )
         try:
             rpc.rpc_sync("worker1", fail, args=("bad input",))
         except ValueError as exc:
@@ -58,8 +60,10 @@ def main() -> None:
     args = parser.parse_args()
     result = Simulation(world_size=3, seed=args.seed).run(program)
     print(result.values()[0])
-    print(f"\nvirtual time {result.virtual_time:.6f} s, {len(result.trace)} trace events, "
-          f"digest {result.digest[:16]}")
+    print(
+        f"\nvirtual time {result.virtual_time:.6f} s, {len(result.trace)} trace events, "
+        f"digest {result.digest[:16]}"
+    )
     print(f"first {args.timeline} events:")
     print(result.trace.text(args.timeline))
 

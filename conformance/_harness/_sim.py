@@ -1,0 +1,99 @@
+"""The ``sim`` backend: every call is a fresh deterministic simulation in this very process.
+
+No processes and no wall-clock bound are needed: a deadlock is detected by the simulator and raised
+from ``Simulation.run``, and time spent in ``ctx.sleep`` or RPC timeouts is virtual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._backend import Backend, WorkerProgram, fail_world
+from ._context import WorldContext
+
+__all__ = ["SimBackend", "SimContext"]
+
+
+class SimContext(WorldContext):
+    """``ctx`` on the simulator: twinrpc's modules, virtual-time sleep, no rendezvous needed."""
+
+    MODULES = {
+        "rpc": "twinrpc.rpc",
+        "dist_autograd": "twinrpc.autograd",
+        "optim": "twinrpc.optim",
+        "futures": "twinrpc.futures",
+    }
+
+    def _make_options(self, k: int, /, **kwargs: Any) -> Any:
+        # Simulated workers meet inside one Simulation, so there is no init_method to allocate.
+        return self.rpc.RpcBackendOptions(**kwargs)
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep on the simulation's virtual clock (instant in wall time)."""
+        from twinrpc.simulator import sleep
+
+        sleep(seconds)
+
+
+class SimBackend(Backend):
+    """Runs each ``run``/``spawn`` as ``Simulation(world_size, seed=--sim-seed).run(...)``."""
+
+    name = "sim"
+
+    def _simulate(self, world_size: int, worker: Callable[[int], Any], what: str) -> list[Any]:
+        __tracebackhide__ = True
+        from twinrpc.simulator import Simulation
+
+        seed = self.config.sim_seed
+        sim = Simulation(world_size=world_size, seed=seed)
+        try:
+            result = sim.run(worker)
+        except Exception as exc:
+            # Worker errors come back through result.values(); anything raised by run() itself is the
+            # simulation failing as a whole (deadlock, internal error) and must not be mistaken for a
+            # worker exception by a surrounding pytest.raises.
+            fail_world(
+                f"the simulation of {what} failed (world_size={world_size}, --sim-seed={seed}):\n"
+                f"{type(exc).__name__}: {exc}"
+            )
+        return list(result.values())
+
+    def run(
+        self,
+        fn: WorkerProgram,
+        args: tuple[Any, ...],
+        *,
+        world_size: int,
+        ranks: Sequence[int],
+        timeout: float,
+    ) -> list[Any]:
+        __tracebackhide__ = True
+        selected = frozenset(ranks)
+
+        def worker(rank: int) -> Any:
+            import twinrpc.rpc as rpc
+
+            ctx = SimContext(rank=rank, world_size=world_size, backend=self.name, spawned=False)
+            rpc.init_rpc(ctx.name(rank), rank=rank, world_size=world_size)
+            try:
+                return fn(ctx, *args) if rank in selected else None
+            finally:
+                rpc.shutdown()
+
+        return self._simulate(world_size, worker, f"world.run({_qualname(fn)})")
+
+    def spawn(
+        self, fn: WorkerProgram, args: tuple[Any, ...], *, world_size: int, timeout: float
+    ) -> list[Any]:
+        __tracebackhide__ = True
+
+        def worker(rank: int) -> Any:
+            ctx = SimContext(rank=rank, world_size=world_size, backend=self.name, spawned=True)
+            return fn(ctx, *args)
+
+        return self._simulate(world_size, worker, f"world.spawn({_qualname(fn)})")
+
+
+def _qualname(fn: WorkerProgram) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
