@@ -92,7 +92,7 @@ class SimWorld:
             msg.tensors = copy_storages(msg.tensors)
         nbytes = msg.nbytes
         delay = sim.network.delay(msg.src, msg.dst, nbytes, sim.sched.rng)
-        sim.trace.record(self.sched.now, self.rank, "send", (msg.kind, msg.id, msg.src, msg.dst, nbytes))
+        sim.trace.record(self.sched.now, self.rank, "send", (int(msg.kind), msg.id, msg.src, msg.dst, nbytes))
         self.sched.schedule(delay, sim._deliver, msg)
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:

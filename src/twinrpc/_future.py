@@ -139,7 +139,9 @@ class Future(Generic[T]):
             except BaseException as exc:
                 # As torch.futures: an error raised by the callback reaches the chained future as a
                 # RuntimeError naming the original type (the original is its __cause__).
-                err = RuntimeError(f"{type(exc).__name__}: {exc}")
+                err = RuntimeError(
+                    f"Got the following error when running the callback: {type(exc).__name__}: {exc}"
+                )
                 err.__cause__ = exc
                 out.set_exception(err)
             else:
