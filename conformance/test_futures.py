@@ -274,3 +274,16 @@ def test_collect_all_completes_after_all_with_list_of_completed_futures(world: A
     assert pending is True
     assert done == [True] * 5
     assert values == [0, 1, 2, 3, "last"]
+
+
+def _prog_wait_all_context(ctx: Any) -> tuple[bool, list[Any]]:
+    with ctx.rpc.api._wait_all():
+        futs = [ctx.rpc.rpc_async("worker1", _echo, args=(i,)) for i in range(3)]
+    return all(f.done() for f in futs), [f.wait() for f in futs]
+
+
+@pytest.mark.spec("RPC-13", "RPC-17")
+def test_private_wait_all_context_waits_for_every_rpc_async_issued_inside(world: Any) -> None:
+    done, values = world.run_on(0, _prog_wait_all_context)
+    assert done is True
+    assert values == [0, 1, 2]

@@ -7,6 +7,7 @@ the simulator (many workers in one process) and in the real world (one worker pe
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import datetime
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -158,22 +159,27 @@ def remote(
 
 
 # -- _wait_all: wait on every rpc_async issued inside the block (PyTorch's private helper) --------
-_TRACKERS: list[list[Future[Any]]] = []
+# Per task (a thread, or a simulated task), so simulated workers sharing a process don't mix them.
+_TRACKED: contextvars.ContextVar[list[Future[Any]] | None] = contextvars.ContextVar(
+    "twinrpc_wait_all", default=None
+)
 
 
 def _track(fut: Future[Any]) -> None:
-    if _TRACKERS:
-        _TRACKERS[-1].append(fut)
+    tracked = _TRACKED.get()
+    if tracked is not None:
+        tracked.append(fut)
 
 
 @contextlib.contextmanager
 def _wait_all() -> Iterator[list[Future[Any]]]:
+    """Wait, on exit, for every rpc_async issued inside the block by this task."""
     futures: list[Future[Any]] = []
-    _TRACKERS.append(futures)
+    token = _TRACKED.set(futures)
     try:
         yield futures
     finally:
-        _TRACKERS.pop()
+        _TRACKED.reset(token)
     from .._future import wait_all
 
     wait_all(futures)
