@@ -135,6 +135,7 @@ def test_deadlock_is_reported_with_each_blocked_tasks_stack() -> None:
     assert "_waits_forever" in report  # worker0's stack shows where it waits
     assert "fut.wait()" in report
     assert "all_gather" in report  # worker1 waits in shutdown for worker0
+    assert "the shutdown leader worker0 to answer _all_gather" in report  # ...and says what it waits for
 
 
 def _ping(depth: int) -> int:
@@ -162,8 +163,9 @@ def test_nested_rpcs_that_exhaust_the_request_pool_are_reported_as_a_deadlock() 
     """Simulator-only: it inspects the scheduler's deadlock report (a real run would hang), which only the simulated world has."""
     # Depth 3 holds two pool threads on each worker: it fits in two, not in one (PyTorch #26362).
     assert Simulation(world_size=2, seed=0).run(_nested_chain, 2, 3).values()[0] == 3
-    with pytest.raises(SimulationDeadlock, match="_ping"):
+    with pytest.raises(SimulationDeadlock, match="_ping") as info:
         Simulation(world_size=2, seed=0).run(_nested_chain, 1, 3)
+    assert "waiting on <twinrpc Future pending: reply to CALL#" in str(info.value)
 
 
 def _bulk(rank: int) -> float:

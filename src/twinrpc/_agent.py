@@ -166,8 +166,9 @@ class RpcAgent:
         fut: Future[Any] = Future()
         pending = _Pending(fut, dst, kind)
         timeout = self.effective_timeout(timeout)
+        msg_id = next(self._ids)  # atomic: itertools.count under the GIL
+        fut.label = f"reply to {kind.name}#{msg_id} from {self._by_id[dst].name}"
         with self._lock:
-            msg_id = next(self._ids)
             self._pending[msg_id] = pending
             self._active_calls += 1
             self._sent_requests += 1
@@ -472,6 +473,7 @@ class RpcAgent:
             return result
         with self._lock:
             fut = self._scattered.setdefault(tag, Future())
+        fut.label = f"the shutdown leader {self.leader.name} to answer _all_gather {tag}"
         payload, _ = _serialize.dumps((tag, value))
         self.world.send(Message(Kind.GATHER, 0, me, self.leader.id, payload))
         result = self._wait_bounded(
@@ -525,6 +527,7 @@ class RpcAgent:
                 return
             if self._idle is None:
                 self._idle = Future()
+                self._idle.label = f"{self.info.name}'s outstanding calls to finish (shutdown)"
             idle = self._idle
         idle.wait()
 

@@ -53,13 +53,15 @@ class Future(Generic[T]):
     twinrpc, an RPC worker task), after the result is set; they may block.
     """
 
-    __slots__ = ("__weakref__", "_callbacks", "_exception", "_lock", "_result")
+    __slots__ = ("__weakref__", "_callbacks", "_exception", "_lock", "_result", "label")
 
     def __init__(self, *, devices: list[Any] | None = None) -> None:
         self._lock = threading.Lock()
         self._result: Any = _PENDING
         self._exception: BaseException | None = None
         self._callbacks: list[Callable[[Future[T]], None]] = []
+        #: what completes this future, for deadlock reports and reprs (e.g. "reply to CALL#3 from worker1")
+        self.label: str | None = None
 
     # -- state -------------------------------------------------------------------------------
     def done(self) -> bool:
@@ -159,7 +161,8 @@ class Future(Generic[T]):
 
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("error" if self._exception else "done")
-        return f"<twinrpc Future {state}>"
+        label = f": {self.label}" if self.label else ""
+        return f"<twinrpc Future {state}{label}>"
 
 
 AnyFuture = Any  # a twinrpc Future or a torch.futures.Future
