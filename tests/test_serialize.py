@@ -69,12 +69,12 @@ def test_a_non_cpu_tensor_is_refused_with_its_device_named() -> None:
 
 def test_a_future_cannot_travel() -> None:
     for fut in (Future(), torch.futures.Future()):
-        with pytest.raises(RuntimeError, match="Can not pickle torch.futures.Future"):
+        with pytest.raises(RuntimeError, match=r"Can not pickle torch\.futures\.Future"):
             dumps([fut])
 
 
 def test_pickler_errors_keep_their_own_type_and_are_rpc_errors() -> None:
-    with pytest.raises(TypeError, match="_thread.lock") as info:
+    with pytest.raises(TypeError, match=r"_thread\.lock") as info:
         dumps(threading.Lock())
     assert isinstance(info.value, RPCError) and isinstance(info.value, pickle.PicklingError)
 
