@@ -111,14 +111,15 @@ def _prog_default_timeout(ctx: Any) -> dict[str, Any]:
 
 
 def _prog_options_timeout(ctx: Any) -> dict[str, Any]:
-    ctx.init_rpc(rpc_timeout=0.5)
+    # torch also uses rpc_timeout as its store timeout (the shutdown barrier), so keep it >= 1 s.
+    ctx.init_rpc(rpc_timeout=1.0)
     out: dict[str, Any] = {"timeout": ctx.rpc.get_rpc_timeout()}
     if ctx.rank == 0:
         out["default_call"] = _outcome(
-            lambda: ctx.rpc.rpc_sync("worker1", _slow_echo, args=(ctx.backend, 1.0, 1))
+            lambda: ctx.rpc.rpc_sync("worker1", _slow_echo, args=(ctx.backend, 1.5, 1))
         )
         out["explicit_long"] = _outcome(
-            lambda: ctx.rpc.rpc_sync("worker1", _slow_echo, args=(ctx.backend, 1.0, 2), timeout=5)
+            lambda: ctx.rpc.rpc_sync("worker1", _slow_echo, args=(ctx.backend, 1.5, 2), timeout=5)
         )
         out["quick"] = _outcome(lambda: ctx.rpc.rpc_sync("worker1", _slow_echo, args=(ctx.backend, 0, 3)))
     ctx.rpc.shutdown()
@@ -126,24 +127,33 @@ def _prog_options_timeout(ctx: Any) -> dict[str, Any]:
 
 
 def _prog_zero_timeout(ctx: Any) -> dict[str, Any]:
-    ctx.init_rpc(rpc_timeout=0.3)
-    out: dict[str, Any] = {}
-    if ctx.rank == 0:
-        out["sync"] = _outcome(
-            lambda: ctx.rpc.rpc_sync("worker1", _slow_echo, args=(ctx.backend, 0.8, "s"), timeout=0)
-        )
+    previous = ctx.rpc.get_rpc_timeout()
+    ctx.rpc._set_rpc_timeout(0.3)
+    try:
+        out = {
+            "sync": _outcome(
+                lambda: ctx.rpc.rpc_sync("worker1", _slow_echo, args=(ctx.backend, 0.8, "s"), timeout=0)
+            )
+        }
         fut = ctx.rpc.rpc_async("worker1", _slow_echo, args=(ctx.backend, 0.8, "a"), timeout=0)
         out["async"] = _outcome(fut.wait)
         rref = ctx.rpc.remote("worker1", _slow_echo, args=(ctx.backend, 0.8, "r"), timeout=0)
         out["to_here"] = _outcome(lambda: rref.to_here(timeout=0))
-    ctx.rpc.shutdown()
+        # Control: the same call with the (short) default does time out.
+        out["default"] = _outcome(
+            lambda: ctx.rpc.rpc_sync("worker1", _slow_echo, args=(ctx.backend, 0.8, "d"))
+        )
+        ctx.sleep(0.6)
+    finally:
+        ctx.rpc._set_rpc_timeout(previous)
     return out
 
 
 def _prog_set_rpc_timeout(ctx: Any) -> dict[str, Any]:
-    ctx.init_rpc(rpc_timeout=0.3)
-    out: dict[str, Any] = {}
-    if ctx.rank == 0:
+    previous = ctx.rpc.get_rpc_timeout()
+    ctx.rpc._set_rpc_timeout(0.3)
+    try:
+        out: dict[str, Any] = {}
         early = ctx.rpc.rpc_async("worker1", _slow_echo, args=(ctx.backend, 0.8, "early"))
         ctx.rpc._set_rpc_timeout(5.0)
         out["timeout_after_set"] = ctx.rpc.get_rpc_timeout()
@@ -156,7 +166,9 @@ def _prog_set_rpc_timeout(ctx: Any) -> dict[str, Any]:
             lambda: ctx.rpc.rpc_sync("worker1", _slow_echo, args=(ctx.backend, 0.8, "short"))
         )
         ctx.sleep(0.6)
-    ctx.rpc.shutdown()
+    finally:
+        ctx.rpc._set_rpc_timeout(previous)
+    out["restored"] = ctx.rpc.get_rpc_timeout()
     return out
 
 
@@ -216,8 +228,8 @@ def test_default_rpc_timeout_is_60_seconds(world):
 @pytest.mark.spec("LIFE-7", "ERR-4")
 def test_rpc_timeout_option_sets_the_default_timeout(world):
     got = world.spawn(_prog_options_timeout)
-    assert got[1] == {"timeout": 0.5}
-    assert got[0]["timeout"] == 0.5
+    assert got[1] == {"timeout": 1.0}
+    assert got[0]["timeout"] == 1.0
     _assert_timed_out(got[0]["default_call"])
     assert got[0]["explicit_long"] == ("ok", 2)
     assert got[0]["quick"] == ("ok", 3)
@@ -225,14 +237,18 @@ def test_rpc_timeout_option_sets_the_default_timeout(world):
 
 @pytest.mark.spec("ERR-4")
 def test_zero_timeout_never_expires(world):
-    got = world.spawn(_prog_zero_timeout)
-    assert got[0] == {"sync": ("ok", "s"), "async": ("ok", "a"), "to_here": ("ok", "r")}
+    got = world.run_on(0, _prog_zero_timeout)
+    assert got["sync"] == ("ok", "s")
+    assert got["async"] == ("ok", "a")
+    assert got["to_here"] == ("ok", "r")
+    _assert_timed_out(got["default"])
 
 
 @pytest.mark.spec("ERR-4", "LIFE-7")
 def test_set_rpc_timeout_applies_only_to_later_calls(world):
-    got = world.spawn(_prog_set_rpc_timeout)[0]
+    got = world.run_on(0, _prog_set_rpc_timeout)
     assert got["timeout_after_set"] == 5.0
+    assert got["restored"] == 60.0
     _assert_timed_out(got["early"])
     assert got["later"] == ("ok", "later")
     _assert_timed_out(got["shortened"])
