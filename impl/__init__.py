@@ -1,1 +1,26 @@
-"""twinrpc.impl: the real multiprocess world over gloo process groups (issue #3, in progress)."""
+"""twinrpc.impl: the real multiprocess world over gloo process groups.
+
+``init_rpc`` outside a simulation joins this world: rendezvous through a ``torch.distributed`` store
+(``env://``, ``tcp://``, ``file://``), one private gloo process group per pair of workers, tensors sent
+as raw gloo buffers, a receiver thread per peer, a request pool and a timer thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twinrpc._worker_info import WorkerInfo
+
+from ._rendezvous import join
+from ._world import GlooWorld
+
+__all__ = ["GlooWorld", "connect"]
+
+
+def connect(
+    *, name: str, rank: int, world_size: int | None, options: Any, generation: int
+) -> tuple[GlooWorld, WorkerInfo, list[WorkerInfo]]:
+    """Join the gloo world as ``name``; blocks until every worker has joined."""
+    joined = join(name, rank, world_size, options.init_method, options.rpc_timeout, generation)
+    world = GlooWorld(joined, options.num_worker_threads)
+    return world, joined.workers[joined.rank], joined.workers

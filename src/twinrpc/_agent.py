@@ -102,6 +102,7 @@ class RpcAgent:
         self._gathered: dict[Any, dict[int, Any]] = {}
         self._gather_done: dict[Any, Future[Any]] = {}
         self._scattered: dict[Any, Future[Any]] = {}
+        self._peer_errors: dict[int, BaseException] = {}
         self.running = True
         self.rrefs = RRefContext(self)
         self.leader = min(self.workers, key=lambda w: w.name)
@@ -266,6 +267,26 @@ class RpcAgent:
         if pending is not None:
             pending.fut.set_exception(exc)
             self._call_ended()
+
+    def on_peer_failed(self, peer: int, exc: BaseException) -> None:
+        """A peer died or left: fail every call pending on it and every collective that needs it."""
+        with self._lock:
+            dead = [(mid, p) for mid, p in self._pending.items() if p.dst == peer]
+            for mid, _ in dead:
+                del self._pending[mid]
+            # Requests to it will never be served: keep the join accounting balanced.
+            self._sent_requests -= len(dead)
+            waits = list(self._gather_done.values()) if self.info.id == self.leader.id else []
+            if peer == self.leader.id:
+                waits += list(self._scattered.values())
+            self._peer_errors[peer] = exc
+        for _, p in dead:
+            if p.timer is not None:
+                p.timer.cancel()
+            p.fut.set_exception(exc)
+            self._call_ended()
+        for fut in waits:
+            fut.try_set_exception(exc)
 
     # -- incoming -------------------------------------------------------------------------------
     def on_message(self, msg: Message) -> None:
@@ -453,6 +474,11 @@ class RpcAgent:
         """Gather one value per worker through the leader (lexicographically smallest name)."""
         n = len(self.workers)
         me = self.info.id
+        with self._lock:
+            needed = [w.id for w in self.workers if w.id != me] if me == self.leader.id else [self.leader.id]
+            errors = [self._peer_errors[r] for r in needed if r in self._peer_errors]
+        if errors:
+            raise errors[0]  # a worker this collective needs is dead: fail instead of waiting forever
         if me == self.leader.id:
             with self._lock:
                 got = self._gathered.setdefault(tag, {})
