@@ -11,12 +11,22 @@ Run a program as N workers in one process::
 from __future__ import annotations
 
 from ._errors import SimulationDeadlock, SimulationError
+from ._faults import Delay, Deliver, Drop, Duplicate, FaultPlan, Hold
+from ._monitors import MonitorViolation, RRefMonitor
 from ._network import NetworkModel
 from ._simulation import RunResult, Simulation, WorkerOutcome, now, sleep
 from ._trace import Trace, TraceEvent
 
 __all__ = [
+    "Delay",
+    "Deliver",
+    "Drop",
+    "Duplicate",
+    "FaultPlan",
+    "Hold",
+    "MonitorViolation",
     "NetworkModel",
+    "RRefMonitor",
     "RunResult",
     "Simulation",
     "SimulationDeadlock",

@@ -12,6 +12,8 @@ from twinrpc._message import REQUEST_KINDS, Message
 from twinrpc._worker_info import WorkerInfo
 
 from ._errors import SimulationError
+from ._faults import DEFAULT_GC_DELAY, FaultPlan, NetworkFaults
+from ._monitors import RRefMonitor
 from ._network import NetworkModel
 from ._scheduler import Scheduler
 from ._trace import Trace
@@ -66,6 +68,10 @@ class Simulation:
         network: the network model (latency, jitter, bandwidth).
         trace: record a trace (needed for digests and timelines).
         max_time: fail the run if virtual time passes this many seconds.
+        faults: a :class:`~twinrpc.simulator.FaultPlan` (delay, drop, duplicate, hold; and the bound
+            of the seeded delay before a dead user RRef's delete is sent).
+        monitors: check the RRef invariants online (G1, G2, no value freed while a user exists, no
+            leak after graceful shutdown); a violation fails the run with ``MonitorViolation``.
     """
 
     def __init__(
@@ -76,6 +82,8 @@ class Simulation:
         *,
         trace: bool = True,
         max_time: float | None = None,
+        faults: FaultPlan | None = None,
+        monitors: bool = True,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -89,6 +97,10 @@ class Simulation:
         self._rendezvous: dict[int, dict[int, str]] = {}
         self._rendezvous_done: dict[int, Future[None]] = {}
         self._used = False
+        # RRef checking hooks (simulator/_faults.py, simulator/_monitors.py); None = off, no cost.
+        self.faults = NetworkFaults(self, faults) if faults is not None else None
+        self.gc_delay = faults.gc_delay if faults is not None else DEFAULT_GC_DELAY
+        self.monitor = RRefMonitor(self) if monitors else None
 
     @property
     def now(self) -> float:

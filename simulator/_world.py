@@ -93,7 +93,10 @@ class SimWorld:
         nbytes = msg.nbytes
         delay = sim.network.delay(msg.src, msg.dst, nbytes, sim.sched.rng)
         sim.trace.record(self.sched.now, self.rank, "send", (int(msg.kind), msg.id, msg.src, msg.dst, nbytes))
-        self.sched.schedule(delay, sim._deliver, msg)
+        if sim.faults is None:
+            self.sched.schedule(delay, sim._deliver, msg)
+        else:  # fault hook (simulator/_faults.py): delay, drop, duplicate, hold
+            sim.faults.route(msg, delay)
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         self.worker.spawn(getattr(fn, "__name__", "task"), fn, *args)
@@ -125,8 +128,17 @@ class SimWorld:
     def call_later(self, delay: float, fn: Callable[[], Any]) -> TimerHandle:
         return self.sched.call_later(delay, lambda: self.worker.spawn("timer", fn))
 
+    def schedule_gc_callback(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` on a task after a seeded delay in [0, gc_delay): when a dead user RRef's
+        delete is sent is a scheduling choice of the simulation (twinrpc._rref_context)."""
+        sim = self.sim
+        delay = sim.sched.rng.random() * sim.gc_delay
+        self.sched.call_later(delay, lambda: self.worker.spawn("rref-delete", fn))
+
     def start(self, agent: RpcAgent) -> None:
         self.agent = agent
+        if self.sim.monitor is not None:  # online RRef monitors (simulator/_monitors.py)
+            agent.rrefs.observer = self.sim.monitor
         early, self._early = self._early, []
         for msg in early:
             self.worker.spawn("deliver", agent.on_message, msg)

@@ -29,7 +29,7 @@ from ._errors import (
     serialization_error,
 )
 from ._future import Future
-from ._message import REQUEST_KINDS, Kind, Message
+from ._message import REQUEST_KINDS, RREF_CONTROL_KINDS, Kind, Message
 from ._rref import OwnerState, RRef, UserState
 from ._rref_context import RRefContext
 from ._worker_info import WorkerInfo
@@ -189,9 +189,16 @@ class RpcAgent:
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         if dst.id == self.info.id:
             owner = self.rrefs.new_owner_for_remote_to_self()
-            fut = self.request(
-                dst.id, Kind.REMOTE_CALL, (owner.rref_id, owner.rref_id, func, args, kwargs), timeout
-            )
+            try:
+                fut = self.request(
+                    dst.id, Kind.REMOTE_CALL, (owner.rref_id, owner.rref_id, func, args, kwargs), timeout
+                )
+            except BaseException as exc:
+                # Nothing was sent (e.g. an unpicklable argument): release the self-fork, or the owner
+                # would leak it until shutdown (found by the simulator's SHUT-1 no-leak monitor).
+                owner.value.try_set_exception(exc)
+                self.rrefs._drop_fork(owner.rref_id, owner.rref_id)
+                raise
             fut.add_done_callback(lambda f: self._remote_to_self_done(f, owner))
             rref = RRef._wrap(self, owner)
             return rref
@@ -350,8 +357,12 @@ class RpcAgent:
                 ),
             )
             return
-        for user in load.unconfirmed_rrefs:  # RREF-F3: run only once argument RRefs are confirmed
-            user.confirmed.wait()
+        try:
+            for user in load.unconfirmed_rrefs:  # RREF-F3: run only once argument RRefs are confirmed
+                user.confirmed.wait()
+        except BaseException as exc:  # the owner could not be reached to confirm a fork
+            self._reply_error(msg, exc)
+            return
         kind = msg.kind
         try:
             if kind is Kind.CALL:
@@ -359,9 +370,7 @@ class RpcAgent:
                 self._run(msg, func, args, kwargs, on_value=None)
             elif kind is Kind.REMOTE_CALL:
                 rref_id, fork_id, func, args, kwargs = obj
-                owner = self.rrefs.get_or_create_owner(rref_id)
-                if fork_id != rref_id:
-                    self.rrefs.on_fork_request(rref_id, fork_id)
+                owner = self.rrefs.create_owner_for_remote(rref_id, fork_id)
                 self._run(msg, func, args, kwargs, on_value=owner)
             elif kind is Kind.RREF_FETCH:
                 owner = self.rrefs.get_or_create_owner(obj)
@@ -369,15 +378,21 @@ class RpcAgent:
             elif kind is Kind.RREF_TYPE:
                 owner = self.rrefs.get_or_create_owner(obj)
                 owner.value.add_done_callback(lambda f: self._reply_from(msg, f, transform=type))
-            elif kind is Kind.RREF_USER_DELETE:
-                self.rrefs.on_user_delete(*obj)
-                self._reply(msg, None)
-            elif kind is Kind.RREF_FORK_REQUEST:
-                self.rrefs.on_fork_request(*obj)
-                self._reply(msg, None)
-            elif kind is Kind.RREF_CHILD_ACCEPT:
-                self.rrefs.on_child_accept(obj)
-                self._reply(msg, None)
+            elif kind in RREF_CONTROL_KINDS:
+                # RRef control messages are resent until acked; a duplicate is acked without being
+                # handled or counted as served again (join counts logical requests; _rref_context).
+                fresh, body = self.rrefs.accept_control(msg.src, obj)
+                if fresh:
+                    if kind is Kind.RREF_USER_DELETE:
+                        self.rrefs.on_user_delete(*body)
+                    elif kind is Kind.RREF_FORK_REQUEST:
+                        self.rrefs.on_fork_request(*body)
+                    else:
+                        self.rrefs.on_child_accept(body)
+                    self._reply(msg, None)
+                else:
+                    payload, _ = _serialize.dumps(None)
+                    self.world.send(Message(Kind.RESPONSE, msg.id, self.info.id, msg.src, payload))
             else:
                 self._reply_error(msg, RPCError(f"{self.info} cannot serve a {kind.name} request"))
         except BaseException as exc:
@@ -586,13 +601,14 @@ class RpcAgent:
         self.world.call_later(seconds, lambda: fut.set_result(None))
         fut.wait()
 
-    def shutdown(self, graceful: bool, timeout: float) -> None:
+    def shutdown(self, graceful: bool, timeout: float, *, ignore_rref_leak: bool = True) -> None:
         try:
             if graceful:
                 self.all_gather(("shutdown",), None, timeout)
                 self.join(timeout)
-                self.rrefs.delete_all_users()
                 drain_bound = timeout if timeout > 0 else _OWNER_DRAIN_TIMEOUT
+                # RRefs (SHUT-1 step 2): confirm pending forks, delete every user RRef held here.
+                self.rrefs.release_for_shutdown(drain_bound)
                 try:
                     self._wait_bounded(
                         self.rrefs.wait_owners_drained(),
@@ -606,17 +622,19 @@ class RpcAgent:
                     _log.warning("twinrpc: %s", exc)
                 self.join(timeout)
         finally:
-            self.finalize()
+            self.finalize(graceful=graceful, ignore_rref_leak=ignore_rref_leak)
 
-    def finalize(self) -> None:
-        """Local teardown: stop the world, fail whatever is still pending."""
+    def finalize(self, *, graceful: bool = False, ignore_rref_leak: bool = True) -> None:
+        """Local teardown: stop the world, fail whatever is still pending.
+
+        Raises:
+            RuntimeError: "Leaking RRef ..." when an owner still has forks and ``ignore_rref_leak`` is
+                False (SHUT-4), after the teardown completed.
+        """
         if not self.running:
             return
         self.running = False
-        self.rrefs.closed = True
-        leaks = self.rrefs.leaks()
-        if leaks:
-            _log.warning("twinrpc: Detected RRef Leaks during shutdown on %s: %s", self.info, leaks)
+        leak_error = self.rrefs.close(graceful, ignore_rref_leak)  # RRef leak check (SHUT-4)
         with self._lock:
             pending, self._pending = self._pending, {}
         for p in pending.values():
@@ -628,6 +646,8 @@ class RpcAgent:
                 )
             )
         self.world.stop()
+        if leak_error is not None:
+            raise leak_error
 
     def statistics(self) -> dict[str, Any]:
         with self._lock:

@@ -48,13 +48,21 @@ class ForkData:
 
 
 class OwnerState:
-    """The single owner of a value. ``value`` completes when the creating function finishes."""
+    """The single owner of a value. ``value`` completes when the creating function finishes.
 
-    __slots__ = ("__weakref__", "rref_id", "value")
+    ``created`` is False while the owner exists only because a request about it (a fetch, a fork
+    request, a phantom fork) overtook the ``remote()`` call that creates it; PyTorch counts such
+    owners as "pending futures" in its debug info.
+    """
 
-    def __init__(self, rref_id: GloballyUniqueId) -> None:
+    __slots__ = ("__weakref__", "created", "rref_id", "type_future", "value")
+
+    def __init__(self, rref_id: GloballyUniqueId, *, created: bool = True) -> None:
         self.rref_id = rref_id
         self.value: Future[Any] = Future()
+        self.created = created
+        #: the cached ``_get_type`` future (RREF-7: the same Future on every non-blocking call)
+        self.type_future: Future[type] | None = None
 
     is_owner = True
 
@@ -98,6 +106,9 @@ class UserState:
     is_owner = False
 
     def __del__(self) -> None:
+        # The last Python reference went away. The delete message is not sent from here: __del__
+        # can run inside any code that allocates (holding any lock), so the context defers the send
+        # to a task of the world (G1, RREF-D1).
         if not self.deleted:
             self.agent.rrefs.user_died(self)
 

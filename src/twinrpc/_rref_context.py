@@ -4,13 +4,26 @@ Bookkeeping (all guarded by one lock):
 
 - ``owners``: rref id -> OwnerState, for values that were forked at least once (RREF-3);
 - ``forks``: rref id -> the fork ids the owner knows to be alive; the owner drops the value when the
-  set becomes empty (RREF-D1);
+  set becomes empty and the value exists (RREF-D1);
 - ``pending_users``: forks this worker holds that the owner has not confirmed yet (strong refs, so an
   unconfirmed user cannot die early);
 - ``pending_children``: forks this worker (a user) sent whose owner confirmation has not reached us;
   the parent is kept alive until then (G2).
 
-Control messages (user delete, fork request, child accept) are requests answered by an ack.
+Control messages (user delete, fork request, child accept) are requests answered by an ack. They are
+**retried** when the ack does not come within a retry interval (a lost message or a lost ack), with
+exponential backoff, until acked, the peer is known dead, or this agent shuts down. Every control
+message carries ``(seq, low, body)``: ``seq`` numbers the logical message per destination and is reused
+by its resends; ``low`` is the smallest sequence number the sender has not seen acked yet, so the
+receiver can forget everything below it. The receiver handles each ``seq`` once and acks duplicates
+without handling them again, so a duplicated or resent fork request can never resurrect a fork that
+was deleted in between. Its memory is bounded by the number of unacked messages.
+
+Deletion of a user RRef whose last Python reference went away (``UserState.__del__``) is deferred to
+a task of the world (``World.schedule_gc_callback`` when the world has it, else ``World.spawn``):
+``__del__`` may run inside any allocation, holding any lock, so sending from it could deadlock. In the
+simulator the deferral is a seeded delay: *when* garbage collection triggers the delete is a
+scheduling choice the simulation explores.
 """
 
 from __future__ import annotations
@@ -19,9 +32,10 @@ import itertools
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ._errors import RPCError
+from ._errors import RPCError, RPCTimeoutError, ShutdownError
 from ._future import Future
 from ._message import Kind
 from ._rref import RREF_TIMEOUT_MSG, ForkData, GloballyUniqueId, OwnerState, RRef, UserState
@@ -31,6 +45,60 @@ if TYPE_CHECKING:
     from ._agent import RpcAgent
 
 _log = logging.getLogger("twinrpc")
+
+#: first resend of an unacked control message after this many seconds of the world's clock
+CONTROL_RETRY_INITIAL = 1.0
+#: the backoff doubles up to this interval
+CONTROL_RETRY_MAX = 16.0
+#: how long graceful shutdown waits for pending users/children to be confirmed (PyTorch: 100 s)
+PENDING_CONFIRM_TIMEOUT = 100.0
+
+#: TEST-ONLY switch: when True, a user that forks its RRef does NOT keep itself alive until the owner
+#: accepted the child, i.e. guarantee G2 is broken on purpose. The simulator's monitors and the
+#: property tests must catch this (tests/test_rref_properties.py). Never set it in real programs.
+_testing_disable_g2 = False
+
+_LEAK_WARNING = (
+    "Detected RRef Leaks during shutdown. This usually occurs when the application code still holds "
+    "references to RRef instances when calling shutdown(). If the program has completed correctly and "
+    "the process is exiting, it is OK to ignore these leaks. However, if you program will keep running "
+    "after this, these leaks could result in memory leaks on RRef owners. Please make sure all RRefs "
+    "are out of scope and Python GC has deleted them before calling shutdown(): \n"
+)
+
+
+class RRefObserver(Protocol):
+    """What the simulator's online monitors (``simulator/_monitors.py``) are told. ``rank`` is the
+    worker whose context reports the event. Only set in simulations with monitors on."""
+
+    def user_created(self, rank: int, state: UserState) -> None: ...
+    def user_deleted(self, rank: int, state: UserState, notified: bool) -> None: ...
+    def child_forked(self, rank: int, parent: UserState, child_fork_id: GloballyUniqueId) -> None: ...
+    def fork_known(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None: ...
+    def delete_heard(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None: ...
+    def owner_registered(self, rank: int, state: OwnerState) -> None: ...
+    def owner_dropped(self, rank: int, state: OwnerState) -> None: ...
+    def closed(self, rank: int, graceful: bool) -> None: ...
+
+
+class _Outbox:
+    """Sender side of the control channel to one peer."""
+
+    __slots__ = ("seq", "unacked")
+
+    def __init__(self) -> None:
+        self.seq = itertools.count()
+        self.unacked: set[int] = set()
+
+
+class _Inbox:
+    """Receiver side of the control channel from one peer: which sequence numbers were handled."""
+
+    __slots__ = ("floor", "seen")
+
+    def __init__(self) -> None:
+        self.floor = 0  # every seq below this was handled (the sender saw it acked)
+        self.seen: set[int] = set()  # handled seqs >= floor
 
 
 class RRefContext:
@@ -42,10 +110,18 @@ class RRefContext:
         self.owners: dict[GloballyUniqueId, OwnerState] = {}
         self.forks: dict[GloballyUniqueId, set[GloballyUniqueId]] = {}
         self.pending_users: dict[GloballyUniqueId, UserState] = {}
-        self.pending_children: dict[GloballyUniqueId, Any] = {}
+        self.pending_children: dict[GloballyUniqueId, UserState] = {}
         self.users: weakref.WeakValueDictionary[GloballyUniqueId, UserState] = weakref.WeakValueDictionary()
+        #: deletes of dead users not sent yet: fork id -> (owner rank, rref id)
+        self._deferred_deletes: dict[GloballyUniqueId, tuple[int, GloballyUniqueId]] = {}
+        self._outboxes: dict[int, _Outbox] = {}
+        self._inboxes: dict[int, _Inbox] = {}
         self._owners_empty: Future[None] | None = None
+        self._pending_empty: Future[None] | None = None
         self.closed = False
+        #: control-message resends so far (observability; the soak and property tests read it)
+        self.control_resends = 0
+        self.observer: RRefObserver | None = None
 
     def new_id(self) -> GloballyUniqueId:
         return GloballyUniqueId(self.rank, next(self._counter))
@@ -58,12 +134,33 @@ class RRefContext:
         return state
 
     def get_or_create_owner(self, rref_id: GloballyUniqueId) -> OwnerState:
+        """The owner of ``rref_id``; if a request about it overtook its ``remote()``, a placeholder
+        that the ``remote()`` call fills in (requests wait on its ``value``)."""
         with self._lock:
             state = self.owners.get(rref_id)
             if state is None:
-                state = self.owners[rref_id] = OwnerState(rref_id)
+                state = self.owners[rref_id] = OwnerState(rref_id, created=False)
                 self.forks.setdefault(rref_id, set())
-            return state
+                new = True
+            else:
+                new = False
+        if new and self.observer is not None:
+            self.observer.owner_registered(self.rank, state)
+        return state
+
+    def create_owner_for_remote(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> OwnerState:
+        """A ``REMOTE_CALL`` arrived: create (or complete) the owner and record the caller's fork."""
+        state = self.get_or_create_owner(rref_id)
+        state.created = True
+        if fork_id != rref_id:
+            self._add_fork(rref_id, fork_id)
+        return state
+
+    def _add_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+        with self._lock:
+            self.forks.setdefault(rref_id, set()).add(fork_id)
+        if self.observer is not None:
+            self.observer.fork_known(self.rank, rref_id, fork_id)
 
     def _drop_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         with self._lock:
@@ -71,15 +168,31 @@ class RRefContext:
             if forks is None:
                 return
             forks.discard(fork_id)
-            if not forks:
-                del self.forks[rref_id]
-                self.owners.pop(rref_id, None)
+        self._maybe_drop_owner(rref_id)
+
+    def _maybe_drop_owner(self, rref_id: GloballyUniqueId) -> None:
+        """Drop the owner when no live fork is known and its value exists (RREF-D1).
+
+        An owner whose value is still being created is kept: requests (fetches) may be waiting on it,
+        and the ``remote()`` that creates it will register its own fork when it arrives.
+        """
+        done: Future[None] | None = None
+        with self._lock:
+            forks = self.forks.get(rref_id)
+            state = self.owners.get(rref_id)
+            if forks or state is None:
+                return
+            creating = not state.value.done()
+            if not creating:
+                self.forks.pop(rref_id, None)
+                del self.owners[rref_id]
                 if not self.owners and self._owners_empty is not None:
                     done, self._owners_empty = self._owners_empty, None
-                else:
-                    done = None
-            else:
-                done = None
+        if creating:
+            state.value.add_done_callback(lambda _f: self._maybe_drop_owner(rref_id))
+            return
+        if self.observer is not None:
+            self.observer.owner_dropped(self.rank, state)
         if done is not None:
             done.set_result(None)
 
@@ -87,9 +200,12 @@ class RRefContext:
     def new_owner_for_remote_to_self(self) -> OwnerState:
         """remote() to this worker: the owner exists at once with a self-fork (RREF-2)."""
         rref_id = self.new_id()
+        state = OwnerState(rref_id)
         with self._lock:
-            state = self.owners[rref_id] = OwnerState(rref_id)
+            self.owners[rref_id] = state
             self.forks[rref_id] = {rref_id}
+        if self.observer is not None:
+            self.observer.owner_registered(self.rank, state)
         return state
 
     def new_user_for_remote(self, owner: int) -> UserState:
@@ -100,35 +216,64 @@ class RRefContext:
         with self._lock:
             self.pending_users[fork_id] = state
             self.users[fork_id] = state
+        if self.observer is not None:
+            self.observer.user_created(self.rank, state)
         return state
 
     def confirm_user(self, state: UserState) -> None:
         with self._lock:
             self.pending_users.pop(state.fork_id, None)
+            done = self._check_pending_empty()
         state.reported_confirmed = True
         state.confirmed.try_set_result(None)
+        if done is not None:
+            done.set_result(None)
 
     def remote_timed_out(self, state: UserState) -> None:
+        """ERR-5: the user is unusable; as in PyTorch it never sends a delete (the owner may not even
+        have the RRef), so an owner that did create it reports a leak at shutdown."""
         state.timed_out = True
         with self._lock:
             self.pending_users.pop(state.fork_id, None)
+            done = self._check_pending_empty()
+        state.confirmed.try_set_exception(RPCError(RREF_TIMEOUT_MSG))
+        if self.observer is not None:
+            self.observer.user_deleted(self.rank, state, False)  # unusable from now on; never notifies
+        if done is not None:
+            done.set_result(None)
+
+    def _check_pending_empty(self) -> Future[None] | None:
+        # under self._lock
+        if self.pending_users or self.pending_children or self._pending_empty is None:
+            return None
+        done, self._pending_empty = self._pending_empty, None
+        return done
 
     # -- forks: pickling and unpickling ------------------------------------------------------
     def fork(self, rref: RRef[Any], dst: int) -> ForkData:
         """Pickle ``rref`` for a message to ``dst`` (RREF-F1)."""
         state = rref._state
-        fork_id = self.new_id()
         if isinstance(state, OwnerState):
+            fork_id = self.new_id()
             with self._lock:
+                new = state.rref_id not in self.owners
                 self.owners.setdefault(state.rref_id, state)
                 self.forks.setdefault(state.rref_id, set()).add(fork_id)
+            if self.observer is not None:
+                if new:
+                    self.observer.owner_registered(self.rank, state)
+                self.observer.fork_known(self.rank, state.rref_id, fork_id)
             return ForkData(self.rank, state.rref_id, fork_id, self.rank)
         if state.timed_out:
             raise RPCError(RREF_TIMEOUT_MSG)
         if state.deleted:
             raise RuntimeError(f"Cannot call fork an UserRRef after deletion. ({rref})")
-        with self._lock:
-            self.pending_children[fork_id] = state  # G2: the parent lives until the child is accepted
+        fork_id = self.new_id()
+        if not _testing_disable_g2:
+            with self._lock:
+                self.pending_children[fork_id] = state  # G2: the parent lives until the child is accepted
+        if self.observer is not None:
+            self.observer.child_forked(self.rank, state, fork_id)
         return ForkData(state.owner, state.rref_id, fork_id, self.rank)
 
     def rebuild(self, data: ForkData, src: int, load: LoadState) -> RRef[Any]:
@@ -140,20 +285,24 @@ class RRefContext:
                 self._drop_fork(data.rref_id, data.fork_id)  # the owner sent its RRef to itself
             else:
                 # A phantom fork: never added to the owner's forks; the parent may now let go.
-                self.send_control(data.parent, Kind.RREF_CHILD_ACCEPT, data.fork_id)
+                if self.observer is not None:
+                    self.observer.fork_known(self.rank, data.rref_id, data.fork_id)
+                self._send_quietly(data.parent, Kind.RREF_CHILD_ACCEPT, data.fork_id)
             return RRef._wrap(agent, owner)
         state = UserState(agent, data.owner, data.rref_id, data.fork_id)
         with self._lock:
             self.users[data.fork_id] = state
+            if data.parent != data.owner:
+                self.pending_users[data.fork_id] = state
+        if self.observer is not None:
+            self.observer.user_created(self.rank, state)
         if data.parent == data.owner:
             # The owner registered this fork when it pickled it: safe at once (reports False, RREF-6).
             state.confirmed.set_result(None)
         else:
-            with self._lock:
-                self.pending_users[data.fork_id] = state
             load.unconfirmed_rrefs.append(state)
-            fut = self.send_control(data.owner, Kind.RREF_FORK_REQUEST, (data.rref_id, data.fork_id))
             parent = data.parent
+            fut = self.send_control(data.owner, Kind.RREF_FORK_REQUEST, (data.rref_id, data.fork_id))
             fut.add_done_callback(lambda f: self._fork_request_acked(f, state, parent))
         return RRef._wrap(agent, state)
 
@@ -162,43 +311,198 @@ class RRefContext:
             f.wait()
         except BaseException as exc:
             _log.warning("twinrpc: fork request for %s failed: %s", state.fork_id, exc)
+            with self._lock:
+                self.pending_users.pop(state.fork_id, None)
+                done = self._check_pending_empty()
+            state.confirmed.try_set_exception(exc)
+            if done is not None:
+                done.set_result(None)
             return
         self.confirm_user(state)
-        self.send_control(parent, Kind.RREF_CHILD_ACCEPT, state.fork_id)
+        self._send_quietly(parent, Kind.RREF_CHILD_ACCEPT, state.fork_id)
 
-    def send_control(self, dst: int, kind: Kind, obj: Any) -> Future[Any]:
-        return self.agent.request(dst, kind, obj, timeout=0)
+    # -- the control channel ----------------------------------------------------------------
+    def send_control(self, dst: int, kind: Kind, body: Any) -> Future[None]:
+        """Send a control message to ``dst``, resending it until acked (see the module docstring).
 
-    # -- control message handlers (run on the receiving worker) ------------------------------
+        The returned future completes when the ack arrives, or fails when the peer is unreachable or
+        this agent shuts down.
+        """
+        with self._lock:
+            out = self._outboxes.get(dst)
+            if out is None:
+                out = self._outboxes[dst] = _Outbox()
+            seq = next(out.seq)
+            out.unacked.add(seq)
+        done: Future[None] = Future()
+        done.label = f"ack of {kind.name} seq {seq} from rank {dst}"
+        self._attempt(dst, kind, seq, body, done, 0)
+        return done
+
+    def _attempt(self, dst: int, kind: Kind, seq: int, body: Any, done: Future[None], attempt: int) -> None:
+        out = self._outboxes[dst]
+        if self.closed and attempt:
+            out.unacked.discard(seq)
+            done.try_set_exception(ShutdownError(f"{kind.name} to rank {dst} abandoned: RPC shut down"))
+            return
+        with self._lock:
+            low = min(out.unacked)
+        interval = min(CONTROL_RETRY_INITIAL * (2**attempt), CONTROL_RETRY_MAX)
+        agent = self.agent
+        try:
+            fut = agent.request(dst, kind, (seq, low, body), interval)
+        except BaseException as exc:
+            with self._lock:
+                out.unacked.discard(seq)
+            done.try_set_exception(exc)
+            return
+        if attempt:
+            # A resend is the same logical request: join() (SHUT-1) counts logical requests sent
+            # against requests served, and the receiver serves (and counts) a seq only once.
+            with agent._lock:
+                agent._sent_requests -= 1
+            with self._lock:
+                self.control_resends += 1
+        fut.add_done_callback(lambda f: self._attempt_done(f, dst, kind, seq, body, done, attempt))
+
+    def _attempt_done(
+        self, f: Future[Any], dst: int, kind: Kind, seq: int, body: Any, done: Future[None], attempt: int
+    ) -> None:
+        try:
+            f.wait()
+        except RPCTimeoutError:
+            _log.debug("twinrpc: no ack for %s seq %d to rank %d; resending", kind.name, seq, dst)
+            self._attempt(dst, kind, seq, body, done, attempt + 1)
+            return
+        except BaseException as exc:
+            with self._lock:
+                self._outboxes[dst].unacked.discard(seq)
+            done.try_set_exception(exc)
+            return
+        with self._lock:
+            self._outboxes[dst].unacked.discard(seq)
+        done.try_set_result(None)
+
+    def _send_quietly(self, dst: int, kind: Kind, body: Any) -> None:
+        """Fire-and-forget control message (retried); failures are only logged."""
+        try:
+            fut = self.send_control(dst, kind, body)
+        except Exception as exc:  # the agent may be going away
+            _log.debug("twinrpc: could not send %s to rank %d: %s", kind.name, dst, exc)
+            return
+        fut.add_done_callback(lambda f: _log_failure(f, kind, dst))
+
+    def accept_control(self, src: int, payload: Any) -> tuple[bool, Any]:
+        """Receiver side: ``(fresh, body)``; ``fresh`` is False for a duplicate or a resend of a
+        message already handled (it must be acked, not handled again)."""
+        seq, low, body = payload
+        with self._lock:
+            inbox = self._inboxes.get(src)
+            if inbox is None:
+                inbox = self._inboxes[src] = _Inbox()
+            if low > inbox.floor:
+                inbox.floor = low
+                inbox.seen = {s for s in inbox.seen if s >= low}
+            if seq < inbox.floor or seq in inbox.seen:
+                return False, body
+            inbox.seen.add(seq)
+        return True, body
+
+    # -- control message handlers (run on the receiving worker, each at most once per message) --
     def on_user_delete(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+        if self.observer is not None:
+            self.observer.delete_heard(self.rank, rref_id, fork_id)
         self._drop_fork(rref_id, fork_id)
 
     def on_fork_request(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         self.get_or_create_owner(rref_id)
-        with self._lock:
-            self.forks.setdefault(rref_id, set()).add(fork_id)
+        self._add_fork(rref_id, fork_id)
 
     def on_child_accept(self, fork_id: GloballyUniqueId) -> None:
         with self._lock:
             self.pending_children.pop(fork_id, None)
+            done = self._check_pending_empty()
+        if done is not None:
+            done.set_result(None)
 
     # -- deletion -----------------------------------------------------------------------------
     def user_died(self, state: UserState) -> None:
-        """The last Python reference to a user went away: tell the owner once (G1)."""
-        if state.deleted or self.closed or state.timed_out:
+        """The last Python reference to a user went away: tell the owner once (G1).
+
+        Called from ``UserState.__del__``: only bookkeeping here; the message goes out on a task.
+        """
+        if state.deleted:
             return
         state.deleted = True
-        try:
-            self.send_control(state.owner, Kind.RREF_USER_DELETE, (state.rref_id, state.fork_id))
-        except Exception as exc:  # the agent may be going away; nothing else can be done
-            _log.debug("twinrpc: could not send RREF_USER_DELETE for %s: %s", state.fork_id, exc)
-
-    def delete_all_users(self) -> None:
-        """Graceful shutdown: delete every live user this worker holds (SHUT-1 step 2)."""
+        notify = not (self.closed or state.timed_out)
+        if self.observer is not None:
+            self.observer.user_deleted(self.rank, state, notify)
+        if not notify:
+            return
+        fork_id, owner, rref_id = state.fork_id, state.owner, state.rref_id
         with self._lock:
-            users = [u for u in self.users.values() if not u.deleted and u.confirmed.done()]
+            self._deferred_deletes[fork_id] = (owner, rref_id)
+        world = self.agent.world
+        schedule: Callable[[Callable[[], Any]], None] | None = getattr(world, "schedule_gc_callback", None)
+        try:
+            if schedule is not None:
+                schedule(lambda: self._send_deferred_delete(fork_id))
+            else:
+                world.spawn(self._send_deferred_delete, fork_id)
+        except Exception as exc:  # the world is stopping; shutdown's flush sends it if still possible
+            _log.debug("twinrpc: could not schedule RREF_USER_DELETE for %s: %s", fork_id, exc)
+
+    def _send_deferred_delete(self, fork_id: GloballyUniqueId) -> None:
+        with self._lock:
+            entry = self._deferred_deletes.pop(fork_id, None)
+        if entry is None or self.closed:
+            return  # already flushed by shutdown, or too late
+        owner, rref_id = entry
+        self._send_quietly(owner, Kind.RREF_USER_DELETE, (rref_id, fork_id))
+
+    def _flush_deferred_deletes(self) -> None:
+        with self._lock:
+            pending, self._deferred_deletes = self._deferred_deletes, {}
+        for fork_id, (owner, rref_id) in sorted(pending.items()):
+            self._send_quietly(owner, Kind.RREF_USER_DELETE, (rref_id, fork_id))
+
+    def release_for_shutdown(self, timeout: float) -> None:
+        """Graceful shutdown, SHUT-1 step 2: wait (bounded, only logged) until pending users and
+        children are confirmed, delete every live user RRef this worker holds, and send the deletes
+        of dead users still deferred. Waiting for this worker's own owners is the agent's next step."""
+        with self._lock:
+            if self.pending_users or self.pending_children:
+                if self._pending_empty is None:
+                    self._pending_empty = Future()
+                    self._pending_empty.label = f"rank {self.rank}'s pending RRef forks to be confirmed"
+                pending: Future[None] | None = self._pending_empty
+            else:
+                pending = None
+        if pending is not None:
+            try:
+                self.agent._wait_bounded(
+                    pending,
+                    timeout,
+                    lambda: (
+                        f"{self.agent.info} timed out after {timeout} s waiting for pending RRef users and "
+                        "children to be confirmed"
+                    ),
+                )
+            except RPCTimeoutError as exc:  # as in PyTorch, only logged
+                _log.warning("twinrpc: %s", exc)
+        self._flush_deferred_deletes()
+        with self._lock:
+            users = sorted(
+                (u for u in self.users.values() if not u.deleted and u.confirmed.done()),
+                key=lambda u: u.fork_id,
+            )
         for user in users:
             self.user_died(user)
+        self._flush_deferred_deletes()
+
+    def delete_all_users(self) -> None:
+        """Delete every live user this worker holds, without waiting (see release_for_shutdown)."""
+        self.release_for_shutdown(0.0)
 
     def wait_owners_drained(self) -> Future[None]:
         """A future that completes when this worker owns no forked value any more."""
@@ -209,11 +513,32 @@ class RRefContext:
                 return done
             if self._owners_empty is None:
                 self._owners_empty = Future()
+                self._owners_empty.label = f"rank {self.rank}'s owner RRefs to be released (shutdown)"
             return self._owners_empty
 
     def leaks(self) -> list[tuple[GloballyUniqueId, list[GloballyUniqueId]]]:
         with self._lock:
-            return [(rid, sorted(f)) for rid, f in self.forks.items() if f]
+            return [(rid, sorted(f)) for rid, f in sorted(self.forks.items()) if f]
+
+    def close(self, graceful: bool, ignore_leak: bool = True) -> RuntimeError | None:
+        """Local teardown (SHUT-4): stop sending, run the leak check. Returns the error to raise
+        when ``ignore_leak`` is False and an owner still has forks (the caller raises it after the
+        rest of the teardown, as PyTorch's ``_finalize_shutdown``)."""
+        self.closed = True
+        if self.observer is not None:
+            self.observer.closed(self.rank, graceful)
+        leaks = self.leaks()
+        if not leaks:
+            return None
+        lines = "".join(
+            f"Leaking RRef {rref_id} with fork Id {fork_id}\n"
+            for rref_id, forks in leaks
+            for fork_id in forks
+        )
+        _log.warning("twinrpc: %s: %s%s", self.agent.info, _LEAK_WARNING, lines)
+        if ignore_leak:
+            return None
+        return RuntimeError(lines)
 
     # -- values -------------------------------------------------------------------------------
     def to_here(self, rref: RRef[Any], timeout: float) -> Any:
@@ -230,24 +555,55 @@ class RRefContext:
         return self.agent.request(state.owner, Kind.RREF_FETCH, state.rref_id, timeout).wait()
 
     def get_type(self, rref: RRef[Any], timeout: float) -> Future[type]:
+        """RREF-7: the type of the value, one cached Future per RRef (owner or user)."""
         state = rref._state
+        if state.type_future is not None:
+            return state.type_future
         if isinstance(state, OwnerState):
-            return state.value.then(lambda f: type(f.wait()))
-        if state.type_future is None:
-            if state.timed_out:
-                raise RPCError(RREF_TIMEOUT_MSG)
-            state.type_future = self.agent.request(state.owner, Kind.RREF_TYPE, state.rref_id, timeout)
-        return state.type_future
+            state.type_future = state.value.then(_type_of_value)
+            return state.type_future
+        if state.timed_out:
+            raise RPCError(RREF_TIMEOUT_MSG)
+        fut: Future[type] = self.agent.request(state.owner, Kind.RREF_TYPE, state.rref_id, timeout)
+        state.type_future = fut
+        return fut
 
     def backward(self, rref: RRef[Any], ctx_id: int, retain_graph: bool) -> None:
         raise RPCError("RRef.backward needs distributed autograd, which twinrpc does not provide yet")
 
+    # -- observability ------------------------------------------------------------------------
     def statistics(self) -> dict[str, int]:
         with self._lock:
             return {
                 "num_owner_rrefs": len(self.owners),
                 "num_forks": sum(len(f) for f in self.forks.values()),
+                "num_pending_futures": sum(1 for o in self.owners.values() if not o.created),
                 "num_pending_users": len(self.pending_users),
                 "num_pending_children": len(self.pending_children),
                 "num_users": len(self.users),
+                "num_deferred_deletes": len(self._deferred_deletes),
+                "num_control_unacked": sum(len(o.unacked) for o in self._outboxes.values()),
+                "num_control_resends": self.control_resends,
             }
+
+    def debug_info(self) -> dict[str, Any]:
+        """PyTorch's ``_rref_context_get_debug_info()`` keys (string values, as PyTorch) plus twinrpc's
+        own: pending children, live users, and the live fork ids of every owned RRef."""
+        stats = self.statistics()
+        info: dict[str, Any] = {k: str(v) for k, v in stats.items()}
+        with self._lock:
+            info["rref_forks"] = {
+                repr(rid): [repr(f) for f in sorted(forks)] for rid, forks in sorted(self.forks.items())
+            }
+        return info
+
+
+def _type_of_value(f: Future[Any]) -> type:
+    return type(f.wait())
+
+
+def _log_failure(f: Future[Any], kind: Kind, dst: int) -> None:
+    try:
+        f.wait()
+    except BaseException as exc:
+        _log.debug("twinrpc: %s to rank %d was not acknowledged: %s", kind.name, dst, exc)

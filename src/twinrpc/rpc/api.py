@@ -76,8 +76,11 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     """
     agent = current_agent()
     slot = current_slot()
+    # Read once, up front: in a simulation all workers share this module, and a graceful shutdown is
+    # a barrier, so every worker sees the value the program had set when it called shutdown().
+    ignore_rref_leak = bool(_ignore_rref_leak)
     try:
-        agent.shutdown(graceful, float(timeout))
+        agent.shutdown(graceful, float(timeout), ignore_rref_leak=ignore_rref_leak)
     finally:
         if slot.agent is agent:
             slot.agent = None
@@ -191,5 +194,29 @@ def _get_current_rpc_agent() -> RpcAgent:
 
 
 def _get_debug_info() -> dict[str, Any]:
-    """Statistics of this worker's agent and RRef context."""
-    return current_agent().statistics()
+    """This worker's RRef context and agent state, as ``torch.distributed.rpc._get_debug_info()``.
+
+    PyTorch's RRef keys, with string values as in PyTorch: ``num_owner_rrefs`` (owned values that
+    were forked), ``num_forks`` (live forks the owners here know), ``num_pending_users`` (user RRefs
+    here not yet confirmed by their owner), ``num_pending_futures`` (owners that requests wait on
+    before their ``remote()`` arrived). twinrpc adds ``num_pending_children`` (forks sent by users
+    here and not yet accepted), ``num_users``, ``num_deferred_deletes``, ``num_control_unacked``,
+    ``num_control_resends`` and ``rref_forks`` (owned rref id -> its live fork ids), and the agent's
+    counters under ``agent.*``.
+    """
+    agent = current_agent()
+    info = agent.rrefs.debug_info()
+    for key, value in agent.statistics().items():
+        if key not in info:
+            info[f"agent.{key}"] = str(value)
+    return info
+
+
+def _rref_context_get_debug_info() -> dict[str, Any]:
+    """The RRef part of :func:`_get_debug_info` (PyTorch's ``_rref_context_get_debug_info``)."""
+    return current_agent().rrefs.debug_info()
+
+
+#: PyTorch's flag (SHUT-4): when False, ``shutdown()`` raises RuntimeError("Leaking RRef ...") if an
+#: owner on this worker still has live forks; when True (default) the leak is only logged.
+_ignore_rref_leak = True
