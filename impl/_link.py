@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -136,8 +137,13 @@ class PeerLink:
         return not self._receiver.is_alive()
 
 
-def make_pair_group(store: Any, me: int, peer: int, timeout: Any) -> Any:
+#: gloo applies a process group's timeout to every receive, including a receiver idling between
+#: messages; RPC timeouts are the agent's business, and a dead peer shows as a closed connection.
+_LINK_OP_TIMEOUT = timedelta(days=30)
+
+
+def make_pair_group(store: Any, me: int, peer: int) -> Any:
     """The 2-rank gloo process group of the pair (me, peer), over its own key prefix."""
     low, high = min(me, peer), max(me, peer)
     prefix = dist.PrefixStore(f"pair/{low}-{high}", store)
-    return dist.ProcessGroupGloo(prefix, 0 if me == low else 1, 2, timeout)
+    return dist.ProcessGroupGloo(prefix, 0 if me == low else 1, 2, _LINK_OP_TIMEOUT)

@@ -42,7 +42,7 @@ class GlooWorld:
         # Pairs are created in one global order, so no two processes wait on each other in a cycle.
         for peer in range(joined.world_size):
             if peer != self.rank:
-                pg = make_pair_group(joined.store, self.rank, peer, joined.timeout)
+                pg = make_pair_group(joined.store, self.rank, peer)
                 self.links[peer] = PeerLink(self.rank, peer, pg, self._deliver, self._peer_failed)
         self._store = joined.store
         for link in self.links.values():

@@ -36,18 +36,32 @@ from ._context import WorldContext
 __all__ = ["TorchContext", "main"]
 
 
-class TorchContext(WorldContext):
-    """``ctx`` on upstream PyTorch: torch's modules and TensorPipe options on file:// rendezvous."""
-
-    MODULES = {
+#: The modules ``ctx`` exposes for each flavour of real-process backend: upstream PyTorch (the oracle)
+#: and twinrpc's own gloo world. Both take ``TensorPipeRpcBackendOptions`` (twinrpc accepts PyTorch's).
+FLAVOURS: dict[str, dict[str, str]] = {
+    "torch": {
         "rpc": "torch.distributed.rpc",
         "dist_autograd": "torch.distributed.autograd",
         "optim": "torch.distributed.optim",
         "futures": "torch.futures",
-    }
+    },
+    "gloo": {
+        "rpc": "twinrpc.rpc",
+        "dist_autograd": "twinrpc.autograd",
+        "optim": "twinrpc.optim",
+        "futures": "twinrpc.futures",
+    },
+}
+_FLAVOUR = "torch"
+
+
+class TorchContext(WorldContext):
+    """``ctx`` in a real process: the flavour's modules and TensorPipe options on file:// rendezvous."""
+
+    MODULES = FLAVOURS["torch"]
 
     def __init__(self, *, rank: int, world_size: int, spawned: bool, base_dir: str) -> None:
-        super().__init__(rank=rank, world_size=world_size, backend="torch", spawned=spawned)
+        super().__init__(rank=rank, world_size=world_size, backend=_FLAVOUR, spawned=spawned)
         self._base_dir = base_dir
 
     def _make_options(self, k: int, /, **kwargs: Any) -> Any:
@@ -57,6 +71,15 @@ class TorchContext(WorldContext):
         Path(self._base_dir).mkdir(parents=True, exist_ok=True)
         kwargs.setdefault("init_method", f"file://{self._base_dir}/rendezvous-{k}")
         return self.rpc.TensorPipeRpcBackendOptions(**kwargs)
+
+
+class GlooContext(TorchContext):
+    """``ctx`` on twinrpc's gloo world: twinrpc's modules, same options and rendezvous."""
+
+    MODULES = FLAVOURS["gloo"]
+
+
+_CONTEXTS: dict[str, type[TorchContext]] = {"torch": TorchContext, "gloo": GlooContext}
 
 
 def _exit(code: int = 0) -> NoReturn:
@@ -74,7 +97,17 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(70)
 
 
+def _rpc() -> Any:
+    import importlib
+
+    return importlib.import_module(FLAVOURS[_FLAVOUR]["rpc"])
+
+
 def _agent_alive() -> bool:
+    if _FLAVOUR == "gloo":
+        from twinrpc._current import maybe_current_agent
+
+        return maybe_current_agent() is not None
     import torch.distributed.rpc as rpc
 
     # Private but stable since torch 1.6: whether init_rpc's agent is still installed (not shut down).
@@ -105,7 +138,7 @@ def _run_program(header: dict[str, Any], payload: bytes, *, spawned: bool) -> by
     except BaseException as exc:
         message = f"rank {rank} could not unpickle the program: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         return pickle.dumps(("harness", message, True))
-    ctx = TorchContext(
+    ctx = _CONTEXTS[_FLAVOUR](
         rank=rank, world_size=header["world_size"], spawned=spawned, base_dir=header["base_dir"]
     )
     try:
@@ -124,8 +157,7 @@ def _run_program(header: dict[str, Any], payload: bytes, *, spawned: bool) -> by
 
 
 def _serve(conn: Connection, header: dict[str, Any]) -> NoReturn:
-    import torch.distributed.rpc as rpc
-
+    rpc = _rpc()
     rank, world_size = header["rank"], header["world_size"]
     try:
         options = rpc.TensorPipeRpcBackendOptions(init_method=header["init_method"])
@@ -158,15 +190,17 @@ def _serve(conn: Connection, header: dict[str, Any]) -> NoReturn:
             conn.send_bytes(pickle.dumps(("harness", f"unknown command {kind!r}", False)))
 
 
-def main(conn: Connection, parent_pid: int, stack_path: str) -> None:
-    """Entry point of every torch-backend child process (see the module docstring)."""
+def main(conn: Connection, parent_pid: int, stack_path: str, flavour: str = "torch") -> None:
+    """Entry point of every real-process backend child (see the module docstring)."""
+    global _FLAVOUR
+    _FLAVOUR = flavour
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
     # The parent sends SIGUSR1 before killing a hung world, so the failure shows where it hung.
     stack_file = open(stack_path, "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\..*")
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\..*")
-    import torch.distributed.rpc  # noqa: F401 - warm the import so the first program starts fast
+    _rpc()  # warm the import so the first program starts fast
 
     try:
         kind, header, payload = pickle.loads(conn.recv_bytes())

@@ -1,38 +1,18 @@
-"""Placeholder for the real gloo world (twinrpc.impl), which does not exist yet.
+"""The ``gloo`` backend: twinrpc's real multiprocess world (``twinrpc.impl``) in real processes.
 
-``--backend gloo`` fails at session start with :attr:`GlooBackend.unavailable` rather than skipping,
-so nobody mistakes an empty run for a green one.
+It is the torch backend's process machinery (warm spares, pools reused across tests, hang and crash
+handling) serving twinrpc's modules instead of PyTorch's, so both real-process backends behave alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, ClassVar
-
-from ._backend import Backend, WorkerProgram
+from ._torch import TorchBackend
 
 __all__ = ["GlooBackend"]
 
 
-class GlooBackend(Backend):
-    """Will run twinrpc's real gloo world; until then the plugin refuses to start with it."""
+class GlooBackend(TorchBackend):
+    """Runs programs on twinrpc's gloo world in real processes."""
 
     name = "gloo"
-    #: Read by the plugin at configure time: a backend with this set cannot be selected.
-    unavailable: ClassVar[str | None] = "the gloo world arrives with issue #3"
-
-    def run(
-        self,
-        fn: WorkerProgram,
-        args: tuple[Any, ...],
-        *,
-        world_size: int,
-        ranks: Sequence[int],
-        timeout: float,
-    ) -> list[Any]:
-        raise NotImplementedError(self.unavailable)
-
-    def spawn(
-        self, fn: WorkerProgram, args: tuple[Any, ...], *, world_size: int, timeout: float
-    ) -> list[Any]:
-        raise NotImplementedError(self.unavailable)
+    flavour = "gloo"

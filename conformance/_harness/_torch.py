@@ -118,6 +118,8 @@ class TorchBackend(Backend):
     """Runs programs on real torch.distributed.rpc processes (see the module docstring)."""
 
     name = "torch"
+    #: which modules the child processes serve (see ``_child.FLAVOURS``)
+    flavour = "torch"
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
@@ -126,7 +128,7 @@ class TorchBackend(Backend):
         self._spares: list[_Worker] = []
         self._spares_wanted = 0
         self._ids = itertools.count()
-        self._dir = config.tmp_dir / "torch"
+        self._dir = config.tmp_dir / self.name
         self._dir.mkdir(parents=True, exist_ok=True)
         #: (world_size, seconds) for every pool start: reported by the plugin, read by the harness tests.
         self.pool_starts: list[tuple[int, float]] = []
@@ -140,8 +142,8 @@ class TorchBackend(Backend):
         stack_path.touch()
         process = self._mp.Process(
             target=_child.main,
-            args=(child_conn, os.getpid(), str(stack_path)),
-            name=f"twinrpc-torch-{n}",
+            args=(child_conn, os.getpid(), str(stack_path), self.flavour),
+            name=f"twinrpc-{self.name}-{n}",
             daemon=True,  # multiprocessing's atexit handler terminates it if close() never ran
         )
         process.start()
