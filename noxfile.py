@@ -100,3 +100,19 @@ def typecheck(session: nox.Session) -> None:
     (pkg / "simulator").symlink_to(ROOT / "simulator")
     (pkg / "impl").symlink_to(ROOT / "impl")
     session.run("mypy", "-p", "twinrpc", env={"MYPYPATH": str(tree)})
+
+
+@nox.session
+def explore(session: nox.Session) -> None:
+    """Long RRef exploration on the simulator: `nox -s explore -- 20000` generated workload/schedule pairs."""
+    _install(session)
+    examples = session.posargs[0] if session.posargs else "20000"
+    session.run(
+        "pytest",
+        "tests/test_rref_properties.py",
+        "-q",
+        "-k",
+        "generated",
+        "--hypothesis-show-statistics",
+        env={"TWINRPC_RREF_EXAMPLES": examples},
+    )

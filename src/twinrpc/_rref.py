@@ -55,7 +55,7 @@ class OwnerState:
     owners as "pending futures" in its debug info.
     """
 
-    __slots__ = ("__weakref__", "created", "rref_id", "type_future", "value")
+    __slots__ = ("__weakref__", "created", "rref_id", "type_future", "type_result", "value")
 
     def __init__(self, rref_id: GloballyUniqueId, *, created: bool = True) -> None:
         self.rref_id = rref_id
@@ -63,6 +63,8 @@ class OwnerState:
         self.created = created
         #: the cached ``_get_type`` future (RREF-7: the same Future on every non-blocking call)
         self.type_future: Future[type] | None = None
+        #: what the first successful ``_get_type`` call returned (PyTorch caches it, see RRef._get_type)
+        self.type_result: Any = None
 
     is_owner = True
 
@@ -83,6 +85,7 @@ class UserState:
         "rref_id",
         "timed_out",
         "type_future",
+        "type_result",
     )
 
     def __init__(
@@ -102,6 +105,7 @@ class UserState:
         self.timed_out = False
         self.deleted = False
         self.type_future: Future[type] | None = None
+        self.type_result: Any = None
 
     is_owner = False
 
@@ -221,9 +225,18 @@ class RRef(Generic[T]):
         return done
 
     def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
-        """The type of the value: local on the owner, one cached RPC on a user."""
+        """The type of the value: local on the owner, one cached RPC on a user (RREF-7).
+
+        As in PyTorch, the first call's result is cached and returned by every later call whatever
+        its ``blocking``: the type if the first call blocked, else the (same) Future of the type.
+        """
+        state = self._state
+        if state.type_result is not None:
+            return state.type_result
         fut = self._agent.rrefs.get_type(self, timeout)
-        return fut.wait() if blocking else fut
+        result = fut.wait() if blocking else fut
+        state.type_result = result
+        return result
 
     def __reduce__(self) -> Any:
         raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled when using RPC")

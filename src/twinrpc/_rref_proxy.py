@@ -48,11 +48,14 @@ class _ProxyMethod:
             fn = _local_invoke_async if hasattr(attr, "_wrapped_async_rpc_function") else _local_invoke
             return call(rref.owner(), fn, args=(rref, name, args, kwargs), timeout=timeout)
 
+        # The context's cached type future, not the public _get_type(): that one returns whatever
+        # its first caller got (a type or a Future), as in PyTorch. On an RRef still being created
+        # the owner answers once the value exists (RREF-7).
+        type_fut = rref._agent.rrefs.get_type(rref, timeout)
         if self._mode != "rpc_async":
-            return invoke(rref._get_type(timeout=timeout))
+            return invoke(type_fut.wait())
         # rpc_async: don't block on the type lookup; chain it.
         out: Future[Any] = Future()
-        type_fut = rref._get_type(timeout=timeout, blocking=False)
 
         def on_type(f: Future[type]) -> None:
             try:
