@@ -101,10 +101,14 @@ _SLOTS: dict[str, Any] = {}
 
 
 def _slot(futures_name: str, key: str) -> Any:
-    """A Future per key on this worker; whichever of wait/release arrives first creates it."""
+    """A Future per key on this worker; whichever of wait/release arrives first creates it.
+
+    The two requests may run at the same time on two request threads: ``setdefault`` is atomic, so
+    both always get the same Future (a get-then-create here once lost the release).
+    """
     fut = _SLOTS.get(key)
     if fut is None:
-        fut = _SLOTS[key] = _module(futures_name).Future()
+        fut = _SLOTS.setdefault(key, _module(futures_name).Future())
     return fut
 
 

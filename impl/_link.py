@@ -8,6 +8,7 @@ The receiver posts receives with an explicit source, which gloo serves much fast
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -22,6 +23,16 @@ from ._framing import FrameError, Header, encode_close, encode_header, new_heade
 
 _log = logging.getLogger("twinrpc.impl")
 _TAG = 0
+_CLOSE_FLUSH = 10.0  # seconds to let the outbox drain before the close frame
+
+
+class _ThreadRole(threading.local):
+    #: True on threads that must never block in a gloo send: receivers (a peer's receiver may be
+    #: sending to us at the same moment, and gloo sends wait for the matching receive) and the timer.
+    no_blocking_send = False
+
+
+THREAD_ROLE = _ThreadRole()
 
 
 class PeerLink:
@@ -53,6 +64,10 @@ class PeerLink:
         #: we are shutting down: receive errors are expected and no longer reported
         self.closing = False
         self._receiver = threading.Thread(target=self._receive_loop, name=f"twinrpc-recv-{peer}", daemon=True)
+        self._outbox: queue.SimpleQueue[tuple[Message, Callable[[Message, BaseException], None]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._outbox_thread: threading.Thread | None = None
 
     def start(self) -> None:
         self._receiver.start()
@@ -79,8 +94,33 @@ class PeerLink:
                 self._fail(exc)
                 raise
 
+    def send_later(self, msg: Message, on_error: Callable[[Message, BaseException], None]) -> None:
+        """Send from the link's outbox thread (for threads that must not block, see THREAD_ROLE)."""
+        if self._outbox_thread is None:
+            with self._send_lock:
+                if self._outbox_thread is None:
+                    self._outbox_thread = threading.Thread(
+                        target=self._outbox_loop, name=f"twinrpc-send-{self.peer}", daemon=True
+                    )
+                    self._outbox_thread.start()
+        self._outbox.put((msg, on_error))
+
+    def _outbox_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            msg, on_error = item
+            try:
+                self.send(msg)
+            except Exception as exc:
+                on_error(msg, exc)
+
     def send_close(self) -> None:
-        """Tell the peer's receiver for us to stop (graceful shutdown)."""
+        """Tell the peer's receiver for us to stop (graceful shutdown), after anything still queued."""
+        if self._outbox_thread is not None:
+            self._outbox.put(None)
+            self._outbox_thread.join(_CLOSE_FLUSH)
         if self.failed is not None:
             return
         with self._send_lock:
@@ -92,6 +132,7 @@ class PeerLink:
 
     # -- receiving ---------------------------------------------------------------------------------
     def _receive_loop(self) -> None:
+        THREAD_ROLE.no_blocking_send = True
         pg, src = self.pg, self._peer_rank_in_pg
         while True:
             try:

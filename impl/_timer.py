@@ -48,6 +48,9 @@ class TimerThread:
             self._cond.notify()
 
     def _run(self) -> None:
+        from ._link import THREAD_ROLE
+
+        THREAD_ROLE.no_blocking_send = True  # a timer blocked in a send would delay every timeout
         while True:
             with self._cond:
                 while not self._stopped:

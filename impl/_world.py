@@ -12,7 +12,7 @@ from twinrpc._errors import WorkerUnavailableError
 from twinrpc._message import Message
 from twinrpc._serialize import copy_storages
 
-from ._link import PeerLink, make_pair_group
+from ._link import THREAD_ROLE, PeerLink, make_pair_group
 from ._pool import RequestPool
 from ._rendezvous import Joined
 from ._timer import TimerHandle, TimerThread
@@ -59,12 +59,18 @@ class GlooWorld:
             self._deliver(local)
             return
         link = self.links[msg.dst]
+        if THREAD_ROLE.no_blocking_send:
+            link.send_later(msg, self._send_failed)
+            return
         try:
             link.send(msg)
         except Exception as exc:
-            agent = self.agent
-            if agent is not None:
-                agent.on_send_failed(msg, self._unavailable(msg.dst, exc))
+            self._send_failed(msg, exc)
+
+    def _send_failed(self, msg: Message, exc: BaseException) -> None:
+        agent = self.agent
+        if agent is not None:
+            agent.on_send_failed(msg, self._unavailable(msg.dst, exc))
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         threading.Thread(target=fn, args=args, daemon=True).start()

@@ -236,7 +236,7 @@ class TorchBackend(Backend):
         __tracebackhide__ = True
         if not out.dead and not out.hung:
             return
-        lines = [f"{what} on the torch backend:"]
+        lines = [f"{what} on the {self.name} backend:"]
         for rank, code in sorted(out.dead.items()):
             lines.append(f"  rank {rank} (worker{rank}) {self._describe_exit(code)} before replying")
         if out.hung:
