@@ -88,7 +88,11 @@ class RRefMonitor:
             )
         self._users.setdefault(rid, {})[fid] = rank
         key = (rid, fid)
-        self._refs[key] = weakref.ref(state, lambda _r, key=key, rank=rank: self._user_gone(key, rank))
+
+        def gone(_ref: weakref.ref[UserState]) -> None:
+            self._user_gone(key, rank)
+
+        self._refs[key] = weakref.ref(state, gone)
         children = self._in_flight.get(rid)
         if children is not None:
             children.discard(fid)
