@@ -12,7 +12,7 @@ nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
 
-BACKENDS = ("sim", "torch")
+BACKENDS = ("sim", "gloo", "torch")
 
 
 def _install(session: nox.Session, extras: str = "test") -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import struct
 
-import numpy as np
 import torch
 
 from twinrpc._errors import RPCError
@@ -36,7 +35,7 @@ class FrameError(RPCError):
     the frame boundary can still be trusted (it cannot after a bad header, so the link is closed)."""
 
 
-def encode_header(buf: np.ndarray, msg: Message) -> bool:
+def encode_header(buf: memoryview, msg: Message) -> bool:
     """Fill ``buf`` (a view of the header tensor) for ``msg``; returns whether the payload is inline."""
     n = len(msg.tensors)
     if n > MAX_TENSORS:
@@ -60,11 +59,11 @@ def encode_header(buf: np.ndarray, msg: Message) -> bool:
     for i, t in enumerate(msg.tensors):
         _SIZE.pack_into(buf, _FIXED.size + i * _SIZE.size, t.numel())
     if inline:
-        buf[offset : offset + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+        buf[offset : offset + len(payload)] = payload
     return inline
 
 
-def encode_close(buf: np.ndarray, src: int) -> None:
+def encode_close(buf: memoryview, src: int) -> None:
     _FIXED.pack_into(buf, 0, MAGIC, VERSION, FLAG_CLOSE, 0, 0, src, 0, 0, 0)
 
 
@@ -73,7 +72,7 @@ class Header:
 
     __slots__ = ("closing", "id", "inline_payload", "kind", "payload_len", "sizes", "src")
 
-    def __init__(self, buf: np.ndarray, expected_src: int, dst: int) -> None:
+    def __init__(self, buf: memoryview, expected_src: int, dst: int) -> None:
         try:
             magic, version, flags, kind, _, src, msg_id, payload_len, n = _FIXED.unpack_from(buf, 0)
         except struct.error as exc:
@@ -107,5 +106,7 @@ class Header:
             self.inline_payload = None
 
 
-def new_header_tensor() -> torch.Tensor:
-    return torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+def new_header_tensor() -> tuple[torch.Tensor, memoryview]:
+    """A header buffer and a writable byte view of it (struct packs straight into the tensor)."""
+    t = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    return t, memoryview(t.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers

@@ -53,10 +53,8 @@ class PeerLink:
         self._on_message = on_message
         self._on_failure = on_failure
         self._send_lock = threading.Lock()
-        self._send_header = new_header_tensor()
-        self._send_view = self._send_header.numpy()
-        self._recv_header = new_header_tensor()
-        self._recv_view = self._recv_header.numpy()
+        self._send_header, self._send_view = new_header_tensor()
+        self._recv_header, self._recv_view = new_header_tensor()
         #: the error that broke the link (IO error, malformed frame): nothing can be sent any more
         self.failed: BaseException | None = None
         #: the peer sent its close frame (it shut down): calls to it fail, our own close frame may still go
@@ -186,5 +184,5 @@ _LINK_OP_TIMEOUT = timedelta(days=30)
 def make_pair_group(store: Any, me: int, peer: int) -> Any:
     """The 2-rank gloo process group of the pair (me, peer), over its own key prefix."""
     low, high = min(me, peer), max(me, peer)
-    prefix = dist.PrefixStore(f"pair/{low}-{high}", store)
+    prefix = dist.PrefixStore(f"pair/{low}-{high}", store)  # type: ignore[attr-defined]
     return dist.ProcessGroupGloo(prefix, 0 if me == low else 1, 2, _LINK_OP_TIMEOUT)

@@ -56,9 +56,9 @@ def join(
     """Rendezvous, exchange names (refusing duplicates) and return the world's workers."""
     rank, world_size = _resolve_rank_and_size(init_method, rank, world_size)
     timeout = timedelta(seconds=rpc_timeout if rpc_timeout > 0 else _DEFAULT_STORE_TIMEOUT)
-    store, _, _ = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store, _, _ = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))  # type: ignore[attr-defined]
     store.set_timeout(timeout)
-    store = dist.PrefixStore(f"twinrpc/{generation}", store)
+    store = dist.PrefixStore(f"twinrpc/{generation}", store)  # type: ignore[attr-defined]
     store.set(f"name/{rank}", name)
     keys = [f"name/{r}" for r in range(world_size)]
     store.wait(keys)

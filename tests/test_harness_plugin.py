@@ -202,11 +202,19 @@ def test_deviation_naming_a_missing_test_is_an_error(suite: pytest.Pytester) -> 
     )
 
 
-def test_gloo_backend_refuses_to_start(suite: pytest.Pytester) -> None:
+def test_a_backend_that_declares_itself_unavailable_refuses_to_start(suite: pytest.Pytester) -> None:
+    suite.makepyfile(
+        notyet=(
+            "from conformance._harness._backend import Backend\n\n"
+            "class NotYet(Backend):\n"
+            "    name = 'notyet'\n"
+            "    unavailable = 'this world arrives later'\n"
+        )
+    )
     suite.makepyfile("import pytest\n\n@pytest.mark.spec('RPC-1')\ndef test_a():\n    pass\n")
-    result = suite.runpytest("--backend", "gloo")
+    result = suite.runpytest("--backend", "notyet:NotYet")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*the gloo world arrives with issue #3*"])
+    result.stderr.fnmatch_lines(["*this world arrives later*"])
 
 
 def test_unknown_backend_is_a_usage_error(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._errors import NotInitializedError, RPCError
+from ._errors import NotInitializedError
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
@@ -31,17 +31,11 @@ class WorkerSlot:
     generation: int = 0
 
 
-def _connect_real_world(*args: Any, **kwargs: Any) -> Any:
-    try:
-        from .impl import connect  # type: ignore[attr-defined]
-    except ImportError:
-        connect = None
-    if connect is None:
-        raise RPCError(
-            "twinrpc's multiprocess gloo world is not available in this version; run the program "
-            "inside twinrpc.simulator.Simulation (or `python -m twinrpc.simulator`) to use the simulator"
-        )
-    return connect(*args, **kwargs)
+def _connect_real_world(**kwargs: Any) -> Any:
+    """Outside a simulation, init_rpc joins the real multiprocess gloo world."""
+    from .impl import connect
+
+    return connect(**kwargs)
 
 
 PROCESS_SLOT = WorkerSlot(connect=_connect_real_world)

@@ -16,6 +16,7 @@ from .._worker_info import WorkerInfo
 from . import functions
 from .api import (
     _get_debug_info,
+    _rref_context_get_debug_info,
     _set_rpc_timeout,
     _wait_all,
     get_rpc_timeout,
@@ -61,6 +62,7 @@ __all__ = [
     "WorkerInfo",
     "WorkerUnavailableError",
     "_get_debug_info",
+    "_rref_context_get_debug_info",
     "_set_rpc_timeout",
     "_wait_all",
     "functions",
