@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from conformance._support import rpc_module
+
 # ---------------------------------------------------------------------------------------------------
 # Exception types and user functions (module level: pickled by reference to real worker processes)
 # ---------------------------------------------------------------------------------------------------
@@ -62,13 +64,7 @@ _RAISERS = {
 }
 
 
-def _rpc_module(backend: str) -> Any:
-    """The RPC module of ``backend`` for code running inside a UDF (which has no ``ctx``)."""
-    if backend == "torch":
-        import torch.distributed.rpc as rpc
-    else:
-        import twinrpc.rpc as rpc
-    return rpc
+_rpc_module = rpc_module
 
 
 def _invoke(ctx: Any, mode: str, to: str, fn: Any, args: tuple[Any, ...] = ()) -> Any:

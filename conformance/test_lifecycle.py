@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from conformance._support import outcome
+
 NOT_INITIALIZED = "RPC has not been initialized"
 NAME_RULE = "Worker name must match"
 
@@ -27,17 +29,7 @@ def _callee(backend: str, tag: Any = None) -> Any:
     return (rpc.get_worker_info().name, tag)
 
 
-def _outcome(thunk: Any) -> tuple[Any, Any]:
-    """``("ok", value)``, or ``(builtin kinds, message)`` for an exception.
-
-    The kinds are the names of the builtin exception classes the exception is an instance of, so a
-    backend may raise a documented subclass (``RPCError(RuntimeError)``) and still match.
-    """
-    try:
-        return ("ok", thunk())
-    except Exception as exc:
-        kinds = tuple(k.__name__ for k in (RuntimeError, TypeError, ValueError) if isinstance(exc, k))
-        return (kinds or (type(exc).__name__,), str(exc))
+_outcome = outcome
 
 
 def _unusable_api_calls(ctx: Any) -> dict[str, tuple[str, Any]]:

@@ -9,10 +9,11 @@ objects and tensors keep their identity on the owner.
 from __future__ import annotations
 
 import pickle
-import time
 from typing import Any
 
 import pytest
+
+from conformance._support import backend_sleep, outcome, rpc_module
 
 
 class Box:
@@ -31,23 +32,10 @@ class RRefBoom(Exception):
     """Raised by a remote() user function; must come back from to_here() as this very type."""
 
 
-def _sleep(backend: str, seconds: float) -> None:
-    """Sleep inside a user function: virtual time on the simulator, wall-clock time elsewhere."""
-    if backend == "sim":
-        from twinrpc.simulator import sleep
-
-        sleep(seconds)
-    else:
-        time.sleep(seconds)
+_sleep = backend_sleep
 
 
-def _rpc_module(backend: str) -> Any:
-    """The RPC module of ``backend`` for code running inside a UDF (which has no ``ctx``)."""
-    if backend == "torch":
-        import torch.distributed.rpc as rpc
-    else:
-        import twinrpc.rpc as rpc
-    return rpc
+_rpc_module = rpc_module
 
 
 def _make_box(items: list[int]) -> Box:
@@ -100,17 +88,7 @@ def _clear_held() -> None:
     _HELD.clear()
 
 
-def _outcome(thunk: Any) -> tuple[Any, Any]:
-    """``("ok", value)``, or ``(builtin kinds, message)`` for an exception.
-
-    The kinds are the names of the builtin exception classes the exception is an instance of, so a
-    backend may raise a documented subclass (``RPCError(RuntimeError)``) and still match.
-    """
-    try:
-        return ("ok", thunk())
-    except Exception as exc:
-        kinds = tuple(k.__name__ for k in (RuntimeError, TypeError, ValueError) if isinstance(exc, k))
-        return (kinds or (type(exc).__name__,), str(exc))
+_outcome = outcome
 
 
 # ---------------------------------------------------------------------------------------------------

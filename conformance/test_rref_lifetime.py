@@ -10,11 +10,12 @@ backend reuses its worker processes across tests.
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import Any
 
 import pytest
+
+from conformance._support import backend_sleep, rpc_module
 
 _POLLS = 100  # x 0.05 s: the bound on waiting for an asynchronous delete to reach the owner
 
@@ -30,21 +31,10 @@ class Tracked:
         return list(self.items)
 
 
-def _rpc(backend: str) -> Any:
-    if backend == "torch":
-        import torch.distributed.rpc as rpc
-    else:
-        import twinrpc.rpc as rpc
-    return rpc
+_rpc = rpc_module
 
 
-def _sleep(backend: str, seconds: float) -> None:
-    if backend == "sim":
-        from twinrpc.simulator import sleep
-
-        sleep(seconds)
-    else:
-        time.sleep(seconds)
+_sleep = backend_sleep
 
 
 # Per process on torch; keyed by worker name because simulated workers share this module.

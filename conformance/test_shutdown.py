@@ -6,31 +6,19 @@ Every test spawns a fresh world. Worker-side sleeps go through ``ctx.sleep`` in 
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 
+from conformance._support import backend_sleep, outcome, rpc_module
+
 NOT_INITIALIZED = "RPC has not been initialized"
 
 
-def _rpc_module(backend: str) -> Any:
-    """The RPC module of ``backend`` for code running inside a UDF (which has no ``ctx``)."""
-    if backend == "torch":
-        import torch.distributed.rpc as rpc
-    else:
-        import twinrpc.rpc as rpc
-    return rpc
+_rpc_module = rpc_module
 
 
-def _sleep(backend: str, seconds: float) -> None:
-    """Sleep inside a user function: virtual time on the simulator, wall-clock time elsewhere."""
-    if backend == "sim":
-        from twinrpc.simulator import sleep
-
-        sleep(seconds)
-    else:
-        time.sleep(seconds)
+_sleep = backend_sleep
 
 
 def _noop() -> str:
@@ -64,17 +52,7 @@ def _make_list(n: int) -> list[int]:
     return list(range(n))
 
 
-def _outcome(thunk: Any) -> tuple[Any, Any]:
-    """``("ok", value)``, or ``(builtin kinds, message)`` for an exception.
-
-    The kinds are the names of the builtin exception classes the exception is an instance of, so a
-    backend may raise a documented subclass (``RPCError(RuntimeError)``) and still match.
-    """
-    try:
-        return ("ok", thunk())
-    except Exception as exc:
-        kinds = tuple(k.__name__ for k in (RuntimeError, TypeError, ValueError) if isinstance(exc, k))
-        return (kinds or (type(exc).__name__,), str(exc))
+_outcome = outcome
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -8,22 +8,16 @@ returns, so no late work spills into the next test of a reused world.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 
+from conformance._support import backend_sleep
+
 TIMEOUT_FRAGMENT = "RPC ran for more than"
 
 
-def _sleep(backend: str, seconds: float) -> None:
-    """Sleep inside a user function: virtual time on the simulator, wall-clock time elsewhere."""
-    if backend == "sim":
-        from twinrpc.simulator import sleep
-
-        sleep(seconds)
-    else:
-        time.sleep(seconds)
+_sleep = backend_sleep
 
 
 def _slow_echo(backend: str, seconds: float, value: Any) -> Any:

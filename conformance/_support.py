@@ -1,0 +1,40 @@
+"""Helpers shared by conformance test programs (they run on workers, so they take no ``ctx``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+
+def rpc_module(backend: str) -> ModuleType:
+    """The RPC module of ``backend``, for code running inside a UDF (which has no ``ctx``)."""
+    if backend == "torch":
+        import torch.distributed.rpc as rpc
+    else:
+        import twinrpc.rpc as rpc
+    return rpc
+
+
+def backend_sleep(backend: str, seconds: float) -> None:
+    """Sleep inside a user function: virtual time on the simulator, wall-clock time elsewhere."""
+    if backend == "sim":
+        from twinrpc.simulator import sleep
+
+        sleep(seconds)
+    else:
+        time.sleep(seconds)
+
+
+def outcome(thunk: Callable[[], Any]) -> tuple[Any, Any]:
+    """``("ok", value)``, or ``(builtin kinds, message)`` for an exception.
+
+    The kinds are the names of the builtin exception classes the exception is an instance of, so a
+    backend may raise a documented subclass (``RPCError(RuntimeError)``) and still match.
+    """
+    try:
+        return ("ok", thunk())
+    except Exception as exc:
+        kinds = tuple(k.__name__ for k in (RuntimeError, TypeError, ValueError) if isinstance(exc, k))
+        return (kinds or (type(exc).__name__,), str(exc))
