@@ -9,17 +9,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from twinrpc._world import TimerHandle
+
 _log = logging.getLogger("twinrpc.impl")
-
-
-class TimerHandle:
-    __slots__ = ("cancelled",)
-
-    def __init__(self) -> None:
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 class TimerThread:

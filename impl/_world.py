@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 from twinrpc._errors import WorkerUnavailableError
 from twinrpc._message import Message
 from twinrpc._serialize import copy_storages
+from twinrpc._world import TimerHandle
 
 from ._link import THREAD_ROLE, PeerLink, make_pair_group
 from ._pool import RequestPool
 from ._rendezvous import Joined
-from ._timer import TimerHandle, TimerThread
+from ._timer import TimerThread
 
 if TYPE_CHECKING:
     from twinrpc._agent import RpcAgent

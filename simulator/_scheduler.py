@@ -17,6 +17,8 @@ from typing import Any
 
 import greenlet
 
+from twinrpc._world import TimerHandle
+
 from ._errors import SimulationDeadlock, SimulationError
 
 
@@ -42,16 +44,6 @@ class Task:
 
 class _TaskGreenlet(greenlet.greenlet):  # type: ignore[misc]
     task: Task
-
-
-class TimerHandle:
-    __slots__ = ("cancelled",)
-
-    def __init__(self) -> None:
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 class Scheduler:

@@ -13,8 +13,9 @@ from twinrpc._errors import WorkerUnavailableError
 from twinrpc._future import CURRENT_BLOCKER, Future
 from twinrpc._message import Message
 from twinrpc._serialize import copy_storages
+from twinrpc._world import TimerHandle
 
-from ._scheduler import Scheduler, TimerHandle
+from ._scheduler import Scheduler
 
 if TYPE_CHECKING:
     from twinrpc._agent import RpcAgent

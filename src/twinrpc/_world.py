@@ -20,6 +20,18 @@ class Timer(Protocol):
         """Stop the timer; a no-op once it fired."""
 
 
+class TimerHandle:
+    """The ``Timer`` both worlds hand out: a flag their timer loop checks before firing."""
+
+    __slots__ = ("cancelled",)
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
 class World(Protocol):
     """One worker's view of its world. Every method is non-blocking and thread-safe."""
 
