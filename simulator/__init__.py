@@ -6,18 +6,21 @@ Run a program as N workers in one process::
 
     result = Simulation(world_size=3, seed=7).run(program)   # program(rank) on every worker
     result.values(), result.digest
+
+Faults are verbs and plain data: ``sim.crash(2, at=0.5)`` or ``FaultPlan(crashes=(Crash(2, at=0.5),))``.
 """
 
 from __future__ import annotations
 
 from ._errors import SimulationDeadlock, SimulationError
-from ._faults import Delay, Deliver, Drop, Duplicate, FaultPlan, Hold
+from ._faults import Crash, Delay, Deliver, Drop, Duplicate, FaultPlan, Hold
 from ._monitors import MonitorViolation, RRefMonitor
 from ._network import NetworkModel
 from ._simulation import RunResult, Simulation, WorkerOutcome, now, sleep
 from ._trace import Trace, TraceEvent
 
 __all__ = [
+    "Crash",
     "Delay",
     "Deliver",
     "Drop",

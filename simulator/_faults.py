@@ -11,6 +11,11 @@ child accept) and their acks. These are the messages PyTorch sends with retries 
 deduplicates them on receipt. For any other message a ``Drop``/``Duplicate`` action falls back to
 plain delivery (documented, so a shrunk plan means what it says). ``Delay`` and holds apply to every
 message: together with jitter they reorder messages freely (PyTorch promises no ordering, RPC-11).
+
+Crashes (:class:`Crash`) kill a worker at a virtual time or when the n-th message of a kind arrives at
+it (the message is lost with it): its tasks stop forever, messages to it are dropped, and every peer
+sees ``WorkerUnavailableError`` after the network model's ``failure_detection`` delay, as a real
+process sees a closed connection (ERR-7). ``Simulation.crash(rank)`` is the same verb, called live.
 """
 
 from __future__ import annotations
@@ -67,6 +72,33 @@ Action = Deliver | Delay | Drop | Duplicate
 
 
 @dataclass(frozen=True, slots=True)
+class Crash:
+    """Crash ``worker`` at virtual time ``at``, or when the ``nth`` message of kind ``on_receive``
+    arrives at it (that message is lost). Exactly one of ``at`` and ``on_receive`` is given."""
+
+    worker: int
+    at: float | None = None
+    on_receive: Kind | None = None
+    nth: int = 1
+
+    def __post_init__(self) -> None:
+        if (self.at is None) == (self.on_receive is None):
+            raise ValueError(f"{self!r}: give exactly one of at=<virtual time> and on_receive=<Kind>")
+        if self.at is not None and self.at < 0:
+            raise ValueError(f"{self!r}: at must be >= 0")
+        if self.nth < 1:
+            raise ValueError(f"{self!r}: nth must be >= 1")
+        if self.on_receive is not None and not isinstance(self.on_receive, Kind):
+            raise TypeError(f"{self!r}: on_receive must be a twinrpc._message.Kind")
+
+    def __str__(self) -> str:
+        if self.at is not None:
+            return f"crash worker {self.worker} at t={self.at:g}s"
+        assert self.on_receive is not None
+        return f"crash worker {self.worker} when message #{self.nth} of kind {self.on_receive.name} arrives"
+
+
+@dataclass(frozen=True, slots=True)
 class Hold:
     """Hold every message sent from ``src`` to ``dst`` during [start, end) and release it at ``end``
     (plus its normal delay): a one-way partition that heals."""
@@ -93,11 +125,13 @@ class FaultPlan:
             delivered normally.
         holds: link holds.
         gc_delay: a dead user RRef's delete is sent after a seeded delay drawn from [0, gc_delay).
+        crashes: workers that crash, at a time or on a message arriving (see :class:`Crash`).
     """
 
     actions: tuple[Action, ...] = ()
     holds: tuple[Hold, ...] = ()
     gc_delay: float = DEFAULT_GC_DELAY
+    crashes: tuple[Crash, ...] = ()
 
     def __post_init__(self) -> None:
         if self.gc_delay < 0:
@@ -107,11 +141,17 @@ class FaultPlan:
                 raise TypeError(f"FaultPlan.actions holds {a!r}; expected Deliver, Delay, Drop or Duplicate")
             if isinstance(a, (Delay, Duplicate)) and a.extra < 0:
                 raise ValueError(f"{a!r}: the extra delay must be >= 0")
+        for c in self.crashes:
+            if not isinstance(c, Crash):
+                raise TypeError(f"FaultPlan.crashes holds {c!r}; expected Crash")
 
     def describe(self) -> str:
         acts = ", ".join(f"#{i}: {a}" for i, a in enumerate(self.actions) if not isinstance(a, Deliver))
         holds = ", ".join(str(h) for h in self.holds)
-        return f"FaultPlan(actions=[{acts}], holds=[{holds}], gc_delay={self.gc_delay:g})"
+        text = f"FaultPlan(actions=[{acts}], holds=[{holds}], gc_delay={self.gc_delay:g}"
+        if self.crashes:
+            text += ", crashes=[" + ", ".join(str(c) for c in self.crashes) + "]"
+        return text + ")"
 
 
 class NetworkFaults:
@@ -126,6 +166,29 @@ class NetworkFaults:
         self.held = 0
         #: (sender rank, message id) of control requests, so their acks are recognised
         self._control_requests: set[tuple[int, int]] = set()
+        #: crashes triggered by arrivals, and how many messages of each (rank, kind) arrived so far
+        self._crash_on_receive = [c for c in plan.crashes if c.on_receive is not None]
+        self._arrivals: dict[tuple[int, Kind], int] = {}
+        for c in plan.crashes:
+            if not 0 <= c.worker < sim.world_size:
+                raise ValueError(f"{c}: no worker {c.worker} in a world of {sim.world_size}")
+            if c.at is not None:
+                sim.crash(c.worker, at=c.at)
+
+    def crash_on_arrival(self, msg: Message) -> bool:
+        """Count ``msg`` arriving at its destination; crash that worker if a :class:`Crash` says so.
+
+        Returns True when the destination crashed (the message is lost with it)."""
+        if not self._crash_on_receive:
+            return False
+        key = (msg.dst, msg.kind)
+        n = self._arrivals[key] = self._arrivals.get(key, 0) + 1
+        for c in self._crash_on_receive:
+            if c.worker == msg.dst and c.on_receive is msg.kind and c.nth == n:
+                self.sim.trace.record(self.sim.sched.now, msg.dst, "fault", f"{c}: {msg.describe()} lost")
+                self.sim.crash(msg.dst)
+                return True
+        return False
 
     def _retryable(self, msg: Message) -> bool:
         if msg.kind in RREF_CONTROL_KINDS:

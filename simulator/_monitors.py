@@ -67,8 +67,19 @@ class RRefMonitor:
         self._timed_out: set[_Key] = set()
         self._freed: dict[GloballyUniqueId, int] = {}  # rref -> the owner rank that dropped it
         self._refs: dict[_Key, weakref.ref[UserState]] = {}
+        #: why checking stopped (a worker crashed: the invariants assume no worker dies), or None
+        self.stopped: str | None = None
+
+    def stop(self, why: str) -> None:
+        """Stop checking for the rest of the run (``Simulation.crash``); recorded in the trace."""
+        if self.stopped is None:
+            self.stopped = why
+            self._refs.clear()  # no G1 reports for users that die with a crashed worker
+            self.sim.trace.record(self.sim.sched.now, -1, "monitors-off", why)
 
     def _fail(self, requirement: str, invariant: str, message: str) -> None:
+        if self.stopped is not None:
+            return
         violation = MonitorViolation(requirement, invariant, self.sim.sched.now, message)
         self.violations.append(violation)
         self.sim.trace.record(self.sim.sched.now, -1, "violation", str(violation))

@@ -18,12 +18,15 @@ class NetworkModel:
         jitter: extra delay drawn uniformly from [0, jitter) with the simulation's seeded RNG.
         bandwidth: bytes per second.
         loopback_latency: one-way delay of a message a worker sends to itself.
+        failure_detection: how long after a worker crashes its peers learn of it (the real world
+            sees a closed connection within milliseconds of a process dying).
     """
 
     latency: float = 50e-6
     jitter: float = 20e-6
     bandwidth: float = 2e9
     loopback_latency: float = 5e-6
+    failure_detection: float = 1e-3
 
     def delay(self, src: int, dst: int, nbytes: int, rng: random.Random) -> float:
         if src == dst:

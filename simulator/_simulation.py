@@ -7,6 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import greenlet
+
+from twinrpc._errors import WorkerUnavailableError
 from twinrpc._future import Future
 from twinrpc._message import REQUEST_KINDS, Message
 from twinrpc._worker_info import WorkerInfo
@@ -25,13 +28,15 @@ _GC_GEN0_THRESHOLD = 20_000
 
 @dataclass(frozen=True, slots=True)
 class WorkerOutcome:
-    """What one worker's program returned or raised."""
+    """What one worker's program returned or raised (``crashed``: neither, the worker crashed)."""
 
     rank: int
     value: Any = None
     error: BaseException | None = None
+    crashed: bool = False
 
     def get(self) -> Any:
+        """The program's value; re-raises its error; ``None`` for a crashed worker."""
         if self.error is not None:
             raise self.error
         return self.value
@@ -47,8 +52,14 @@ class RunResult:
     seed: int
 
     def values(self) -> list[Any]:
-        """Each worker's return value; re-raises the first worker error in rank order."""
+        """Each worker's return value (``None`` for a crashed worker); re-raises the first worker
+        error in rank order."""
         return [o.get() for o in self.outcomes]
+
+    @property
+    def crashed(self) -> tuple[int, ...]:
+        """The ranks that crashed (``Simulation.crash`` or a fault plan's ``Crash``)."""
+        return tuple(o.rank for o in self.outcomes if o.crashed)
 
     @property
     def digest(self) -> str:
@@ -68,8 +79,8 @@ class Simulation:
         network: the network model (latency, jitter, bandwidth).
         trace: record a trace (needed for digests and timelines).
         max_time: fail the run if virtual time passes this many seconds.
-        faults: a :class:`~twinrpc.simulator.FaultPlan` (delay, drop, duplicate, hold; and the bound
-            of the seeded delay before a dead user RRef's delete is sent).
+        faults: a :class:`~twinrpc.simulator.FaultPlan` (delay, drop, duplicate, hold, crash; and the
+            bound of the seeded delay before a dead user RRef's delete is sent).
         monitors: check the RRef invariants online (G1, G2, no value freed while a user exists, no
             leak after graceful shutdown); a violation fails the run with ``MonitorViolation``.
     """
@@ -91,7 +102,9 @@ class Simulation:
         self.seed = seed
         self.network = network or NetworkModel()
         self.sched = Scheduler(seed, max_time=max_time)
-        self.blocker = SimBlocker(self.sched)
+        #: rank -> virtual time of its crash (see :meth:`crash`)
+        self.crashed: dict[int, float] = {}
+        self.blocker = SimBlocker(self.sched, self.crashed)
         self.trace = Trace(trace)
         self.workers = [SimWorker(self, r) for r in range(world_size)]
         self._rendezvous: dict[int, dict[int, str]] = {}
@@ -123,9 +136,17 @@ class Simulation:
             else:
                 outcomes[rank] = WorkerOutcome(rank, value=value)
             finally:
+                if rank in self.crashed:  # unwound by the crash (GreenletExit): no value, no error
+                    outcomes[rank] = WorkerOutcome(rank, crashed=True)
                 remaining[0] -= 1
                 outcome = outcomes[rank]
-                status = "error" if outcome is not None and outcome.error is not None else "ok"
+                status = (
+                    "crashed"
+                    if rank in self.crashed
+                    else "error"
+                    if outcome is not None and outcome.error is not None
+                    else "ok"
+                )
                 self.trace.record(self.sched.now, rank, "exit", status)
 
         for worker in self.workers:
@@ -179,8 +200,83 @@ class Simulation:
         worker.world = world
         return world, infos[worker.rank], infos
 
+    # -- crashes --------------------------------------------------------------------------------------
+    def crash(self, rank: int, *, at: float | None = None) -> None:
+        """Crash worker ``rank`` now, or at virtual time ``at`` (a fault verb, like a SIGKILL).
+
+        The worker's tasks stop forever (its program's outcome is ``crashed``), messages to it are
+        dropped, messages it already sent are still delivered, and each peer's agent gets
+        ``on_peer_failed`` with a :class:`~twinrpc.WorkerUnavailableError` naming it after
+        ``network.failure_detection`` seconds: the very path the gloo world takes when a peer's
+        connection closes (ERR-7). Called from the crashing worker's own task, it does not return.
+        RRef monitors stop at the first crash: their invariants assume no worker dies (ERR-7 says
+        RRefs spanning a dead worker are not repaired).
+        """
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"crash({rank}): no such worker in a world of {self.world_size}")
+        sched = self.sched
+        if at is not None or sched.hub is None:  # scheduled (or before run(): at t=0 of the run)
+            when = sched.now if at is None else float(at)
+            if when < sched.now:
+                raise ValueError(f"crash({rank}, at={when}): virtual time is already {sched.now}")
+            sched.call_later(when - sched.now, lambda: self.crash(rank))
+            return
+        if rank in self.crashed:
+            return
+        self.crashed[rank] = sched.now
+        worker = self.workers[rank]
+        worker.crashed = True
+        self.trace.record(sched.now, rank, "crash", f"worker {rank} crashed")
+        if self.monitor is not None:
+            self.monitor.stop(f"worker {rank} crashed at t={sched.now:.6f}")
+            for w in self.workers:
+                if w.world is not None and w.world.agent is not None:
+                    w.world.agent.rrefs.observer = None
+        for other in self.workers:
+            if other.rank != rank:
+                sched.call_later(self.network.failure_detection, lambda o=other.rank: self._detect(o, rank))
+        current = sched.current_task()
+        if current is None:
+            self._reap(rank)
+            return
+        sched.schedule(0.0, self._reap, rank)
+        if current.worker == rank:
+            sched.park(f"crash of worker {rank}")  # _reap throws GreenletExit into this task
+            raise greenlet.GreenletExit()
+
+    def _reap(self, rank: int) -> None:
+        """Stop every task of a crashed worker (runs on the hub): each parked task gets GreenletExit,
+        unwinding with no visible effect (its sends are dropped, its waits fail at once)."""
+        sched = self.sched
+        for task in [t for t in sched.tasks.values() if t.worker == rank and not t.done]:
+            g = task.g
+            task.done = True
+            sched.tasks.pop(task.id, None)
+            if g is not None and not g.dead:
+                g.throw(greenlet.GreenletExit())
+
+    def _detect(self, observer: int, dead: int) -> None:
+        world = self.workers[observer].world
+        if world is None or observer in self.crashed or world.stopped:
+            return
+        agent = world.agent
+        me = agent.info if agent is not None else f"worker {observer}"
+        name = agent.worker_by_id(dead).name if agent is not None else f"worker{dead}"
+        err = WorkerUnavailableError(
+            f"worker '{name}' (rank {dead}) is unavailable to {me}: connection lost (simulated crash at "
+            f"t={self.crashed[dead]:.6f} s, detected at t={self.sched.now:.6f} s). Its process has "
+            "probably died; calls to it fail from now on, other workers keep working"
+        )
+        self.trace.record(self.sched.now, observer, "peer-failed", f"rank {dead}")
+        world.peer_failed(dead, err)
+
     # -- network --------------------------------------------------------------------------------------
     def _deliver(self, msg: Message) -> None:
+        if msg.dst in self.crashed:
+            self.trace.record(self.sched.now, msg.dst, "lost", f"{msg.describe()}: worker {msg.dst} crashed")
+            return
+        if self.faults is not None and self.faults.crash_on_arrival(msg):
+            return
         dst = self.workers[msg.dst].world
         if dst is None:
             self._bounce(msg, f"worker {msg.dst} has not initialised RPC")
@@ -189,6 +285,8 @@ class Simulation:
 
     def _bounce(self, msg: Message, why: str) -> None:
         self.trace.record(self.sched.now, msg.dst, "bounce", f"{msg.describe()}: {why}")
+        if msg.src in self.crashed:
+            return
         src = self.workers[msg.src].world
         if src is not None and msg.kind in REQUEST_KINDS:
             src.fail_send(msg, why)

@@ -8,6 +8,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import greenlet
+
 from twinrpc._current import CURRENT_SLOT, WorkerSlot
 from twinrpc._errors import WorkerUnavailableError
 from twinrpc._future import CURRENT_BLOCKER, Future
@@ -29,10 +31,11 @@ _DELIVER = "deliver"
 class SimBlocker:
     """Blocking in the simulator: park the current task until the future completes."""
 
-    __slots__ = ("sched",)
+    __slots__ = ("crashed", "sched")
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: Scheduler, crashed: dict[int, float]) -> None:
         self.sched = sched
+        self.crashed = crashed
 
     def wait_done(self, fut: Future[Any]) -> None:
         sched = self.sched
@@ -42,6 +45,9 @@ class SimBlocker:
                 "twinrpc.simulator: Future.wait() outside a simulated task; wait only from worker "
                 "programs, RPC handlers and callbacks"
             )
+        if task.worker in self.crashed:
+            # A crashed worker's task is unwinding (Simulation.crash): it must never block again.
+            raise greenlet.GreenletExit()
         if fut._add_callback_if_pending(lambda _f: sched.wake(task)):
             sched.park(fut)
 
@@ -60,7 +66,13 @@ class SimWorker:
         self.crashed = False
 
     def spawn(self, name: str, fn: Callable[..., Any], *args: Any) -> None:
-        self.sim.sched.spawn(self.rank, self.context, name, fn, args)
+        if self.crashed:
+            return  # a crashed worker starts nothing (its timers and deliveries included)
+        self.sim.sched.spawn(self.rank, self.context, name, self._run_unless_crashed, (fn, args))
+
+    def _run_unless_crashed(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        if not self.crashed:  # the worker may have crashed between spawn and start
+            fn(*args)
 
     def _connect(self, **kwargs: Any) -> Any:
         return self.sim._connect(self, **kwargs)
@@ -78,6 +90,8 @@ class SimWorld:
         self.rank = worker.rank
         self.agent: RpcAgent | None = None
         self.stopped = False
+        #: peers this worker knows to be dead (crashed): rank -> the error calls to them fail with
+        self.dead_peers: dict[int, WorkerUnavailableError] = {}
         self._early: list[Message] = []
         self._pool_size = num_worker_threads
         self._pool_busy = 0
@@ -89,6 +103,15 @@ class SimWorld:
 
     def send(self, msg: Message) -> None:
         sim = self.sim
+        if self.worker.crashed:
+            return  # a crashed worker's unwinding code sends nothing
+        dead = self.dead_peers.get(msg.dst) if self.dead_peers else None
+        if dead is not None:  # a known-dead peer: fail the call at once, as a closed link does
+            sim.trace.record(self.sched.now, self.rank, "send-failed", f"{msg.describe()}: peer dead")
+            agent = self.agent
+            if agent is not None:
+                self.worker.spawn("send-failed", agent.on_send_failed, msg, dead)
+            return
         if msg.tensors:
             msg.tensors = copy_storages(msg.tensors)
         nbytes = msg.nbytes
@@ -160,6 +183,13 @@ class SimWorld:
             self._early.append(msg)
         else:
             self.sim._bounce(msg, f"worker {self.rank} has shut down")
+
+    def peer_failed(self, peer: int, exc: WorkerUnavailableError) -> None:
+        """A peer crashed (``Simulation.crash``): the agent fails what is pending on it (ERR-7)."""
+        self.dead_peers[peer] = exc
+        agent = self.agent
+        if agent is not None:
+            self.worker.spawn("peer-failed", agent.on_peer_failed, peer, exc)
 
     def fail_send(self, msg: Message, why: str) -> None:
         agent = self.agent

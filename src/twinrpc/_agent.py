@@ -67,6 +67,13 @@ class _RemoteException:
     serialization: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class _GatherAborted:
+    """The leader's answer to an all-gather that a dead worker made impossible."""
+
+    why: str
+
+
 def _is_builtin(func: Any) -> bool:
     try:
         return torch.jit._builtins._find_builtin(func) is not None  # type: ignore[no-untyped-call]
@@ -283,10 +290,10 @@ class RpcAgent:
                 del self._pending[mid]
             # Requests to it will never be served: keep the join accounting balanced.
             self._sent_requests -= len(dead)
-            waits = list(self._gather_done.values()) if self.info.id == self.leader.id else []
-            if peer == self.leader.id:
-                waits += list(self._scattered.values())
-            self._peer_errors[peer] = exc
+            # Every all-gather needs every worker (the leader waits for all, followers for the leader,
+            # which waits for all): none in progress can complete any more (SHUT-2).
+            waits = list(self._gather_done.values()) + list(self._scattered.values())
+            self._peer_errors.setdefault(peer, exc)
         for _, p in dead:
             if p.timer is not None:
                 p.timer.cancel()
@@ -489,20 +496,23 @@ class RpcAgent:
         """Gather one value per worker through the leader (lexicographically smallest name)."""
         n = len(self.workers)
         me = self.info.id
-        with self._lock:
-            needed = [w.id for w in self.workers if w.id != me] if me == self.leader.id else [self.leader.id]
-            errors = [self._peer_errors[r] for r in needed if r in self._peer_errors]
-        if errors:
-            raise errors[0]  # a worker this collective needs is dead: fail instead of waiting forever
         if me == self.leader.id:
             with self._lock:
+                # A dead worker (any: the leader needs all) fails the collective instead of letting it
+                # wait forever; checked under the lock that on_peer_failed takes, so a death between
+                # this check and the wait still fails the wait.
+                self._raise_if_peer_dead()
                 got = self._gathered.setdefault(tag, {})
                 got[me] = value
                 done = self._gather_done.setdefault(tag, Future())
                 complete = len(got) == n
             if complete:
                 done.try_set_result(None)
-            self._wait_bounded(done, timeout, lambda: self._gather_timeout_msg(tag, timeout))
+            try:
+                self._wait_bounded(done, timeout, lambda: self._gather_timeout_msg(tag, timeout))
+            except WorkerUnavailableError as exc:
+                self._abort_gather(tag, exc)
+                raise
             with self._lock:
                 got = self._gathered.pop(tag)
                 self._gather_done.pop(tag, None)
@@ -513,6 +523,7 @@ class RpcAgent:
                     self.world.send(Message(Kind.SCATTER, 0, me, w.id, payload))
             return result
         with self._lock:
+            self._raise_if_peer_dead()
             fut = self._scattered.setdefault(tag, Future())
         fut.label = f"the shutdown leader {self.leader.name} to answer _all_gather {tag}"
         payload, _ = _serialize.dumps((tag, value))
@@ -549,7 +560,32 @@ class RpcAgent:
         (tag, result), _ = _serialize.loads(msg.payload, msg.tensors, msg.src)
         with self._lock:
             fut = self._scattered.setdefault(tag, Future())
-        fut.try_set_result(result)
+        if isinstance(result, _GatherAborted):
+            fut.try_set_exception(
+                WorkerUnavailableError(
+                    f"the shutdown leader {self.leader.name} aborted _all_gather: {result.why}"
+                )
+            )
+        else:
+            fut.try_set_result(result)
+
+    def _raise_if_peer_dead(self) -> None:
+        """Raise the error of a dead (or departed) peer, if any; call with ``self._lock`` held."""
+        if self._peer_errors:
+            cause = self._peer_errors[min(self._peer_errors)]
+            raise WorkerUnavailableError(str(cause)) from cause
+
+    def _abort_gather(self, tag: Any, exc: WorkerUnavailableError) -> None:
+        """Leader: a worker died during the all-gather; tell the live followers why it failed, so
+        their ``shutdown`` raises the same error naming the dead worker instead of waiting (SHUT-2)."""
+        with self._lock:
+            self._gathered.pop(tag, None)
+            self._gather_done.pop(tag, None)
+            dead = set(self._peer_errors)
+        payload, _ = _serialize.dumps((tag, _GatherAborted(str(exc))))
+        for w in self.workers:
+            if w.id != self.info.id and w.id not in dead:
+                self.world.send(Message(Kind.SCATTER, 0, self.info.id, w.id, payload))
 
     def _wait_bounded(self, fut: Future[Any], timeout: float, message: Callable[[], str]) -> Any:
         if timeout > 0 and not fut.done():
