@@ -28,6 +28,7 @@ from ._errors import (
     original_type,
     serialization_error,
 )
+from ._dist_autograd import AUTOGRAD_KINDS, CURRENT_CONTEXT, AutogradEnvelope, DistAutogradContainer
 from ._future import Future
 from ._message import REQUEST_KINDS, RREF_CONTROL_KINDS, Kind, Message
 from ._rref import OwnerState, RRef, UserState
@@ -112,6 +113,7 @@ class RpcAgent:
         self._peer_errors: dict[int, BaseException] = {}
         self.running = True
         self.rrefs = RRefContext(self)
+        self.autograd = DistAutogradContainer(self)  # distributed autograd state (twinrpc._dist_autograd)
         self.leader = min(self.workers, key=lambda w: w.name)
 
     # -- names ----------------------------------------------------------------------------------
@@ -170,7 +172,13 @@ class RpcAgent:
             from ._errors import NotInitializedError
 
             raise NotInitializedError()
-        payload, tensors = _serialize.dumps(obj, lambda rref: self.rrefs.fork(rref, dst))
+        context_id = CURRENT_CONTEXT.get()
+        if context_id is not None and kind in AUTOGRAD_KINDS:  # hook: the request joins the context
+            payload, tensors = self.autograd.dumps_request(
+                context_id, dst, kind, obj, lambda rref: self.rrefs.fork(rref, dst)
+            )
+        else:
+            payload, tensors = _serialize.dumps(obj, lambda rref: self.rrefs.fork(rref, dst))
         fut: Future[Any] = Future()
         pending = _Pending(fut, dst, kind)
         timeout = self.effective_timeout(timeout)
@@ -316,6 +324,8 @@ class RpcAgent:
             self._on_gather(msg)
         elif kind is Kind.SCATTER:
             self._on_scatter(msg)
+        elif kind is Kind.CONTEXT_CLEANUP:  # hook: distributed autograd context release (DAG-10)
+            self.autograd.on_cleanup(msg)
         else:
             _log.warning("twinrpc: %s dropped a message of unknown kind %r", self.info, kind)
 
@@ -330,6 +340,8 @@ class RpcAgent:
                 SerializationError(f"the reply from {self._by_id[msg.src]} could not be unpickled: {exc!r}")
             )
         else:
+            if type(value) is AutogradEnvelope:  # hook: a reply linked into a context (DAG-4)
+                value = value.body
             if msg.kind is Kind.EXCEPTION:
                 pending.fut.set_exception(self._rebuild_exception(value))
             else:
@@ -371,6 +383,9 @@ class RpcAgent:
             self._reply_error(msg, exc)
             return
         kind = msg.kind
+        token = None
+        if type(obj) is AutogradEnvelope:  # hook: run inside the caller's autograd context (DAG-4)
+            obj, token = self.autograd.enter_request(msg, obj)
         try:
             if kind is Kind.CALL:
                 func, args, kwargs = obj
@@ -400,10 +415,15 @@ class RpcAgent:
                 else:
                     payload, _ = _serialize.dumps(None)
                     self.world.send(Message(Kind.RESPONSE, msg.id, self.info.id, msg.src, payload))
+            elif kind is Kind.GRADIENT:  # hook: distributed backward (twinrpc._fast_engine)
+                self.autograd.on_gradient(msg, obj)
             else:
                 self._reply_error(msg, RPCError(f"{self.info} cannot serve a {kind.name} request"))
         except BaseException as exc:
             self._reply_error(msg, exc)
+        finally:
+            if token is not None:
+                CURRENT_CONTEXT.reset(token)
 
     def _run(self, msg: Message, func: Any, args: Any, kwargs: Any, on_value: OwnerState | None) -> None:
         is_async = getattr(func, "_wrapped_async_rpc_function", None) is not None
@@ -461,7 +481,9 @@ class RpcAgent:
 
     def _reply(self, msg: Message, value: Any) -> None:
         try:
-            payload, tensors = _serialize.dumps(value, lambda rref: self.rrefs.fork(rref, msg.src))
+            # hook: the reply to a request served inside an autograd context joins it (DAG-4)
+            linked = self.autograd.dumps_reply(msg, value, lambda r: self.rrefs.fork(r, msg.src)) if self.autograd.replies else None
+            payload, tensors = linked if linked is not None else _serialize.dumps(value, lambda rref: self.rrefs.fork(rref, msg.src))
         except BaseException as exc:
             self._reply_error(
                 msg,
@@ -474,6 +496,8 @@ class RpcAgent:
         self._send_reply(Message(Kind.RESPONSE, msg.id, self.info.id, msg.src, payload, tensors))
 
     def _reply_error(self, msg: Message, exc: BaseException) -> None:
+        if self.autograd.replies:  # hook: no reply will join the context
+            self.autograd.forget_reply(msg)
         text = "".join(traceback.format_exception(exc))
         remote = _RemoteException(
             original_type(exc), f"On {self.info}:\n{exc!r}\n{text}", isinstance(exc, SerializationError)

@@ -569,7 +569,18 @@ class RRefContext:
         return fut
 
     def backward(self, rref: RRef[Any], ctx_id: int, retain_graph: bool) -> None:
-        raise RPCError("RRef.backward needs distributed autograd, which twinrpc does not provide yet")
+        """RREF-10: backward from the RRef's value; on the owner directly, from a user through an RPC
+        that runs it on the owner (where the context must exist). ``ctx_id=-1``: local autograd,
+        owner only."""
+        from ._dist_autograd import backward_owner_value, rref_backward_on_owner
+
+        state = rref._state
+        if isinstance(state, OwnerState):
+            backward_owner_value(self.agent, state.value.wait(), ctx_id, retain_graph)
+            return
+        if ctx_id == -1:
+            raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
+        self.agent.call(state.owner, rref_backward_on_owner, (rref, ctx_id, retain_graph), {}, -1.0).wait()
 
     # -- observability ------------------------------------------------------------------------
     def statistics(self) -> dict[str, int]:

@@ -35,6 +35,9 @@ class LoadState:
     src: int
     rebuild_rref: Callable[[Any, int, LoadState], Any] | None
     unconfirmed_rrefs: list[Any] = field(default_factory=list)
+    #: distributed autograd hook: turns each received tensor that requires grad into one with a recv
+    #: function as grad_fn (set while unpickling an AutogradEnvelope; twinrpc._dist_autograd)
+    autograd: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 _FUTURE_TYPES = (torch.futures.Future, Future)
@@ -64,8 +67,15 @@ def _rebuild_tensor(
     storage = state.storages[index].untyped_storage()
     t = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
     if requires_grad:
+        if state.autograd is not None:  # distributed autograd hook (DAG-4)
+            return state.autograd(t)
         t.requires_grad_(True)
     return t
+
+
+def current_load_state() -> LoadState | None:
+    """The state of the message being unpickled on this thread (for reduce hooks), or None."""
+    return _LOAD.state
 
 
 def _rebuild_rref(fork_data: Any) -> Any:
@@ -82,6 +92,8 @@ class _RpcPickler(pickle.Pickler):
     _storage_index: dict[tuple[int, int], int]
     _keepalive: list[torch.Tensor]
     _fork_rref: Callable[[Any], Any] | None = None
+    #: distributed autograd hook: collects the (undetached) tensors that require grad
+    _grad_tensors: list[torch.Tensor] | None = None
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -108,6 +120,8 @@ class _RpcPickler(pickle.Pickler):
         if self.storages is None:
             self.storages, self._storage_index, self._keepalive = [], {}, []
         requires_grad = t.requires_grad
+        if requires_grad and self._grad_tensors is not None:
+            self._grad_tensors.append(t)
         t = t.detach()
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
@@ -129,8 +143,14 @@ class _RpcPickler(pickle.Pickler):
         )
 
 
-def dumps(obj: Any, fork_rref: Callable[[Any], Any] | None = None) -> tuple[bytes, list[torch.Tensor]]:
+def dumps(
+    obj: Any,
+    fork_rref: Callable[[Any], Any] | None = None,
+    grad_tensors: list[torch.Tensor] | None = None,
+) -> tuple[bytes, list[torch.Tensor]]:
     """Pickle ``obj`` for an RPC: returns the payload bytes and the out-of-band storages.
+
+    ``grad_tensors``, when given, receives every tensor that requires grad (distributed autograd).
 
     Raises:
         SerializationError: ``obj`` cannot travel (unpicklable, a lambda, a CUDA tensor, a Future).
@@ -138,6 +158,8 @@ def dumps(obj: Any, fork_rref: Callable[[Any], Any] | None = None) -> tuple[byte
     buf = io.BytesIO()
     pickler = _RpcPickler(buf, _PROTOCOL)
     pickler._fork_rref = fork_rref
+    if grad_tensors is not None:
+        pickler._grad_tensors = grad_tensors
     try:
         pickler.dump(obj)
     except SerializationError:

@@ -1,0 +1,449 @@
+"""Distributed autograd: contexts, send/recv recording, cleanup (spec/autograd.md, DAG-1..4, DAG-10).
+
+Each worker's agent owns one :class:`DistAutogradContainer`. A context is current per thread (per
+simulated task) through :data:`CURRENT_CONTEXT`. While one is current, the agent's request path wraps
+CALL/REMOTE_CALL/RREF_FETCH payloads in an :class:`AutogradEnvelope`; tensors that require grad in it are
+recorded as a :class:`SendRpcBackward` on the sender, and each arriving copy gets a recv node
+(:class:`_RecvRpc`, one per tensor, grouped per message in a :class:`RecvRpcBackward`) as ``grad_fn``.
+Replies to wrapped requests are wrapped the same way in the other direction. The backward pass itself
+is :mod:`twinrpc._fast_engine`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from . import _serialize
+from ._message import Kind, Message
+
+if TYPE_CHECKING:
+    from ._agent import RpcAgent
+    from ._fast_engine import GraphPass
+
+_log = logging.getLogger("twinrpc")
+
+#: the current thread's (simulated task's) autograd context id, or None (DAG-2)
+CURRENT_CONTEXT: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "twinrpc_dist_autograd_context", default=None
+)
+#: request kinds that join the caller's context (DAG-3)
+AUTOGRAD_KINDS = frozenset({Kind.CALL, Kind.REMOTE_CALL, Kind.RREF_FETCH})
+_ID_BITS = 48
+_MAX_WORKER_ID = 65535
+#: how often a context cleanup is sent before giving up (PyTorch: 20 retries)
+_CLEANUP_ATTEMPTS = 20
+
+
+def context_not_found(context_id: int) -> RuntimeError:
+    return RuntimeError(f"Could not find autograd context with id: {context_id}")
+
+
+class SendRpcBackward:
+    """A send function: the gradients of ``tensors`` come back from ``peer`` (DAG-4).
+
+    Its ``next_functions`` are the tensors' gradient edges, as PyTorch's SendRpcBackward node.
+    """
+
+    __slots__ = ("autograd_message_id", "next_functions", "peer", "what")
+
+    def __init__(self, message_id: int, peer: int, tensors: list[torch.Tensor], what: str) -> None:
+        self.autograd_message_id = message_id
+        self.peer = peer
+        self.what = what
+        edges = [get_gradient_edge(t) for t in tensors]
+        self.next_functions: tuple[tuple[Any, int], ...] = tuple((e.node, e.output_nr) for e in edges)
+
+    @staticmethod
+    def name() -> str:
+        return "torch::distributed::autograd::SendRpcBackward"
+
+    def __repr__(self) -> str:
+        return f"<SendRpcBackward id={self.autograd_message_id} {self.what}>"
+
+
+class _RecvRpc(torch.autograd.Function):
+    """The grad_fn of one received tensor. Its edge to a dummy leaf only makes the output require grad;
+    the FAST engine never lets gradients flow past it: it collects them per message instead."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, box: list[torch.Tensor], entry: Any, slot: int) -> Any:
+        ctx.entry = entry
+        ctx.slot = slot
+        return box[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        return None, None, None, None
+
+
+RECV_NODE_TYPE: Any = _RecvRpc._backward_cls
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+class RecvRpcBackward:
+    """A recv function: the tensors of one message from ``peer`` that require grad (DAG-4).
+
+    A backward pass sends exactly one gradient message for it, with one gradient per tensor.
+    """
+
+    __slots__ = ("autograd_message_id", "meta", "nodes", "peer", "what")
+
+    next_functions: tuple[tuple[Any, int], ...] = ()
+
+    def __init__(self, message_id: int, peer: int, what: str) -> None:
+        self.autograd_message_id = message_id
+        self.peer = peer
+        self.what = what
+        self.nodes: list[Any] = []
+        self.meta: list[tuple[torch.Size, torch.dtype]] = []
+
+    def attach(self, t: torch.Tensor) -> torch.Tensor:
+        slot = len(self.nodes)
+        with torch.enable_grad():
+            out = _RecvRpc.apply(_ANCHOR, [t], self, slot)  # type: ignore[no-untyped-call]
+        self.nodes.append(out.grad_fn)
+        self.meta.append((t.shape, t.dtype))
+        return out  # type: ignore[no-any-return]
+
+    @staticmethod
+    def name() -> str:
+        return "torch::distributed::autograd::RecvRpcBackward"
+
+    def __repr__(self) -> str:
+        return f"<RecvRpcBackward id={self.autograd_message_id} {self.what}>"
+
+
+class DistAutogradContext:
+    """One distributed autograd context on one worker (PyTorch's ``DistAutogradContext``)."""
+
+    def __init__(self, container: DistAutogradContainer, context_id: int) -> None:
+        self.container = container
+        self.context_id = context_id
+        self.lock = threading.Lock()
+        self.sends: dict[int, SendRpcBackward] = {}
+        self.recvs: dict[int, RecvRpcBackward] = {}
+        self.known_workers: set[int] = set()
+        #: leaf tensor -> accumulated gradient (dict keys compare by identity first)
+        self.grads: dict[torch.Tensor, torch.Tensor] = {}
+        self.current_pass: GraphPass | None = None
+        #: autograd nodes whose buffers a pass without retain_graph consumed (per-node mode)
+        self.released: set[Any] = set()
+
+    # PyTorch's private accessors
+    def _context_id(self) -> int:
+        return self.context_id
+
+    def _send_functions(self) -> dict[int, SendRpcBackward]:
+        with self.lock:
+            return dict(self.sends)
+
+    def _recv_functions(self) -> dict[int, RecvRpcBackward]:
+        with self.lock:
+            return dict(self.recvs)
+
+    def _known_worker_ids(self) -> set[int]:
+        with self.lock:
+            return set(self.known_workers)
+
+    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
+        with self.lock:
+            old = self.grads.get(leaf)
+            self.grads[leaf] = grad.detach() if old is None else old + grad
+
+    def __repr__(self) -> str:
+        return f"<DistAutogradContext {self.context_id} on rank {self.container.rank}>"
+
+
+class AutogradEnvelope:
+    """A request or reply payload that joins a context. Unpickling it opens the recv hook before its
+    body's tensors are rebuilt (pickle builds the object before setting its state)."""
+
+    __slots__ = ("body", "context_id", "message_id", "response", "src")
+
+    def __init__(self, context_id: int, message_id: int, src: int, response: bool, body: Any) -> None:
+        self.context_id = context_id
+        self.message_id = message_id
+        self.src = src
+        self.response = response
+        self.body = body
+
+    def __reduce__(self) -> Any:
+        return (_open_envelope, (self.context_id, self.message_id, self.src, self.response), self.body)
+
+    def __setstate__(self, body: Any) -> None:
+        self.body = body
+
+
+def _open_envelope(context_id: int, message_id: int, src: int, response: bool) -> AutogradEnvelope:
+    from ._current import current_agent
+
+    env = AutogradEnvelope(context_id, message_id, src, response, None)
+    state = _serialize.current_load_state()
+    container = current_agent().autograd
+    ctx = container.get(context_id)
+    if ctx is None:
+        if response:  # the caller left the context before the reply came: nothing to link
+            return env
+        ctx = container.create(context_id)
+    with ctx.lock:
+        ctx.known_workers.add(src)
+    if state is not None:
+        peer_name = container.agent.worker_by_id(src).name
+        what = f"{'reply' if response else 'request'} from {peer_name}"
+        state.autograd = _RecvHook(ctx, RecvRpcBackward(message_id, src, what))
+    return env
+
+
+class _RecvHook:
+    """Gives every received tensor that requires grad a recv node (called by the unpickler)."""
+
+    __slots__ = ("ctx", "entry")
+
+    def __init__(self, ctx: DistAutogradContext, entry: RecvRpcBackward) -> None:
+        self.ctx = ctx
+        self.entry = entry
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        entry = self.entry
+        if not entry.nodes:
+            with self.ctx.lock:
+                self.ctx.recvs[entry.autograd_message_id] = entry
+        return entry.attach(t)
+
+
+def _is_builtin(func: Any) -> bool:
+    try:
+        return torch.jit._builtins._find_builtin(func) is not None  # type: ignore[no-untyped-call]
+    except Exception:
+        return False
+
+
+def _any_requires_grad(obj: Any, depth: int = 0) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.requires_grad
+    if depth > 3:
+        return False
+    if isinstance(obj, (list, tuple)):
+        return any(_any_requires_grad(x, depth + 1) for x in obj)
+    if isinstance(obj, dict):
+        return any(_any_requires_grad(x, depth + 1) for x in obj.values())
+    return False
+
+
+def _func_name(func: Any) -> str:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    module = getattr(func, "__module__", None)
+    if module is None or str(name).startswith("_VariableFunctionsClass."):  # torch builtins
+        return f"torch.{getattr(func, '__name__', name)}"
+    return f"{module}.{name}"
+
+
+class DistAutogradContainer:
+    """All distributed autograd state of one worker (PyTorch's ``DistAutogradContainer``)."""
+
+    def __init__(self, agent: RpcAgent) -> None:
+        rank = agent.info.id
+        if not 0 <= rank <= _MAX_WORKER_ID:
+            raise RuntimeError(f"worker id {rank} is out of range [0, {_MAX_WORKER_ID}]")
+        self.agent = agent
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._next_context = itertools.count(rank << _ID_BITS)
+        self._next_message = itertools.count(rank << _ID_BITS)
+        self._contexts: dict[int, DistAutogradContext] = {}
+        #: (src, request id) -> (context id, what) for requests served inside a context; the agent's
+        #: reply path checks this dict's truthiness only, so it costs nothing outside autograd
+        self.replies: dict[tuple[int, int], tuple[int, str]] = {}
+
+    # -- ids and contexts ----------------------------------------------------------------------
+    def max_id(self) -> int:
+        return (self.rank << _ID_BITS) | ((1 << _ID_BITS) - 1)
+
+    def new_message_id(self) -> int:
+        return next(self._next_message)
+
+    def new_context(self) -> DistAutogradContext:
+        if CURRENT_CONTEXT.get() is not None:
+            raise RuntimeError("Already have an autograd context id for this thread.")
+        ctx = self.create(next(self._next_context))
+        CURRENT_CONTEXT.set(ctx.context_id)
+        return ctx
+
+    def create(self, context_id: int) -> DistAutogradContext:
+        with self._lock:
+            ctx = self._contexts.get(context_id)
+            if ctx is None:
+                ctx = self._contexts[context_id] = DistAutogradContext(self, context_id)
+            return ctx
+
+    def get(self, context_id: int) -> DistAutogradContext | None:
+        return self._contexts.get(context_id)
+
+    def retrieve(self, context_id: int) -> DistAutogradContext:
+        ctx = self._contexts.get(context_id)
+        if ctx is None:
+            raise context_not_found(context_id)
+        return ctx
+
+    def current(self) -> DistAutogradContext:
+        context_id = CURRENT_CONTEXT.get()
+        if context_id is None:
+            raise RuntimeError(
+                "Current thread doesn't have a valid autograd context. Please wrap your "
+                "code using: `with torch.distributed.autograd.context() as context_id` "
+                "to generate a valid context"
+            )
+        return self.retrieve(context_id)
+
+    def release(self, context_id: int) -> None:
+        """Release a context here (it must exist) and ask every known worker to release it (DAG-10)."""
+        if CURRENT_CONTEXT.get() == context_id:
+            CURRENT_CONTEXT.set(None)
+        with self._lock:
+            ctx = self._contexts.pop(context_id, None)
+        if ctx is None:
+            raise context_not_found(context_id)
+        self._propagate_cleanup(ctx, exclude=-1)
+
+    def _propagate_cleanup(self, ctx: DistAutogradContext, exclude: int) -> None:
+        with ctx.lock:
+            known = sorted(ctx.known_workers)
+        payload, _ = _serialize.dumps(ctx.context_id)
+        for dst in known:
+            if dst != exclude and dst != self.rank:
+                self._send_cleanup(dst, payload, 1)
+
+    def _send_cleanup(self, dst: int, payload: bytes, attempt: int) -> None:
+        # Fire and forget, as PyTorch: a failed send is only logged (after a few retries in PyTorch;
+        # here the world reports failures only for requests, so one send is what can be done).
+        try:
+            self.agent.world.send(Message(Kind.CONTEXT_CLEANUP, 0, self.rank, dst, payload))
+        except Exception as exc:  # pragma: no cover - worlds report send failures asynchronously
+            _log.warning("twinrpc: context cleanup to rank %d failed: %r", dst, exc)
+
+    def on_cleanup(self, msg: Message) -> None:
+        """A CONTEXT_CLEANUP message: release the context if present and forward it (transitive)."""
+        context_id, _ = _serialize.loads(msg.payload, msg.tensors, msg.src)
+        with self._lock:
+            ctx = self._contexts.pop(context_id, None)
+        if ctx is not None:
+            self._propagate_cleanup(ctx, exclude=msg.src)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._contexts.clear()
+            self.replies.clear()
+
+    # -- recording (agent hooks) ---------------------------------------------------------------
+    def dumps_request(
+        self, context_id: int, dst: int, kind: Kind, obj: Any, fork: Callable[[Any], Any]
+    ) -> tuple[bytes, list[torch.Tensor]]:
+        """Pickle a request made inside context ``context_id``, recording a send function (DAG-3/4)."""
+        ctx = self.get(context_id)
+        if ctx is None:
+            return _serialize.dumps(obj, fork)
+        if kind is Kind.RREF_FETCH:
+            what = "to_here()"
+        else:
+            func = obj[0] if kind is Kind.CALL else obj[2]
+            args, kwargs = (obj[1], obj[2]) if kind is Kind.CALL else (obj[3], obj[4])
+            if _is_builtin(func) and not (_any_requires_grad(args) or _any_requires_grad(kwargs)):
+                return _serialize.dumps(obj, fork)  # builtins join only with tensors requiring grad
+            what = f"{'remote' if kind is Kind.REMOTE_CALL else 'rpc'} call of {_func_name(func)}"
+        peer = self.agent.worker_by_id(dst).name
+        message_id = self.new_message_id()
+        grads: list[torch.Tensor] = []
+        payload = _serialize.dumps(
+            AutogradEnvelope(context_id, message_id, self.rank, False, obj), fork, grads
+        )
+        with ctx.lock:
+            ctx.known_workers.add(dst)
+            if grads:
+                ctx.sends[message_id] = SendRpcBackward(
+                    message_id, dst, grads, f"arguments of the {what} to {peer}"
+                )
+        return payload
+
+    def enter_request(self, msg: Message, env: AutogradEnvelope) -> tuple[Any, contextvars.Token[int | None]]:
+        """Unwrap a served request: its reply joins the context, and the handler runs inside it."""
+        body = env.body
+        if msg.kind is Kind.RREF_FETCH:
+            what = "to_here()"
+        else:
+            func = body[0] if msg.kind is Kind.CALL else body[2]
+            what = f"{'remote' if msg.kind is Kind.REMOTE_CALL else 'rpc'} call of {_func_name(func)}"
+        self.replies[(msg.src, msg.id)] = (env.context_id, what)
+        return body, CURRENT_CONTEXT.set(env.context_id)
+
+    def dumps_reply(
+        self, msg: Message, value: Any, fork: Callable[[Any], Any]
+    ) -> tuple[bytes, list[torch.Tensor]] | None:
+        """Pickle the reply to a request served inside a context (None: not such a request)."""
+        entry = self.replies.pop((msg.src, msg.id), None)
+        if entry is None:
+            return None
+        context_id, what = entry
+        ctx = self.get(context_id)
+        if ctx is None:
+            return None
+        message_id = self.new_message_id()
+        grads: list[torch.Tensor] = []
+        payload = _serialize.dumps(
+            AutogradEnvelope(context_id, message_id, self.rank, True, value), fork, grads
+        )
+        if grads:
+            peer = self.agent.worker_by_id(msg.src).name
+            with ctx.lock:
+                ctx.sends[message_id] = SendRpcBackward(
+                    message_id, msg.src, grads, f"result of the {what} from {peer}"
+                )
+        return payload
+
+    def forget_reply(self, msg: Message) -> None:
+        self.replies.pop((msg.src, msg.id), None)
+
+    # -- backward (engine entry points) --------------------------------------------------------
+    def on_gradient(self, msg: Message, obj: Any) -> None:
+        """A GRADIENT request: gradients for one of this worker's send functions (DAG-6)."""
+        from ._fast_engine import on_gradient_request
+
+        self.agent.world.submit(on_gradient_request, self, msg, obj)
+
+    def debug_info(self) -> dict[str, str]:
+        with self._lock:
+            n = len(self._contexts)
+            passes = sum(
+                1 for c in self._contexts.values() if c.current_pass is not None and c.current_pass.active
+            )
+        return {
+            "num_current_backward_passes": str(passes),
+            "num_autograd_contexts": str(n),
+            "local_autograd_engine_cpu_queue_size": "0",
+            "num_outstanding_rpcs": "0",
+        }
+
+
+# -- RRef.backward (RREF-10) ------------------------------------------------------------------------
+def backward_owner_value(agent: RpcAgent, value: Any, context_id: int, retain_graph: bool) -> None:
+    """Backward from an RRef's value on its owner: local autograd for id -1, else distributed."""
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError("RRef should contain a tensor for .backward()")
+    if context_id == -1:
+        torch.autograd.backward([value])  # as PyTorch: a local pass ignores retain_graph
+        return
+    from ._fast_engine import run_backward
+
+    run_backward(agent.autograd, context_id, [value], retain_graph)
+
+
+def rref_backward_on_owner(rref: Any, context_id: int, retain_graph: bool) -> None:
+    """Runs on the owner (an RPC from a user RRef's ``backward``)."""
+    backward_owner_value(rref._agent, rref.local_value(), context_id, retain_graph)
