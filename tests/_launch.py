@@ -1,0 +1,99 @@
+"""Helpers for the multiprocess launch tests: free ports, running workers, checking clean exits."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: a launch that takes longer has hung; the processes are killed and the test fails with their output
+LAUNCH_TIMEOUT = 240.0
+#: what a process must never print at exit: a C++ abort, a crashed interpreter
+BAD_EXIT_MARKERS = ("terminate called", "Aborted", "core dumped", "Fatal Python error")
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bound to port 0, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Exited:
+    """One finished process: its command, exit code and output."""
+
+    args: Sequence[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def describe(self) -> str:
+        return (
+            f"$ {' '.join(self.args)}\nexit code {self.returncode}\n--- stdout ---\n{self.stdout}"
+            f"--- stderr ---\n{self.stderr}"
+        )
+
+    def check_clean(self, *, tracebacks: bool = False) -> None:
+        """Exit code 0 and nothing on stderr that says the interpreter or C++ runtime aborted; no
+        Python traceback either unless ``tracebacks`` (PyTorch's RPC logs a remote exception's)."""
+        markers = BAD_EXIT_MARKERS if tracebacks else (*BAD_EXIT_MARKERS, "Traceback")
+        bad = [m for m in markers if m in self.stderr]
+        assert self.returncode == 0 and not bad, f"unclean exit ({bad}):\n{self.describe()}"
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """The test's environment without inherited launcher variables, with ``extra`` added."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GLOO_SOCKET_IFNAME")
+        and not k.startswith(("TORCHELASTIC_", "PYTEST_"))
+    }
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_all(commands: Sequence[tuple[Sequence[str], Mapping[str, str]]], cwd: Path) -> list[Exited]:
+    """Start every command at once, wait for all (killing all after LAUNCH_TIMEOUT), return them."""
+    procs = [
+        subprocess.Popen(
+            list(args), env=dict(env), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for args, env in commands
+    ]
+    deadline = time.monotonic() + LAUNCH_TIMEOUT
+    results: list[Exited] = []
+    timed_out = False
+    for (args, _), p in zip(commands, procs, strict=True):
+        try:
+            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            p.kill()
+            out, err = p.communicate()
+        results.append(Exited(args, p.returncode, out, err))
+    if timed_out:
+        raise AssertionError(
+            f"hung for {LAUNCH_TIMEOUT:g} s and killed:\n" + "\n".join(r.describe() for r in results)
+        )
+    return results
+
+
+def run_workers(script: Path, *args: str, world_size: int = 2, cwd: Path, **env: str) -> list[Exited]:
+    """``python script *args`` once per rank, RANK and WORLD_SIZE set as torchrun sets them."""
+    return run_all(
+        [
+            ([sys.executable, str(script), *args], base_env(RANK=str(r), WORLD_SIZE=str(world_size), **env))
+            for r in range(world_size)
+        ],
+        cwd,
+    )
