@@ -68,7 +68,7 @@ def _split_query(init_method: str) -> tuple[str, dict[str, str]]:
     """``init_method`` without its ``rank``/``world_size`` query parameters, and those parameters."""
     url = urlparse(init_method)
     query = dict(parse_qsl(url.query))
-    found = {k: query.pop(k) for k in ("rank", "world_size") if k in query}
+    found: dict[str, str] = {k: query.pop(k) for k in ("rank", "world_size") if k in query}
     if not found:
         return init_method, found  # untouched: urlunparse would turn "env://" into "env:"
     return urlunparse(url._replace(query=urlencode(query))), found
@@ -247,7 +247,7 @@ def join(
         store.delete_key(mine)  # so that a later attempt on the same store is not taken for stale
         # Drop our store now, not when the traceback goes: a FileStore deletes its file when its
         # last user closes it, so a failed attempt does not leave a stale file behind.
-        store = root = None
+        del store, root
         raise RPCTimeoutError(
             f"init_rpc as '{name}' (rank {rank}) timed out after {seconds:g} s waiting for rank(s) "
             f"{missing} of a world of {world_size} to join at {init_method!r}; start every worker with "
