@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from _launch import ROOT, base_env, free_port, run_all, run_workers
-from twinrpc.impl._rendezvous import LaunchError
+from twinrpc.impl import LaunchError
 
 import twinrpc.rpc as rpc
 
