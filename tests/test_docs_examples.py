@@ -1,0 +1,130 @@
+"""Every code example of the docs is a real file, and this module runs each of them.
+
+The docs include code only with ``literalinclude`` from ``docs/examples/`` or ``examples/``; a
+```python fence in a page is refused here, so no example can go stale unseen.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+EXAMPLES = DOCS / "examples"
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> str:
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), str(ROOT)]), **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def _pages() -> list[Path]:
+    return [p for p in DOCS.rglob("*.md") if "generated" not in p.parts and "_build" not in p.parts]
+
+
+def test_pages_hold_no_inline_python_only_included_files():
+    for page in _pages():
+        text = page.read_text(encoding="utf-8")
+        assert not re.search(r"^```(python|py|pycon)\s*$", text, re.MULTILINE), (
+            f"{page.relative_to(ROOT)} has an inline Python block: put the code in docs/examples/ "
+            "and literalinclude it, so tests/test_docs_examples.py runs it"
+        )
+
+
+def test_every_included_file_exists_and_is_run_here():
+    this = Path(__file__).read_text(encoding="utf-8")
+    for page in _pages():
+        for target in re.findall(r"^```\{literalinclude\}\s+(\S+)", page.read_text(encoding="utf-8"), re.M):
+            path = (page.parent / target).resolve()
+            assert path.is_file(), f"{page.relative_to(ROOT)} includes missing {target}"
+            assert path.name in this, f"{path.relative_to(ROOT)} is included by the docs but not run here"
+
+
+def test_hello_simulator():
+    out = _run("examples/hello_simulator.py", "--seed", "3")
+    assert "rpc_sync torch.add on worker1          -> [2.0, 2.0]" in out
+    assert "digest" in out
+
+
+def test_porting_on_the_simulator():
+    assert _run("docs/examples/porting.py", "--world", "sim").strip() == "[10.0, 10.0, 10.0]"
+
+
+def test_porting_on_gloo():
+    assert _run("docs/examples/porting.py", "--world", "gloo").strip() == "[10.0, 10.0, 10.0]"
+
+
+def test_parameter_server_on_the_simulator():
+    out = _run("docs/examples/parameter_server.py", "--world", "sim")
+    assert "60 updates, weights [2.0, -3.0, 0.5]" in out
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="twinrpc bug, not the example's: graceful shutdown of a 3-worker gloo world sometimes fails "
+    "with WorkerUnavailableError('the peer has shut down RPC') because one worker finishes shutdown "
+    "while another is still in the join rounds (reproduced on HEAD 2f67d9d..fea61d2, ~2 runs in 3)",
+)
+def test_parameter_server_on_gloo():
+    out = _run("docs/examples/parameter_server.py", "--world", "gloo")
+    assert "60 updates, weights [2.0, -3.0, 0.5]" in out
+
+
+def test_lost_update_is_found_replayed_and_fixed():
+    out = _run("docs/examples/lost_update.py")
+    assert "seeds 0..99: 11 lose an update, first: [5, 6, 18, 22, 26]" in out
+    assert "seed 5: counter 5 instead of 6" in out
+    assert "fixed: counter 6 on every seed 0..99" in out
+
+
+def test_shrink_fault_plan_finds_a_one_action_plan():
+    out = _run("docs/examples/shrink_fault_plan.py")
+    assert "smallest failing plan: FaultPlan(actions=[#0: delay 1e-05s]" in out
+
+
+def test_fault_plan():
+    out = _run("docs/examples/fault_plan.py")
+    assert "held link: RPCTimeoutError: RPC ran for more than set timeout (1000 ms)" in out
+    assert "no faults:           [1, 2]" in out
+    assert "first call delayed:  [2, 1]" in out
+
+
+def test_torchrun_program():
+    out = _run(
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "docs/examples/torchrun_program.py",
+    )
+    assert "worker0: worker1 runs on" in out and "returned [1.0, 1.0]" in out
+    assert "worker1: worker0 runs on" in out and "returned [2.0, 2.0]" in out
+
+
+def test_slow_network_backend_runs_the_conformance_suite():
+    # slow_network_backend.py: a sample of the suite (the whole suite on the sim backend is CI's job)
+    out = _run(
+        "-m",
+        "pytest",
+        "conformance/test_rpc_calls.py",
+        "conformance/test_futures.py",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--backend",
+        "slow_network_backend:SlowNetworkBackend",
+    )
+    assert " passed" in out and "failed" not in out
