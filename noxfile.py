@@ -26,11 +26,13 @@ def _workers() -> str:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole test suite: unit tests, then the conformance suite on every backend."""
-    _install(session)
+    """The whole test suite: unit tests, the conformance suite on every backend, then the docs."""
+    _install(session, "test,docs")
     session.run("pytest", "tests", "-q", "-n", _workers(), *session.posargs)
     for backend in BACKENDS:
         _conformance(session, backend)
+    # The conformance matrix in the docs comes from the three runs above: all must be there.
+    _build_docs(session, require_matrix=True)
 
 
 @nox.session
@@ -54,6 +56,37 @@ def _conformance(session: nox.Session, backend: str, *extra: str) -> None:
         f"--matrix-json={report}",
         *extra,
     )
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The Sphinx docs in build/docs/html (nitpicky, warnings are errors, offline).
+
+    The conformance matrix is generated from build/conformance/<backend>.json: a backend whose JSON is
+    missing is run first (`nox -s conformance -- <backend>` refreshes one by hand).
+    """
+    _install(session, "test,docs")
+    for backend in BACKENDS:
+        if not (ROOT / "build" / "conformance" / f"{backend}.json").is_file():
+            session.log(f"no conformance run of {backend} yet: running it for the matrix")
+            _conformance(session, backend)
+    _build_docs(session, require_matrix=True)
+
+
+def _build_docs(session: nox.Session, *, require_matrix: bool) -> None:
+    session.run(
+        "sphinx-build",
+        "-W",
+        "--keep-going",
+        "-n",
+        "-q",
+        "-b",
+        "html",
+        "docs",
+        "build/docs/html",
+        env={"TWINRPC_DOCS_REQUIRE_MATRIX": "1" if require_matrix else "0"},
+    )
+    session.log(f"docs: {ROOT / 'build' / 'docs' / 'html' / 'index.html'}")
 
 
 @nox.session
