@@ -166,6 +166,8 @@ class SimWorld:
         early, self._early = self._early, []
         for msg in early:
             self.worker.spawn("deliver", agent.on_message, msg)
+        for peer, exc in self.dead_peers.items():  # died before this agent started
+            self.worker.spawn("peer-failed", agent.on_peer_failed, peer, exc)
 
     def stop(self) -> None:
         self.stopped = True

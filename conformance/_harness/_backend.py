@@ -99,7 +99,12 @@ class Backend(abc.ABC):
     def spawn(
         self, fn: WorkerProgram, args: tuple[Any, ...], *, world_size: int, timeout: float
     ) -> list[Any]:
-        """Run ``fn`` on every rank of a fresh world where RPC is not initialised."""
+        """Run ``fn`` on every rank of a fresh world where RPC is not initialised.
+
+        A backend that supports failure tests also accepts ``expect_dead: frozenset[int]`` (passed
+        only when non-empty): ranks that kill themselves with ``ctx.crash()``, whose entries are
+        ``None``; a listed rank that survives or an unlisted rank that dies fails the test.
+        """
 
     def warm_up(self) -> None:  # noqa: B027 - optional hook
         """Called once after collection when tests will use ``world``: start slow set-up in the

@@ -72,6 +72,14 @@ class TorchContext(WorldContext):
         kwargs.setdefault("init_method", f"file://{self._base_dir}/rendezvous-{k}")
         return self.rpc.TensorPipeRpcBackendOptions(**kwargs)
 
+    def crash(self) -> NoReturn:
+        """SIGKILL this process: no cleanup, sockets closed by the kernel, as a real crash."""
+        self._check_crash_allowed()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable: SIGKILL did not kill the process")  # pragma: no cover
+
 
 class GlooContext(TorchContext):
     """``ctx`` on twinrpc's gloo world: twinrpc's modules, same options and rendezvous."""

@@ -10,7 +10,7 @@ import abc
 import importlib
 import time
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 __all__ = ["HarnessUsageError", "WorldContext"]
 
@@ -108,3 +108,20 @@ class WorldContext(abc.ABC):
     def sleep(self, seconds: float) -> None:
         """Sleep ``seconds``: wall-clock here; the simulator overrides this with virtual time."""
         time.sleep(seconds)
+
+    def crash(self) -> NoReturn:
+        """Kill this worker at once, like ``kill -9`` (failure tests; ``world.spawn`` only).
+
+        The spawning test must name the rank in ``world.spawn(..., expect_dead=[rank])``; its entry in
+        the result is then ``None``. Process backends SIGKILL the process, the simulator crashes the
+        simulated worker (``Simulation.crash``). Never returns.
+        """
+        self._check_crash_allowed()
+        raise HarnessUsageError(f"the {self.backend!r} backend does not support ctx.crash()")
+
+    def _check_crash_allowed(self) -> None:
+        if not self.spawned:
+            raise HarnessUsageError(
+                "ctx.crash() is for world.spawn programs (with expect_dead=[rank]); killing a rank of "
+                "world.run would break the shared pool"
+            )

@@ -7,7 +7,7 @@ from ``Simulation.run``, and time spent in ``ctx.sleep`` or RPC timeouts is virt
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from ._backend import Backend, WorkerProgram, fail_world
 from ._context import WorldContext
@@ -25,9 +25,19 @@ class SimContext(WorldContext):
         "futures": "twinrpc.futures",
     }
 
+    def __init__(self, *, sim: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._sim = sim
+
     def _make_options(self, k: int, /, **kwargs: Any) -> Any:
         # Simulated workers meet inside one Simulation, so there is no init_method to allocate.
         return self.rpc.RpcBackendOptions(**kwargs)
+
+    def crash(self) -> NoReturn:
+        """Crash this simulated worker (``Simulation.crash``): its tasks stop, peers see it die."""
+        self._check_crash_allowed()
+        self._sim.crash(self.rank)
+        raise AssertionError("unreachable: Simulation.crash returned on the crashed worker")
 
     def sleep(self, seconds: float) -> None:
         """Sleep on the simulation's virtual clock (instant in wall time)."""
@@ -41,12 +51,20 @@ class SimBackend(Backend):
 
     name = "sim"
 
-    def _simulate(self, world_size: int, worker: Callable[[int], Any], what: str) -> list[Any]:
-        __tracebackhide__ = True
+    def _new_simulation(self, world_size: int) -> Any:
         from twinrpc.simulator import Simulation
 
-        seed = self.config.sim_seed
-        sim = Simulation(world_size=world_size, seed=seed)
+        return Simulation(world_size=world_size, seed=self.config.sim_seed)
+
+    def _simulate(
+        self,
+        sim: Any,
+        worker: Callable[[int], Any],
+        what: str,
+        expect_dead: frozenset[int] = frozenset(),
+    ) -> list[Any]:
+        __tracebackhide__ = True
+        seed, world_size = self.config.sim_seed, sim.world_size
         try:
             result = sim.run(worker)
         except Exception as exc:
@@ -57,7 +75,15 @@ class SimBackend(Backend):
                 f"the simulation of {what} failed (world_size={world_size}, --sim-seed={seed}):\n"
                 f"{type(exc).__name__}: {exc}"
             )
-        return list(result.values())
+        unexpected = sorted(set(result.crashed) - expect_dead)
+        if unexpected:
+            fail_world(f"{what}: ranks {unexpected} crashed but are not in expect_dead (--sim-seed={seed})")
+        values = list(result.values())
+        survived = sorted(expect_dead - set(result.crashed))
+        if survived:
+            got = {r: values[r] for r in survived}
+            fail_world(f"{what}: ranks {survived} were expected to die (expect_dead) but returned {got!r}")
+        return values
 
     def run(
         self,
@@ -70,29 +96,37 @@ class SimBackend(Backend):
     ) -> list[Any]:
         __tracebackhide__ = True
         selected = frozenset(ranks)
+        sim = self._new_simulation(world_size)
 
         def worker(rank: int) -> Any:
             import twinrpc.rpc as rpc
 
-            ctx = SimContext(rank=rank, world_size=world_size, backend=self.name, spawned=False)
+            ctx = SimContext(rank=rank, world_size=world_size, backend=self.name, spawned=False, sim=sim)
             rpc.init_rpc(ctx.name(rank), rank=rank, world_size=world_size)
             try:
                 return fn(ctx, *args) if rank in selected else None
             finally:
                 rpc.shutdown()
 
-        return self._simulate(world_size, worker, f"world.run({_qualname(fn)})")
+        return self._simulate(sim, worker, f"world.run({_qualname(fn)})")
 
     def spawn(
-        self, fn: WorkerProgram, args: tuple[Any, ...], *, world_size: int, timeout: float
+        self,
+        fn: WorkerProgram,
+        args: tuple[Any, ...],
+        *,
+        world_size: int,
+        timeout: float,
+        expect_dead: frozenset[int] = frozenset(),
     ) -> list[Any]:
         __tracebackhide__ = True
+        sim = self._new_simulation(world_size)
 
         def worker(rank: int) -> Any:
-            ctx = SimContext(rank=rank, world_size=world_size, backend=self.name, spawned=True)
+            ctx = SimContext(rank=rank, world_size=world_size, backend=self.name, spawned=True, sim=sim)
             return fn(ctx, *args)
 
-        return self._simulate(world_size, worker, f"world.spawn({_qualname(fn)})")
+        return self._simulate(sim, worker, f"world.spawn({_qualname(fn)})", expect_dead)
 
 
 def _qualname(fn: WorkerProgram) -> str:

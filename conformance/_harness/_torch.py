@@ -163,13 +163,18 @@ class TorchBackend(Backend):
     # -- one round of messages -------------------------------------------------------------------------
 
     def _exchange(
-        self, workers: Mapping[int, _Worker], messages: Mapping[int, bytes], timeout: float
+        self,
+        workers: Mapping[int, _Worker],
+        messages: Mapping[int, bytes],
+        timeout: float,
+        expect_dead: frozenset[int] = frozenset(),
     ) -> _Replies:
         """Send ``messages[rank]`` to each worker and collect one reply each, within ``timeout`` s.
 
         A process that exits without replying is recorded in ``dead`` (the others then get
-        DEATH_GRACE to finish); ranks still silent at the deadline are recorded in ``hung`` with their
-        stacks. The caller decides what to kill.
+        DEATH_GRACE to finish, unless the rank is in ``expect_dead``: a planned death leaves the
+        survivors the whole ``timeout``); ranks still silent at the deadline are recorded in ``hung``
+        with their stacks. The caller decides what to kill.
         """
         out = _Replies()
         for rank, message in messages.items():
@@ -179,7 +184,7 @@ class TorchBackend(Backend):
                 out.dead[rank] = workers[rank].process.exitcode
         pending = {rank for rank in messages if rank not in out.dead}
         deadline = time.monotonic() + timeout
-        if out.dead:
+        if set(out.dead) - expect_dead:
             deadline = min(deadline, time.monotonic() + DEATH_GRACE)
         while pending:
             remaining = deadline - time.monotonic()
@@ -214,7 +219,8 @@ class TorchBackend(Backend):
                     worker.process.join(timeout=1)
                     out.dead[rank] = worker.process.exitcode
                     pending.discard(rank)
-                    deadline = min(deadline, time.monotonic() + DEATH_GRACE)
+                    if rank not in expect_dead:
+                        deadline = min(deadline, time.monotonic() + DEATH_GRACE)
         out.hung = sorted(pending)
         for rank in out.hung:
             out.stacks[rank] = workers[rank].dump_stacks()
@@ -376,7 +382,13 @@ class TorchBackend(Backend):
         return self._results(out.replies, world_size)
 
     def spawn(
-        self, fn: WorkerProgram, args: tuple[Any, ...], *, world_size: int, timeout: float
+        self,
+        fn: WorkerProgram,
+        args: tuple[Any, ...],
+        *,
+        world_size: int,
+        timeout: float,
+        expect_dead: frozenset[int] = frozenset(),
     ) -> list[Any]:
         __tracebackhide__ = True
         payload = self._payload(fn, args)
@@ -385,13 +397,23 @@ class TorchBackend(Backend):
         base = {"world_size": world_size, "base_dir": self._call_dir("spawn"), "sys_path": list(sys.path)}
         messages = {r: pickle.dumps(("once", {**base, "rank": r}, payload)) for r in workers}
         try:
-            out = self._exchange(workers, messages, timeout)
+            out = self._exchange(workers, messages, timeout, expect_dead)
         finally:
             for worker in workers.values():
                 worker.kill()  # replied children are exiting already; this reaps them or kills hung ones
             self._refill_spares()
-        self._fail_for(out, f"world.spawn({fn.__qualname__})", timeout, "Its processes were killed.")
-        return self._results(out.replies, world_size)
+        what = f"world.spawn({fn.__qualname__})"
+        # A planned death is ctx.crash(): SIGKILL. Any other end of an expect_dead rank is reported.
+        for rank in sorted(expect_dead & set(out.dead)):
+            if out.dead[rank] == -signal.SIGKILL:
+                del out.dead[rank]
+        self._fail_for(out, what, timeout, "Its processes were killed.")
+        values = self._results(out.replies, world_size)
+        survived = sorted(r for r in expect_dead if r in out.replies)
+        if survived:
+            got = {r: values[r] for r in survived}
+            fail_world(f"{what}: ranks {survived} were expected to die (expect_dead) but returned {got!r}")
+        return values
 
     def warm_up(self) -> None:
         """Start two interpreters importing torch now, so the first pool (world_size 2) finds them warm."""

@@ -59,12 +59,28 @@ class World:
         return self.run(fn, *args, world_size=world_size, ranks=[rank], timeout=timeout)[rank]
 
     def spawn(
-        self, fn: WorkerProgram, *args: Any, world_size: int = 2, timeout: float | None = None
+        self,
+        fn: WorkerProgram,
+        *args: Any,
+        world_size: int = 2,
+        timeout: float | None = None,
+        expect_dead: Iterable[int] = (),
     ) -> list[Any]:
-        """Run ``fn(ctx, *args)`` on every rank of a FRESH world; ``fn`` initialises RPC itself."""
+        """Run ``fn(ctx, *args)`` on every rank of a FRESH world; ``fn`` initialises RPC itself.
+
+        ``expect_dead``: ranks that kill themselves on purpose (``ctx.crash()``); their entries are
+        ``None``. A listed rank that survives, or an unlisted rank that dies, fails the test.
+        """
         __tracebackhide__ = True
         self._check(fn, args, world_size, None)
-        return self._backend.spawn(fn, args, world_size=world_size, timeout=self._timeout(timeout))
+        dead = frozenset(expect_dead)
+        if not all(isinstance(r, int) and 0 <= r < world_size for r in dead) or len(dead) >= world_size:
+            fail_world(f"expect_dead must be a proper subset of range({world_size}), got {expect_dead!r}")
+        if not dead:  # backends written before expect_dead existed keep working
+            return self._backend.spawn(fn, args, world_size=world_size, timeout=self._timeout(timeout))
+        return self._backend.spawn(
+            fn, args, world_size=world_size, timeout=self._timeout(timeout), expect_dead=dead
+        )
 
     def _timeout(self, timeout: float | None) -> float:
         return self._default_timeout if timeout is None else timeout

@@ -525,11 +525,15 @@ class RpcAgent:
                 # A dead worker (any: the leader needs all) fails the collective instead of letting it
                 # wait forever; checked under the lock that on_peer_failed takes, so a death between
                 # this check and the wait still fails the wait.
-                self._raise_if_peer_dead()
-                got = self._gathered.setdefault(tag, {})
-                got[me] = value
-                done = self._gather_done.setdefault(tag, Future())
-                complete = len(got) == n
+                dead = self._peer_dead_error()
+                if dead is None:
+                    got = self._gathered.setdefault(tag, {})
+                    got[me] = value
+                    done = self._gather_done.setdefault(tag, Future())
+                    complete = len(got) == n
+            if dead is not None:
+                self._abort_gather(tag, dead)
+                raise dead
             if complete:
                 done.try_set_result(None)
             try:
@@ -547,8 +551,11 @@ class RpcAgent:
                     self.world.send(Message(Kind.SCATTER, 0, me, w.id, payload))
             return result
         with self._lock:
-            self._raise_if_peer_dead()
-            fut = self._scattered.setdefault(tag, Future())
+            dead = self._peer_dead_error()
+            if dead is None:
+                fut = self._scattered.setdefault(tag, Future())
+        if dead is not None:
+            raise dead
         fut.label = f"the shutdown leader {self.leader.name} to answer _all_gather {tag}"
         payload, _ = _serialize.dumps((tag, value))
         self.world.send(Message(Kind.GATHER, 0, me, self.leader.id, payload))
@@ -593,11 +600,16 @@ class RpcAgent:
         else:
             fut.try_set_result(result)
 
-    def _raise_if_peer_dead(self) -> None:
-        """Raise the error of a dead (or departed) peer, if any; call with ``self._lock`` held."""
-        if self._peer_errors:
-            cause = self._peer_errors[min(self._peer_errors)]
-            raise WorkerUnavailableError(str(cause)) from cause
+    def _peer_dead_error(self) -> WorkerUnavailableError | None:
+        """An error for the first peer found dead (or departed), if any; call with ``self._lock`` held.
+
+        The first one: when the leader fails because a worker died, its own departure follows, and the
+        error must name the worker that died, not the leader that left."""
+        for cause in self._peer_errors.values():
+            err = WorkerUnavailableError(str(cause))
+            err.__cause__ = cause
+            return err
+        return None
 
     def _abort_gather(self, tag: Any, exc: WorkerUnavailableError) -> None:
         """Leader: a worker died during the all-gather; tell the live followers why it failed, so

@@ -1,0 +1,210 @@
+"""A dead peer is an error, never a hang (ERR-7, SHUT-2, SHUT-3).
+
+A victim rank kills itself with ``ctx.crash()`` (SIGKILL on torch/gloo, ``Simulation.crash`` on sim)
+inside a fresh ``world.spawn(..., expect_dead=[rank])``; the survivors measure how long each failure
+takes on their world's clock (virtual on sim, wall-clock elsewhere) and return plain data. The bound
+asserted is generous (``BOUND`` s): what it rules out is waiting for the 60 s RPC timeout, or forever.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from conformance._support import backend_sleep
+
+#: seconds within which every failure caused by a dead peer must surface (measured values are printed)
+BOUND = 10.0
+#: how long a survivor waits for a call that may hang (PyTorch's graceful shutdown, DEV-3) before
+#: reporting it as hung: the program bounds itself, whatever the time its world took to start
+HANG_BOUND = 20.0
+
+_RELEASED: set[str] = set()
+
+
+def _now(backend: str) -> float:
+    if backend == "sim":
+        from twinrpc.simulator import now
+
+        return now()
+    return time.monotonic()
+
+
+def _timed(backend: str, thunk: Callable[[], Any]) -> dict[str, Any]:
+    """What ``thunk()`` did and how long it took: plain data for the test body."""
+    start = _now(backend)
+    try:
+        value = thunk()
+    except Exception as exc:
+        return {
+            "raised": type(exc).__name__,
+            "runtime_error": isinstance(exc, RuntimeError),
+            "message": str(exc),
+            "elapsed": _now(backend) - start,
+        }
+    return {"raised": None, "value": value, "elapsed": _now(backend) - start}
+
+
+def _bounded(backend: str, thunk: Callable[[], Any]) -> dict[str, Any]:
+    """``_timed`` that gives up after HANG_BOUND s (on a thread; the simulator cannot hang: it
+    reports a deadlock instead)."""
+    if backend == "sim":
+        return _timed(backend, thunk)
+    box: list[dict[str, Any]] = []
+    thread = threading.Thread(target=lambda: box.append(_timed(backend, thunk)), daemon=True)
+    thread.start()
+    thread.join(HANG_BOUND)
+    if box:
+        return box[0]
+    return {
+        "raised": "still blocked",
+        "runtime_error": False,
+        "message": f"still blocked after {HANG_BOUND} s",
+        "elapsed": HANG_BOUND,
+    }
+
+
+def _slow_echo(backend: str, seconds: float, value: Any) -> Any:
+    backend_sleep(backend, seconds)
+    return value
+
+
+def _release(token: str) -> None:
+    _RELEASED.add(token)
+
+
+def _serve_until_released(ctx: Any, token: str) -> str:
+    """A bystander: serve requests until rank 0 releases it (bounded), then leave locally."""
+    for _ in range(int(HANG_BOUND / 0.05)):
+        if token in _RELEASED:
+            break
+        ctx.sleep(0.05)
+    released = token in _RELEASED
+    ctx.rpc.shutdown(graceful=False)
+    return "released" if released else "never released"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Worker programs
+# ---------------------------------------------------------------------------------------------------
+def _callee_killed_mid_call(ctx: Any, token: str) -> Any:
+    """Rank 0 calls rank 2, which dies while running the call; rank 1 is a bystander."""
+    ctx.init_rpc()
+    if ctx.rank == 2:
+        ctx.sleep(1.0)  # rank 0's call is running here by now
+        ctx.crash()
+    if ctx.rank == 1:
+        return _serve_until_released(ctx, token)
+    rpc, backend = ctx.rpc, ctx.backend
+    # timeout=0: only the death can end this call (ERR-7 holds for timeout=0 too)
+    fut = rpc.rpc_async("worker2", _slow_echo, args=(backend, 30.0, "too late"), timeout=0)
+    result = {
+        "pending": _timed(backend, fut.wait),
+        "later_sync": _timed(backend, lambda: rpc.rpc_sync("worker2", operator.add, args=(1, 2))),
+        "later_async": _timed(
+            backend, lambda: rpc.rpc_async("worker2", operator.add, args=(1, 2), timeout=0).wait()
+        ),
+        "later_remote": _timed(backend, lambda: rpc.remote("worker2", operator.add, args=(1, 2)).to_here()),
+        "survivor": _timed(backend, lambda: rpc.rpc_sync("worker1", operator.add, args=(1, 2))),
+        "self_call": _timed(backend, lambda: rpc.rpc_sync("worker0", operator.add, args=(1, 2))),
+    }
+    rpc.rpc_sync("worker1", _release, args=(token,))
+    result["local_shutdown"] = _timed(backend, lambda: rpc.shutdown(graceful=False))
+    return result
+
+
+def _graceful_shutdown_with_a_dead_worker(ctx: Any, victim: int) -> Any:
+    """Every rank but ``victim`` calls graceful shutdown (timeout=0) after ``victim`` died."""
+    ctx.init_rpc()
+    rpc, backend = ctx.rpc, ctx.backend
+    for r in range(ctx.world_size):  # every pair has talked (TensorPipe connects lazily)
+        rpc.rpc_sync(ctx.name(r), operator.add, args=(r, 1))
+    if ctx.rank == victim:
+        ctx.sleep(1.0)  # the others' calls to it are done
+        ctx.crash()
+    ctx.sleep(2.0)  # the death is known by now (SHUT-2 speaks of a worker known to be dead)
+    result = {"shutdown": _bounded(backend, lambda: rpc.shutdown(graceful=True, timeout=0))}
+    # Finalised locally all the same (SHUT-2): the process is uninitialised afterwards (ERR-8).
+    result["after"] = _timed(backend, lambda: rpc.rpc_sync(ctx.name(ctx.rank), operator.add, args=(1, 2)))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------------------------
+def _check_bounded_error(what: str, got: dict[str, Any]) -> None:
+    print(f"{what}: {got.get('raised')} after {got['elapsed']:.3f} s")
+    assert got["raised"] is not None, f"{what} returned {got.get('value')!r} instead of failing"
+    assert got["runtime_error"], f"{what} raised {got['raised']}, not a RuntimeError: {got['message']}"
+    assert got["elapsed"] < BOUND, f"{what} took {got['elapsed']:.2f} s to fail (bound {BOUND} s)"
+
+
+@pytest.mark.spec("ERR-7", "SHUT-3")
+def test_calls_to_a_worker_killed_mid_call_fail_promptly_and_others_keep_working(world: Any) -> None:
+    token = uuid.uuid4().hex
+    results = world.spawn(_callee_killed_mid_call, token, world_size=3, expect_dead=[2])
+    assert results[1] == "released"
+    assert results[2] is None
+    got = results[0]
+    for what in ("pending", "later_sync", "later_async", "later_remote"):
+        _check_bounded_error(what, got[what])
+    assert got["survivor"]["raised"] is None and got["survivor"]["value"] == 3, got["survivor"]
+    assert got["self_call"]["raised"] is None and got["self_call"]["value"] == 3, got["self_call"]
+    print(f"shutdown(graceful=False) returned after {got['local_shutdown']['elapsed']:.3f} s")
+    assert got["local_shutdown"]["raised"] is None, got["local_shutdown"]
+    assert got["local_shutdown"]["elapsed"] < BOUND
+
+
+@pytest.mark.spec("ERR-7")
+@pytest.mark.backends("sim", "gloo")
+def test_a_dead_worker_error_is_worker_unavailable_naming_the_worker(world: Any) -> None:
+    """PyTorch's error text is transport text ("eof ..."): the class and wording are twinrpc's (ERR-7)."""
+    token = uuid.uuid4().hex
+    got = world.spawn(_callee_killed_mid_call, token, world_size=3, expect_dead=[2])[0]
+    for what in ("pending", "later_sync", "later_async", "later_remote"):
+        assert got[what]["raised"] == "WorkerUnavailableError", (what, got[what])
+        assert "'worker2'" in got[what]["message"], (what, got[what]["message"])
+        assert "is unavailable" in got[what]["message"], (what, got[what]["message"])
+
+
+@pytest.mark.spec("SHUT-2", "ERR-7")
+def test_graceful_shutdown_with_a_dead_follower_raises_instead_of_hanging(world: Any) -> None:
+    # Bounded for torch, whose leader waits forever for the dead follower (DEV-3): the survivors
+    # give up after HANG_BOUND s and report "still blocked", which fails the test instead of hanging.
+    results = world.spawn(_graceful_shutdown_with_a_dead_worker, 2, world_size=3, expect_dead=[2])
+    assert results[2] is None
+    for rank in (0, 1):
+        got = results[rank]
+        _check_bounded_error(f"worker{rank}'s shutdown()", got["shutdown"])
+        assert "worker2" in got["shutdown"]["message"], got["shutdown"]["message"]
+        assert "RPC has not been initialized" in (got["after"].get("message") or ""), got["after"]
+
+
+@pytest.mark.spec("SHUT-2", "ERR-7")
+def test_graceful_shutdown_with_a_dead_leader_raises_promptly(world: Any) -> None:
+    results = world.spawn(_graceful_shutdown_with_a_dead_worker, 0, world_size=3, expect_dead=[0])
+    assert results[0] is None
+    for rank in (1, 2):
+        got = results[rank]
+        _check_bounded_error(f"worker{rank}'s shutdown()", got["shutdown"])
+        assert "RPC has not been initialized" in (got["after"].get("message") or ""), got["after"]
+
+
+@pytest.mark.spec("SHUT-2", "ERR-7")
+@pytest.mark.backends("sim", "gloo")
+def test_graceful_shutdown_with_a_dead_peer_names_it_on_every_survivor(world: Any) -> None:
+    """twinrpc's wording (ERR-7): the error names the dead worker, also on the leader's followers."""
+    for victim in (0, 2):
+        results = world.spawn(
+            _graceful_shutdown_with_a_dead_worker, victim, world_size=3, expect_dead=[victim]
+        )
+        for rank in {0, 1, 2} - {victim}:
+            got = results[rank]["shutdown"]
+            assert got["raised"] == "WorkerUnavailableError", (victim, rank, got)
+            assert f"'worker{victim}'" in got["message"], (victim, rank, got["message"])
