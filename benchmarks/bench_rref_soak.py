@@ -1,12 +1,14 @@
 """RRef memory soak: N create / to_here / delete cycles, owner-side state counted before and after.
 
     python benchmarks/bench_rref_soak.py --world sim --cycles 100000
+    python benchmarks/bench_rref_soak.py --world gloo --cycles 100000   # two spawned processes
 
 Worker 0 runs ``rpc.remote(worker1, make) ; rref.to_here() ; del rref`` N times; before and after,
 worker 1 (the owner) reports its RRef state (``_get_debug_info()``: owner RRefs, forks, pending
 users/children, unacked control messages, deferred deletes) and the number of live owner-side values.
-Any growth is printed and fails the run (exit status 1). ``--world gloo`` is wired in by the gloo world's
-``nox -s bench`` session once that world can be started from a script.
+Any growth is printed and fails the run (exit status 1). ``--world gloo`` runs the same driver in two
+spawned processes over twinrpc's gloo world; ``nox -s bench`` runs it with fewer cycles (see noxfile.py),
+since a gloo cycle is three real round trips.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def _settle(seconds: float) -> None:
     sleep(seconds)
 
 
-def driver(cycles: int) -> dict[str, Any]:
+def driver(cycles: int, settle: Any = _settle) -> dict[str, Any]:
     import twinrpc.rpc as rpc
 
     before = rpc.rpc_sync("worker1", owner_state)
@@ -74,7 +76,7 @@ def driver(cycles: int) -> dict[str, Any]:
         assert value.n == i
         del rref, value
     wall = time.perf_counter() - t0
-    _settle(1.0)  # the last deletes (sent from tasks after a seeded delay) reach the owner
+    settle(1.0)  # the last deletes (sent from tasks after a seeded delay) reach the owner
     after = rpc.rpc_sync("worker1", owner_state)
     return {"before": before, "after": after, "wall": wall}
 
@@ -96,6 +98,41 @@ def run_sim(cycles: int, seed: int) -> dict[str, Any]:
     return dict(sim.run(program).values()[0])
 
 
+def _gloo_worker(rank: int, init_method: str, cycles: int, conn: Any) -> None:
+    import twinrpc.rpc as rpc
+
+    opts = rpc.RpcBackendOptions(init_method=init_method)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    out = None
+    try:
+        if rank == 0:
+            out = driver(cycles, settle=time.sleep)
+    finally:
+        rpc.shutdown()
+    conn.send(out)
+
+
+def run_gloo(cycles: int) -> dict[str, Any]:
+    """Two spawned processes over twinrpc's gloo world (rendezvous through a file)."""
+    import multiprocessing as mp
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="rref_soak-") as tmp:
+        init_method = f"file://{tmp}/rendezvous"
+        conns, procs = [], []
+        for rank in range(2):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_gloo_worker, args=(rank, init_method, cycles, child), daemon=True)
+            p.start()
+            conns.append(parent)
+            procs.append(p)
+        results = [c.recv() for c in conns]
+        for p in procs:
+            p.join(60)
+    return dict(results[0])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", choices=["sim", "gloo"], default="sim")
@@ -104,10 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cycles < 1:
         parser.error("--cycles must be at least 1")
-    if args.world == "gloo":
-        print("bench_rref_soak: --world gloo needs the gloo world's launcher (issue #3); run --world sim")
-        return 2
-    out = run_sim(args.cycles, args.seed)
+    out = run_gloo(args.cycles) if args.world == "gloo" else run_sim(args.cycles, args.seed)
     before, after = out["before"], out["after"]
     print(
         f"RRef soak on {args.world}: {args.cycles} create/to_here/delete cycles in {out['wall']:.1f} s wall"

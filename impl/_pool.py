@@ -1,43 +1,148 @@
-"""The request pool: ``num_worker_threads`` threads that run incoming requests (like TensorPipe's)."""
+"""The request pool: at most ``num_worker_threads`` requests run at once (like TensorPipe's pool).
+
+Its threads also take over receiving for a link when a receiver hands its role off (PeerLink.hand_off):
+a receiver that gets a request while a request slot is free runs the request itself, at once, and an
+idle pool thread continues receiving. That saves the thread hop (and, under load, the scheduler wake-up
+latency) between receiving a request and running it, as the simulator's delivery task becoming the
+pool task does. Queued requests still wait their turn, in order, when every slot is busy.
+"""
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
-import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
 _log = logging.getLogger("twinrpc.impl")
 _STOP = object()
+_TASK = 1  # a request: counts against the pool size
+_JOB = 2  # anything else (a link's receive loop): runs on an idle thread, not counted
+
+
+class _Worker:
+    """One pool thread: it sleeps on its own lock until given a job (cheaper than a shared queue)."""
+
+    __slots__ = ("job", "wake")
+
+    def __init__(self) -> None:
+        self.wake = threading.Lock()
+        self.wake.acquire()
+        self.job: Any = None
 
 
 class RequestPool:
-    """A fixed pool of daemon threads fed by a lock-free-ish ``SimpleQueue`` (cheaper than an executor)."""
+    """Request slots (``size``) and the threads that run requests and receive loops. Thread-safe."""
 
-    def __init__(self, size: int, name: str) -> None:
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(size)
-        ]
-        for t in self._threads:
-            t.start()
+    def __init__(self, size: int, name: str, prestart: int = 2) -> None:
+        self._size = size
+        self._name = name
+        self._lock = threading.Lock()
+        self._busy = 0  # requests running (<= size)
+        self._pending: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
+        self._idle: list[_Worker] = []
+        self._stopped = False
+        self._ids = itertools.count()
+        for _ in range(prestart):  # a few idle threads up front, so the first hand-offs start no thread
+            worker = _Worker()
+            self._idle.append(worker)
+            self._thread(worker, wait_first=True).start()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._queue.put((fn, args))
+        """Run ``fn(*args)`` on a pool thread, or queue it while ``size`` requests are running."""
+        with self._lock:
+            if self._busy >= self._size:
+                self._pending.append((fn, args))
+                return
+            self._busy += 1
+            worker = self._idle.pop() if self._idle else None
+        self._give(worker, (_TASK, fn, args))
+
+    def run_here(self, fn: Callable[..., Any], args: tuple[Any, ...], before: Callable[[], bool]) -> None:
+        """Run the request ``fn(*args)`` on this thread if a slot is free and ``before()`` (which frees
+        this thread from its other role) agrees; else submit it as usual."""
+        with self._lock:
+            free = self._busy < self._size and not self._stopped
+            if free:
+                self._busy += 1
+        if not free:
+            self.submit(fn, *args)
+            return
+        if not before():
+            with self._lock:
+                self._busy -= 1
+            self.submit(fn, *args)
+            return
+        self._run_requests(fn, args)
+
+    def run_job(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` on an idle pool thread (a new one if none is idle); not a request."""
+        with self._lock:
+            worker = self._idle.pop() if self._idle else None
+        self._give(worker, (_JOB, fn, ()))
 
     def stop(self) -> None:
-        for _ in self._threads:
-            self._queue.put(_STOP)
+        """Idle threads exit; busy ones exit once the requests queued before stop() have run."""
+        with self._lock:
+            self._stopped = True
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.job = _STOP
+            worker.wake.release()
 
-    def _run(self) -> None:
-        get = self._queue.get
+    # -- threads ----------------------------------------------------------------------------------
+    def _thread(self, worker: _Worker, wait_first: bool = False) -> threading.Thread:
+        return threading.Thread(
+            target=self._main,
+            args=(worker, wait_first),
+            name=f"{self._name}-{next(self._ids)}",
+            daemon=True,
+        )
+
+    def _give(self, worker: _Worker | None, job: tuple[int, Callable[..., Any], tuple[Any, ...]]) -> None:
+        if worker is None:
+            worker = _Worker()
+            worker.job = job
+            self._thread(worker, wait_first=False).start()
+        else:
+            worker.job = job
+            worker.wake.release()
+
+    def _main(self, worker: _Worker, wait_first: bool) -> None:
+        # A worker waits on its lock exactly once per time it is put on the idle list (the giver
+        # releases it exactly once), so the lock never carries a stale wake-up.
+        if wait_first:
+            worker.wake.acquire()
         while True:
-            item = get()
-            if item is _STOP:
+            job, worker.job = worker.job, None
+            if job is _STOP:
                 return
-            fn, args = item
-            try:
-                fn(*args)
-            except Exception:
-                _log.exception("twinrpc: a request task raised")
+            kind, fn, args = job
+            if kind == _TASK:
+                self._run_requests(fn, args)
+            else:
+                self._run(fn, args)
+            with self._lock:
+                if self._stopped:
+                    return
+                self._idle.append(worker)
+            worker.wake.acquire()
+
+    def _run_requests(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        """Run a request, then queued ones while there are any; then give the slot back."""
+        while True:
+            self._run(fn, args)
+            with self._lock:
+                if not self._pending:
+                    self._busy -= 1
+                    return
+                fn, args = self._pending.popleft()
+
+    @staticmethod
+    def _run(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            _log.exception("twinrpc: a request task raised")

@@ -1,0 +1,380 @@
+"""twinrpc's gloo world against upstream torch.distributed.rpc (TensorPipe), side by side in one run.
+
+Three pairs of processes are spawned and initialised once: twinrpc (``twinrpc.rpc`` over its gloo
+world), TensorPipe (``torch.distributed.rpc``) and raw gloo (``torch.distributed`` send/recv with an
+explicit source, the floor under twinrpc's transport). The parent then runs rounds; in each round every
+measurement runs on every system in turn (the order rotates each round), so all three share whatever
+load the machine has at that moment. Reported: medians (and p99 for latency) over all rounds, and
+twinrpc / TensorPipe ratios with the issue's targets.
+
+Bandwidth is a round trip: a UDF that returns its argument; GB/s = 2 x size / round-trip time (bytes
+moved both ways). The raw gloo floor is the same ping-pong with reused receive buffers.
+
+Run: ``nox -s bench`` or ``python benchmarks/bench_gloo.py [--rounds R] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import multiprocessing as mp
+import os
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+KiB, MiB = 1024, 1024 * 1024
+SIZES = (KiB, MiB, 16 * MiB, 64 * MiB)
+SYSTEMS = ("twinrpc", "tensorpipe", "gloo")
+WINDOW = 64
+
+
+# -- the functions called remotely (module-level: RPC sends functions by reference) -------------------
+def tiny_udf(a: Any, b: Any) -> Any:
+    return a + b
+
+
+def echo(t: Any) -> Any:
+    return t
+
+
+# -- worker processes ------------------------------------------------------------------------------
+def _rpc_module(system: str) -> Any:
+    if system.startswith("twinrpc"):
+        import twinrpc.rpc as rpc
+    else:
+        import torch.distributed.rpc as rpc
+    return rpc
+
+
+def _init(system: str, rank: int, init_method: str) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # Pairs not being measured are SIGSTOPped (see Pair.pause): twinrpc's heartbeat notices that
+    # its own process was stopped and says so; that is expected here.
+    logging.getLogger("twinrpc.impl").setLevel(logging.ERROR)
+    if system == "gloo":
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+        return None
+    rpc = _rpc_module(system)
+    if system.startswith("twinrpc"):
+        opts = rpc.RpcBackendOptions(init_method=init_method)
+    else:
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=init_method)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    return rpc
+
+
+def _timed_calls(n: int, call: Any) -> list[float]:
+    out = []
+    clock = time.perf_counter
+    for _ in range(n):
+        t0 = clock()
+        call()
+        out.append(clock() - t0)
+    return out
+
+
+def _throughput(rpc: Any, n: int, a: Any, b: Any) -> float:
+    """Calls per second with WINDOW calls in flight (a sliding window, not batches)."""
+    slots = threading.Semaphore(WINDOW)
+    done = threading.Semaphore(0)
+
+    def release(_f: Any) -> None:
+        slots.release()
+        done.release()
+
+    t0 = time.perf_counter()
+    for _ in range(n):
+        slots.acquire()
+        rpc.rpc_async("worker1", tiny_udf, args=(a, b)).add_done_callback(release)
+    for _ in range(n):
+        done.acquire()
+    return n / (time.perf_counter() - t0)
+
+
+def _rpc_measure(rpc: Any, what: str, n: int, size: int) -> Any:
+    import torch
+
+    a, b = torch.ones(1), torch.ones(1)
+    if what == "builtin":
+        return _timed_calls(n, lambda: rpc.rpc_sync("worker1", torch.add, args=(a, b)))
+    if what == "udf":
+        return _timed_calls(n, lambda: rpc.rpc_sync("worker1", tiny_udf, args=(a, b)))
+    if what == "throughput":
+        return _throughput(rpc, n, a, b)
+    if what == "remote":
+        return _timed_calls(n, lambda: rpc.remote("worker1", tiny_udf, args=(a, b)).to_here())
+    if what == "bw":
+        t = torch.ones(size // 4, dtype=torch.float32)
+        return _timed_calls(n, lambda: rpc.rpc_sync("worker1", echo, args=(t,)))
+    raise ValueError(what)
+
+
+def _gloo_measure(rank: int, what: str, n: int, size: int, bufs: dict[int, Any]) -> Any:
+    """Raw ping-pong with an explicit source; buffers reused across calls (pre-faulted)."""
+    import torch
+    import torch.distributed as dist
+
+    nbytes = 4 if what != "bw" else size
+    if nbytes not in bufs:
+        bufs[nbytes] = (torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8))
+        bufs[nbytes][1].fill_(0)
+    out, inp = bufs[nbytes]
+    if rank == 1:
+        for _ in range(n):
+            dist.recv(inp, src=0)
+            dist.send(inp, dst=1 - rank)
+        return None
+
+    def ping() -> None:
+        dist.send(out, dst=1)
+        dist.recv(inp, src=1)
+
+    return _timed_calls(n, ping)
+
+
+def worker(system: str, rank: int, init_method: str, conn: Any, path: str | None = None) -> None:
+    if path:  # --baseline: twinrpc imported from another tree (a package directory containing twinrpc/)
+        sys.path.insert(0, path)
+    rpc = _init(system, rank, init_method)
+    bufs: dict[int, Any] = {}
+    conn.send("ready")
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            break
+        _, what, n, size = cmd
+        try:
+            if system == "gloo":
+                result = _gloo_measure(rank, what, n, size, bufs)
+            else:
+                result = _rpc_measure(rpc, what, n, size)
+        except BaseException as exc:  # report, don't hang the parent
+            result = RuntimeError(f"{system} rank {rank} {what}: {exc!r}")
+        conn.send(result)
+    if rpc is not None:
+        rpc.shutdown()
+    else:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    conn.send("stopped")
+
+
+# -- the parent --------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Pair:
+    def __init__(self, ctx: Any, system: str, tmp: str, path: str | None = None) -> None:
+        self.system = system
+        if system.startswith("twinrpc"):
+            init_method = f"file://{tmp}/{system}-rendezvous"
+        else:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.conns, self.procs = [], []
+        for rank in range(2):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker, args=(system, rank, init_method, child, path), daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def wait_ready(self, timeout: float) -> None:
+        for c in self.conns:
+            if not c.poll(timeout):
+                raise RuntimeError(f"{self.system} workers did not start within {timeout} s")
+            assert c.recv() == "ready"
+
+    def pause(self, paused: bool) -> None:
+        """SIGSTOP/SIGCONT the pair: TensorPipe's shm reactor busy-polls even when idle, which would
+        tax whichever system is being measured; so only the measured pair runs."""
+        for p in self.procs:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
+    def run(self, what: str, n: int, size: int = 0) -> Any:
+        cmd = ("run", what, n, size)
+        active = self.conns if self.system == "gloo" else self.conns[:1]
+        for c in active:
+            c.send(cmd)
+        results = [c.recv() for c in active]
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results[0]
+
+    def stop(self) -> None:
+        self.pause(False)
+        for c in self.conns:
+            c.send(("stop",))
+        for c, p in zip(self.conns, self.procs, strict=True):
+            if c.poll(60):
+                c.recv()
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def _only(pairs: dict[str, Pair], system: str) -> None:
+    for s, p in pairs.items():
+        p.pause(s != system)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def _num(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.0f}" if v >= 100 else f"{v:.2f}" if v >= 1 else f"{v:.3f}"
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--calls", type=int, default=300, help="latency samples per system per round")
+    parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
+    parser.add_argument("--only", default="", help="comma list: builtin,udf,throughput,remote,bw")
+    parser.add_argument(
+        "--baseline",
+        default="",
+        help="also run twinrpc from this directory (it holds a twinrpc/ package, e.g. an older tree)",
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.calls = 2, 60
+    wanted = set(args.only.split(",")) if args.only else {"builtin", "udf", "throughput", "remote", "bw"}
+
+    ctx = mp.get_context("spawn")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="bench_gloo-") as tmp:
+        systems = SYSTEMS + (("twinrpc-base",) if args.baseline else ())
+        pairs = {s: Pair(ctx, s, tmp) for s in SYSTEMS}
+        if args.baseline:
+            pairs["twinrpc-base"] = Pair(ctx, "twinrpc-base", tmp, args.baseline)
+        for p in pairs.values():
+            p.wait_ready(120)
+        # name -> (what, n, size, gloo stands in with): the measurements of one round
+        plan: list[tuple[str, str, int, int]] = []
+        if "builtin" in wanted:
+            plan.append(("builtin", "builtin", args.calls, 0))
+        if "udf" in wanted:
+            plan.append(("udf", "udf", args.calls, 0))
+        if "remote" in wanted:
+            plan.append(("remote", "remote", args.calls // 2, 0))
+        if "throughput" in wanted:
+            plan.append(("throughput", "throughput", args.calls * 4, 0))
+        if "bw" in wanted:
+            for size in SIZES:
+                reps = max(3, min(args.calls // 4, (256 * MiB) // size))
+                plan.append((f"bw {_fmt_size(size)}", "bw", reps, size))
+        samples: dict[tuple[str, str], list[float]] = {}
+        # warm-up: one short pass of everything, not recorded
+        for _name, what, n, size in plan:
+            for s, p in pairs.items():
+                if s == "gloo" and what not in ("builtin", "bw"):
+                    continue
+                _only(pairs, s)
+                p.run(what, max(2, n // 10), size)
+        t_start = time.perf_counter()
+        for rnd in range(args.rounds):
+            k = rnd % len(systems)
+            order = systems[k:] + systems[:k]
+            for name, what, n, size in plan:
+                for s in order:
+                    if s == "gloo" and what not in ("builtin", "bw"):
+                        continue
+                    _only(pairs, s)
+                    r = pairs[s].run(what, n, size)
+                    samples.setdefault((name, s), []).extend(r if isinstance(r, list) else [r])
+        wall = time.perf_counter() - t_start
+        for p in pairs.values():
+            p.stop()
+
+    _report(samples, plan, args.rounds, wall, systems)
+    return 0
+
+
+_TARGETS = {
+    "builtin": ("<=", 1.5),
+    "udf": ("<=", 1.5),
+    "remote": ("<=", 1.5),
+    "throughput": (">=", 0.8),
+    "bw 16 MiB": (">=", 0.9),
+    "bw 64 MiB": (">=", 1.0),
+}
+
+
+def _report(
+    samples: dict[tuple[str, str], list[float]],
+    plan: Any,
+    rounds: int,
+    wall: float,
+    systems: tuple[str, ...] = SYSTEMS,
+) -> None:
+    print(
+        f"twinrpc (gloo world) vs torch.distributed.rpc (TensorPipe) vs raw gloo; {rounds} interleaved "
+        f"rounds in {wall:.0f} s; {os.cpu_count()} CPUs"
+    )
+    print("ratio = twinrpc / TensorPipe (latency: lower is better; rates: higher is better)")
+    extra = "".join(f"{s:>14}" for s in systems[3:])
+    print(
+        f"  {'measurement':<34}{'twinrpc':>12}{'TensorPipe':>12}{'raw gloo':>12}{'ratio':>8}  {'target':<18}"
+        + extra
+    )
+
+    def line(label: str, unit: str, vals: dict[str, float | None], key: str) -> None:
+        tw, tp = vals.get("twinrpc"), vals.get("tensorpipe")
+        ratio = tw / tp if tw is not None and tp else float("nan")
+        cells = "".join(f"{_num(vals.get(s)):>12}" for s in SYSTEMS)
+        extra = "".join(f"{_num(vals.get(s)):>14}" for s in systems[3:])
+        target = ""
+        if key in _TARGETS:
+            op, bound = _TARGETS[key]
+            ok = ratio <= bound if op == "<=" else ratio >= bound
+            target = f"{op} {bound}  {'met' if ok else 'MISSED'}"
+        print(f"  {label + ' (' + unit + ')':<34}{cells}{ratio:>8.2f}  {target:<18}{extra}")
+
+    for name, what, _n, size in plan:
+        got = {s: samples.get((name, s)) for s in systems}
+        if what in ("builtin", "udf", "remote"):
+            label = {
+                "builtin": "rpc_sync torch.add",
+                "udf": "rpc_sync tiny UDF",
+                "remote": "remote()+to_here()",
+            }[what]
+            med = {s: statistics.median(v) * 1e6 if v else None for s, v in got.items()}
+            p99 = {s: _pct(v, 0.99) * 1e6 if v else None for s, v in got.items()}
+            line(f"{label} median", "us", med, what)
+            line(f"{label} p99", "us", p99, "")
+        elif what == "throughput":
+            med = {s: statistics.median(v) if v else None for s, v in got.items()}
+            line(f"rpc_async {WINDOW} in flight", "calls/s", med, what)
+        else:
+            rate = {s: 2 * size / statistics.median(v) / 1e9 if v else None for s, v in got.items()}
+            line(f"round trip {_fmt_size(size)}", "GB/s", rate, name)
+    print("  raw gloo column: latency rows = 1-element send/recv ping-pong with an explicit source;")
+    print("  round-trip rows = the same ping-pong of that size with reused (pre-faulted) receive buffers")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
