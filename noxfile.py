@@ -98,9 +98,16 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks: simulated round trips per wall-clock second (and later the gloo world vs TensorPipe)."""
+    """Benchmarks (~4 min on 2 cores): simulated round trips per wall-clock second; the gloo world vs
+    TensorPipe vs raw gloo side by side (ratios); an RRef soak on gloo.
+
+    Posargs go to the simulator benchmark. The soak here runs 3,000 cycles; the full soak is
+    ``python benchmarks/bench_rref_soak.py --world gloo --cycles 100000`` (about 10 minutes).
+    """
     _install(session)
     session.run("python", "benchmarks/bench_simulator.py", *session.posargs)
+    session.run("python", "benchmarks/bench_gloo.py")
+    session.run("python", "benchmarks/bench_rref_soak.py", "--world", "gloo", "--cycles", "3000")
 
 
 @nox.session

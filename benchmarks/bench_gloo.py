@@ -250,7 +250,7 @@ def _fmt_size(n: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=300, help="latency samples per system per round")
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
     parser.add_argument("--only", default="", help="comma list: builtin,udf,throughput,remote,bw")
