@@ -23,6 +23,7 @@ MAGIC = 0x54574E52  # "TWNR"
 VERSION = 1
 FLAG_INLINE = 1  # the payload is inside the header
 FLAG_CLOSE = 2  # the sender is closing this link (graceful shutdown): no message follows
+FLAG_GRACEFUL = 4  # with FLAG_CLOSE: the sender completed graceful shutdown (an orderly departure)
 
 _FIXED = struct.Struct("<IHHHHiqQI")
 _SIZE = struct.Struct("<Q")
@@ -63,14 +64,15 @@ def encode_header(buf: memoryview, msg: Message) -> bool:
     return inline
 
 
-def encode_close(buf: memoryview, src: int) -> None:
-    _FIXED.pack_into(buf, 0, MAGIC, VERSION, FLAG_CLOSE, 0, 0, src, 0, 0, 0)
+def encode_close(buf: memoryview, src: int, graceful: bool = False) -> None:
+    flags = FLAG_CLOSE | (FLAG_GRACEFUL if graceful else 0)
+    _FIXED.pack_into(buf, 0, MAGIC, VERSION, flags, 0, 0, src, 0, 0, 0)
 
 
 class Header:
     """A decoded header."""
 
-    __slots__ = ("closing", "id", "inline_payload", "kind", "payload_len", "sizes", "src")
+    __slots__ = ("closing", "graceful", "id", "inline_payload", "kind", "payload_len", "sizes", "src")
 
     def __init__(self, buf: memoryview, expected_src: int, dst: int) -> None:
         try:
@@ -87,6 +89,7 @@ class Header:
             )
         self.src = src
         self.closing = bool(flags & FLAG_CLOSE)
+        self.graceful = bool(flags & FLAG_GRACEFUL)
         if self.closing:
             return
         if kind not in _KINDS:

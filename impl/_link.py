@@ -114,8 +114,9 @@ class PeerLink:
             except Exception as exc:
                 on_error(msg, exc)
 
-    def send_close(self) -> None:
-        """Tell the peer's receiver for us to stop (graceful shutdown), after anything still queued."""
+    def send_close(self, graceful: bool = False) -> None:
+        """Tell the peer's receiver for us to stop, after anything still queued. ``graceful``: we
+        completed graceful shutdown, so the peer must not treat our departure as a failure."""
         if self._outbox_thread is not None:
             self._outbox.put(None)
             self._outbox_thread.join(_CLOSE_FLUSH)
@@ -123,7 +124,7 @@ class PeerLink:
             return
         with self._send_lock:
             try:
-                encode_close(self._send_view, self.me)
+                encode_close(self._send_view, self.me, graceful)
                 self.pg.send([self._send_header], self._peer_rank_in_pg, _TAG).wait()
             except RuntimeError as exc:
                 _log.debug("twinrpc: close frame to %d failed: %s", self.peer, exc)
@@ -139,7 +140,9 @@ class PeerLink:
                 if header.closing:
                     self.closed_by_peer = True
                     if not self.closing:
-                        self._on_failure(self.peer, RuntimeError("the peer has shut down RPC"))
+                        left = RuntimeError("the peer has shut down RPC")
+                        left.graceful_exit = header.graceful  # type: ignore[attr-defined]
+                        self._on_failure(self.peer, left)
                     return
                 payload = header.inline_payload
                 if payload is None:

@@ -89,8 +89,8 @@ class GlooWorld:
         for msg in early:
             agent.on_message(msg)
 
-    def stop(self) -> None:
-        """Close every link (graceful: peers' receivers for us stop), then stop the pool and timer."""
+    def stop(self, graceful: bool = False) -> None:
+        """Close every link (peers' receivers for us stop), then stop the pool and timer."""
         with self._lock:
             if self._stopped:
                 return
@@ -98,7 +98,7 @@ class GlooWorld:
             self.agent = None
         for link in self.links.values():
             link.closing = True
-            link.send_close()
+            link.send_close(graceful)
         deadline = time.monotonic() + _CLOSE_WAIT
         for link in self.links.values():
             if not link.join(max(0.0, deadline - time.monotonic())):
@@ -127,9 +127,12 @@ class GlooWorld:
 
     def _unavailable(self, peer: int, exc: BaseException) -> WorkerUnavailableError:
         me, other = self.workers[self.rank], self.workers[peer]
+        orderly = getattr(exc, "graceful_exit", False)
+        why = "It has shut down RPC" if orderly else "Its process has probably died"
         err = WorkerUnavailableError(
-            f"worker '{other.name}' (rank {other.id}) is unavailable to {me}: {exc}. Its process has "
-            "probably died; calls to it fail from now on, other workers keep working"
+            f"worker '{other.name}' (rank {other.id}) is unavailable to {me}: {exc}. {why}; calls to it "
+            "fail from now on, other workers keep working"
         )
+        err.graceful_exit = orderly  # type: ignore[attr-defined]
         err.__cause__ = exc
         return err

@@ -169,7 +169,7 @@ class SimWorld:
         for peer, exc in self.dead_peers.items():  # died before this agent started
             self.worker.spawn("peer-failed", agent.on_peer_failed, peer, exc)
 
-    def stop(self) -> None:
+    def stop(self, graceful: bool = False) -> None:
         self.stopped = True
         self.agent = None
 

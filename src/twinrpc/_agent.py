@@ -299,9 +299,13 @@ class RpcAgent:
             # Requests to it will never be served: keep the join accounting balanced.
             self._sent_requests -= len(dead)
             # Every all-gather needs every worker (the leader waits for all, followers for the leader,
-            # which waits for all): none in progress can complete any more (SHUT-2).
-            waits = list(self._gather_done.values()) + list(self._scattered.values())
-            self._peer_errors.setdefault(peer, exc)
+            # which waits for all): none in progress can complete any more (SHUT-2). Except when the
+            # peer left after the final join of a graceful shutdown: it no longer takes part, and the
+            # verdict it saw is on its way to us.
+            orderly = getattr(exc, "graceful_exit", False)
+            waits = [] if orderly else list(self._gather_done.values()) + list(self._scattered.values())
+            if not orderly:
+                self._peer_errors.setdefault(peer, exc)
         for _, p in dead:
             if p.timer is not None:
                 p.timer.cancel()
@@ -674,6 +678,7 @@ class RpcAgent:
         fut.wait()
 
     def shutdown(self, graceful: bool, timeout: float, *, ignore_rref_leak: bool = True) -> None:
+        completed = False
         try:
             if graceful:
                 self.all_gather(("shutdown",), None, timeout)
@@ -693,10 +698,11 @@ class RpcAgent:
                 except RPCTimeoutError as exc:  # as in PyTorch, only logged; the leak check reports it
                     _log.warning("twinrpc: %s", exc)
                 self.join(timeout)
+                completed = True
         finally:
-            self.finalize(graceful=graceful, ignore_rref_leak=ignore_rref_leak)
+            self.finalize(graceful=graceful, ignore_rref_leak=ignore_rref_leak, completed=completed)
 
-    def finalize(self, *, graceful: bool = False, ignore_rref_leak: bool = True) -> None:
+    def finalize(self, *, graceful: bool = False, ignore_rref_leak: bool = True, completed: bool = False) -> None:
         """Local teardown: stop the world, fail whatever is still pending.
 
         Raises:
@@ -717,7 +723,9 @@ class RpcAgent:
                     f"RPC agent of {self.info} shut down while a {p.kind.name} to {self._by_id[p.dst]} was pending"
                 )
             )
-        self.world.stop()
+        # ``completed``: every worker passed the final join, so peers may see our departure as
+        # orderly (it must not fail their own last collective, which no longer needs us).
+        self.world.stop(graceful=completed)
         if leak_error is not None:
             raise leak_error
 

@@ -56,5 +56,6 @@ class World(Protocol):
     def start(self, agent: RpcAgent) -> None:
         """Begin delivering incoming messages to ``agent.on_message`` (each on a task)."""
 
-    def stop(self) -> None:
-        """Stop delivering; release the world's resources for this worker."""
+    def stop(self, graceful: bool = False) -> None:
+        """Stop delivering; release the world's resources for this worker. ``graceful``: the graceful
+        shutdown protocol completed, so peers may treat this departure as orderly."""
