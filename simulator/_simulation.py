@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -234,7 +235,9 @@ class Simulation:
                     w.world.agent.rrefs.observer = None
         for other in self.workers:
             if other.rank != rank:
-                sched.call_later(self.network.failure_detection, lambda o=other.rank: self._detect(o, rank))
+                sched.call_later(
+                    self.network.failure_detection, functools.partial(self._detect, other.rank, rank)
+                )
         current = sched.current_task()
         if current is None:
             self._reap(rank)
