@@ -97,6 +97,13 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session
+def train(session: nox.Session) -> None:
+    """The parameter-server training job: `nox -s train` (simulator), `nox -s train -- --backend gloo`."""
+    _install(session, "train")
+    session.run("python", "examples/parameter_server.py", *session.posargs)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks (~4 min on 2 cores): simulated round trips per wall-clock second; the gloo world vs
     TensorPipe vs raw gloo side by side (ratios); an RRef soak on gloo.
