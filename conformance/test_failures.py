@@ -138,11 +138,11 @@ def _graceful_shutdown_with_a_dead_worker(ctx: Any, victim: int) -> Any:
 # ---------------------------------------------------------------------------------------------------
 # Tests
 # ---------------------------------------------------------------------------------------------------
-def _check_bounded_error(what: str, got: dict[str, Any]) -> None:
+def _check_bounded_error(what: str, got: dict[str, Any], bound: float = BOUND) -> None:
     print(f"{what}: {got.get('raised')} after {got['elapsed']:.3f} s")
     assert got["raised"] is not None, f"{what} returned {got.get('value')!r} instead of failing"
     assert got["runtime_error"], f"{what} raised {got['raised']}, not a RuntimeError: {got['message']}"
-    assert got["elapsed"] < BOUND, f"{what} took {got['elapsed']:.2f} s to fail (bound {BOUND} s)"
+    assert got["elapsed"] < bound, f"{what} took {got['elapsed']:.2f} s to fail (bound {bound} s)"
 
 
 @pytest.mark.spec("ERR-7", "SHUT-3")
@@ -190,9 +190,13 @@ def test_graceful_shutdown_with_a_dead_follower_raises_instead_of_hanging(world:
 def test_graceful_shutdown_with_a_dead_leader_raises_promptly(world: Any) -> None:
     results = world.spawn(_graceful_shutdown_with_a_dead_worker, 0, world_size=3, expect_dead=[0])
     assert results[0] is None
+    # PyTorch raises too ("eof ..."), but only once its agent has torn down: 1.3 s on an idle host,
+    # 15.5 s measured under load. "Promptly" (BOUND) is twinrpc's promise; the oracle is held to
+    # "raises, does not hang".
+    bound = HANG_BOUND if world.backend == "torch" else BOUND
     for rank in (1, 2):
         got = results[rank]
-        _check_bounded_error(f"worker{rank}'s shutdown()", got["shutdown"])
+        _check_bounded_error(f"worker{rank}'s shutdown()", got["shutdown"], bound)
         assert "RPC has not been initialized" in (got["after"].get("message") or ""), got["after"]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from twinrpc._worker_info import WorkerInfo
+from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
 from ._rendezvous import LaunchError, join
 from ._world import GlooWorld
@@ -29,5 +30,10 @@ def connect(
         RPCTimeoutError: not every worker joined in time; the message names the missing ranks.
     """
     joined = join(name, rank, world_size, options.init_method, options.rpc_timeout, generation)
-    world = GlooWorld(joined, options.num_worker_threads)
+    world = GlooWorld(
+        joined,
+        options.num_worker_threads,
+        heartbeat_interval=getattr(options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL),
+        heartbeat_misses=getattr(options, "heartbeat_misses", DEFAULT_HEARTBEAT_MISSES),
+    )
     return world, joined.workers[joined.rank], joined.workers

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -17,13 +18,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from twinrpc._message import Message
+from twinrpc._message import Kind, Message
 
 from ._framing import FrameError, Header, encode_close, encode_header, new_header_tensor
 
 _log = logging.getLogger("twinrpc.impl")
 _TAG = 0
 _CLOSE_FLUSH = 10.0  # seconds to let the outbox drain before the close frame
+#: bytes per second a peer is allowed to be slow at while sending a large frame (heartbeat allowance)
+_MIN_FRAME_RATE = 10e6
 
 
 class _ThreadRole(threading.local):
@@ -61,6 +64,16 @@ class PeerLink:
         self.closed_by_peer = False
         #: we are shutting down: receive errors are expected and no longer reported
         self.closing = False
+        # -- liveness (heartbeat): written by the receiver, read by the world's heartbeat tick --
+        #: how logs and errors name the peer (the world sets "'worker1' (rank 1)")
+        self.peer_name = f"rank {peer}"
+        #: monotonic time of the last frame received from the peer (None: nothing heard yet)
+        self.heard: float | None = None
+        #: (since, allowance) while the receiver waits in a receive: a silent peer is only suspect
+        #: while we wait for it, never while our own receiver is busy handling a message
+        self._waiting: tuple[float, float] | None = None
+        #: malformed frames rejected so far (each logged, naming the peer)
+        self.bad_frames = 0
         self._receiver = threading.Thread(target=self._receive_loop, name=f"twinrpc-recv-{peer}", daemon=True)
         self._outbox: queue.SimpleQueue[tuple[Message, Callable[[Message, BaseException], None]] | None] = (
             queue.SimpleQueue()
@@ -117,6 +130,8 @@ class PeerLink:
     def send_close(self, graceful: bool = False) -> None:
         """Tell the peer's receiver for us to stop, after anything still queued. ``graceful``: we
         completed graceful shutdown, so the peer must not treat our departure as a failure."""
+        if self.failed is not None:
+            return  # a dead peer reads nothing: don't wait for the outbox to drain
         if self._outbox_thread is not None:
             self._outbox.put(None)
             self._outbox_thread.join(_CLOSE_FLUSH)
@@ -130,12 +145,26 @@ class PeerLink:
                 _log.debug("twinrpc: close frame to %d failed: %s", self.peer, exc)
 
     # -- receiving ---------------------------------------------------------------------------------
+    def _recv(self, t: torch.Tensor) -> None:
+        """Receive one frame into ``t``, recording for the heartbeat that we wait for the peer."""
+        self._waiting = (time.monotonic(), t.numel() / _MIN_FRAME_RATE)
+        try:
+            self.pg.recv([t], self._peer_rank_in_pg, _TAG).wait()
+        finally:
+            self._waiting = None
+        self.heard = time.monotonic()
+
     def _receive_loop(self) -> None:
         THREAD_ROLE.no_blocking_send = True
-        pg, src = self.pg, self._peer_rank_in_pg
+        header_bytes = self._recv_header.numpy()
         while True:
             try:
-                pg.recv([self._recv_header], src, _TAG).wait()
+                # gloo accepts a frame shorter than the buffer silently: clear it, so a truncated
+                # header shows as zeros (bad magic/version) rather than as the previous header's tail.
+                header_bytes.fill(0)
+                self._recv(self._recv_header)
+                if self.failed is not None:
+                    return  # declared dead (heartbeat): nothing it still sends is trusted
                 header = Header(self._recv_view, self.peer, self.me)
                 if header.closing:
                     self.closed_by_peer = True
@@ -144,22 +173,29 @@ class PeerLink:
                         left.graceful_exit = header.graceful  # type: ignore[attr-defined]
                         self._on_failure(self.peer, left)
                     return
+                if header.kind is Kind.HEARTBEAT:
+                    continue
                 payload = header.inline_payload
                 if payload is None:
                     buf = torch.empty(header.payload_len, dtype=torch.uint8)
-                    pg.recv([buf], src, _TAG).wait()
+                    self._recv(buf)
                     payload = buf.numpy().tobytes()
                 tensors = []
                 for size in header.sizes:
                     t = torch.empty(size, dtype=torch.uint8)
                     if size:
-                        pg.recv([t], src, _TAG).wait()
+                        self._recv(t)
                     tensors.append(t)
             except FrameError as exc:
-                # The frame boundary can no longer be trusted: drop the link, keep the process.
-                _log.error("twinrpc: malformed frame from rank %d: %s; closing that link", self.peer, exc)
-                self._fail(exc)
-                return
+                # gloo is message-based: each receive gets exactly one send's frame, so after a bad
+                # header the next frame starts a message again. Reject this one and keep the link.
+                self.bad_frames += 1
+                _log.error(
+                    "twinrpc: rejected a malformed frame from %s: %s; frame dropped, link kept",
+                    self.peer_name,
+                    exc,
+                )
+                continue
             except RuntimeError as exc:
                 if not self.closing:
                     self._fail(exc)
@@ -167,7 +203,41 @@ class PeerLink:
             try:
                 self._on_message(Message(header.kind, header.id, self.peer, self.me, payload, tensors))
             except Exception:
-                _log.exception("twinrpc: handling a message from rank %d failed", self.peer)
+                _log.exception("twinrpc: handling a message from %s failed", self.peer_name)
+
+    # -- liveness ----------------------------------------------------------------------------------
+    def check_alive(self, now: float, threshold: float) -> None:
+        """Declare the peer dead if we have waited for its next frame for longer than ``threshold``
+        seconds (plus time for a large frame at ``_MIN_FRAME_RATE``) since we last heard from it.
+
+        Only a peer heard at least once is judged, so a peer still setting up its world is never
+        mistaken for a dead one. Runs on the world's timer thread; never blocks.
+        """
+        waiting, heard = self._waiting, self.heard
+        if waiting is None or heard is None or self.failed is not None or self.closing or self.closed_by_peer:
+            return
+        since, allowance = waiting
+        silent = now - max(since, heard)
+        if silent > threshold + allowance:
+            self._fail(
+                RuntimeError(
+                    f"no frame or heartbeat from it for {silent:.1f} s while waiting for one (limit "
+                    f"{threshold + allowance:.1f} s: heartbeat_interval x heartbeat_misses); its process is "
+                    "stopped, hung or cut off from this one"
+                )
+            )
+
+    def restart_liveness(self, now: float) -> None:
+        """Forget past silence (this process itself was stalled: the peer's frames are still queued)."""
+        if self.heard is not None:
+            self.heard = now
+
+    def send_heartbeat(self) -> None:
+        """Queue one heartbeat frame on the outbox (never blocks); skipped while the outbox is busy,
+        since whatever it is sending tells the peer we are alive just as well."""
+        if self.failed is not None or self.closing or self.closed_by_peer or not self._outbox.empty():
+            return
+        self.send_later(Message(Kind.HEARTBEAT, 0, self.me, self.peer, b""), _ignore_heartbeat_error)
 
     def _fail(self, exc: BaseException) -> None:
         if self.failed is None and not self.closing:
@@ -177,6 +247,10 @@ class PeerLink:
     def join(self, timeout: float) -> bool:
         self._receiver.join(timeout)
         return not self._receiver.is_alive()
+
+
+def _ignore_heartbeat_error(msg: Message, exc: BaseException) -> None:
+    """A heartbeat that cannot be sent needs no report: the failed send broke the link already."""
 
 
 #: gloo applies a process group's timeout to every receive, including a receiver idling between

@@ -12,6 +12,7 @@ from twinrpc._errors import WorkerUnavailableError
 from twinrpc._message import Message
 from twinrpc._serialize import copy_storages
 from twinrpc._world import TimerHandle
+from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
 from ._link import THREAD_ROLE, PeerLink, make_pair_group
 from ._pool import RequestPool
@@ -30,11 +31,19 @@ class GlooWorld:
 
     clock_name = "wall-clock"
 
-    def __init__(self, joined: Joined, num_worker_threads: int) -> None:
+    def __init__(
+        self,
+        joined: Joined,
+        num_worker_threads: int,
+        *,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        heartbeat_misses: int = DEFAULT_HEARTBEAT_MISSES,
+    ) -> None:
         self.rank = joined.rank
         self.workers = joined.workers
         self.agent: RpcAgent | None = None
         self._early: list[Message] = []
+        self._early_failures: list[tuple[int, WorkerUnavailableError]] = []
         self._lock = threading.Lock()
         self._stopped = False
         self._pool = RequestPool(num_worker_threads, f"twinrpc-pool-{self.rank}")
@@ -46,8 +55,16 @@ class GlooWorld:
                 pg = make_pair_group(joined.store, self.rank, peer)
                 self.links[peer] = PeerLink(self.rank, peer, pg, self._deliver, self._peer_failed)
         self._store = joined.store
+        for peer, link in self.links.items():
+            link.peer_name = f"'{self.workers[peer].name}' (rank {peer})"
         for link in self.links.values():
             link.start()
+        # Heartbeats (failure detection for a peer that stops without closing its connection).
+        self._heartbeat_interval = heartbeat_interval
+        self._heartbeat_threshold = heartbeat_interval * heartbeat_misses
+        if heartbeat_interval > 0 and self.links:
+            self._next_tick = time.monotonic() + heartbeat_interval
+            self._timer.call_later(heartbeat_interval, self._heartbeat_tick)
 
     # -- World interface ---------------------------------------------------------------------------
     def now(self) -> float:
@@ -86,8 +103,11 @@ class GlooWorld:
         with self._lock:
             self.agent = agent
             early, self._early = self._early, []
+            failed, self._early_failures = self._early_failures, []
         for msg in early:
             agent.on_message(msg)
+        for peer, err in failed:  # a peer that died before the agent started is still dead
+            agent.on_peer_failed(peer, err)
 
     def stop(self, graceful: bool = False) -> None:
         """Close every link (peers' receivers for us stop), then stop the pool and timer."""
@@ -101,11 +121,38 @@ class GlooWorld:
             link.send_close(graceful)
         deadline = time.monotonic() + _CLOSE_WAIT
         for link in self.links.values():
+            if link.failed is not None:
+                continue  # its receiver may be stuck in gloo for good (a stopped peer): don't wait
             if not link.join(max(0.0, deadline - time.monotonic())):
                 _log.debug("twinrpc: receiver for rank %d still running at shutdown", link.peer)
             link.closing = True
         self._pool.stop()
         self._timer.stop()
+
+    # -- liveness ----------------------------------------------------------------------------------
+    def _heartbeat_tick(self) -> None:
+        """Every heartbeat interval, on the timer thread: judge each peer's silence, then queue our
+        own heartbeat on every link (each link's outbox sends it; nothing here blocks)."""
+        if self._stopped:
+            return
+        interval = self._heartbeat_interval
+        now = time.monotonic()
+        late = now - self._next_tick
+        self._next_tick = now + interval
+        self._timer.call_later(interval, self._heartbeat_tick)
+        links = list(self.links.values())
+        if late > self._heartbeat_threshold / 2:
+            # This process itself was not running for a good part of the threshold (stopped, swapped
+            # out, starved): the peers' frames are waiting unread, so their silence may be ours.
+            # Start counting again rather than declare a live peer dead.
+            _log.warning("twinrpc: heartbeat tick %.1f s late; restarting peer liveness counts", late)
+            for link in links:
+                link.restart_liveness(now)
+        else:
+            for link in links:
+                link.check_alive(now, self._heartbeat_threshold)
+        for link in links:
+            link.send_heartbeat()
 
     # -- incoming ----------------------------------------------------------------------------------
     def _deliver(self, msg: Message) -> None:
@@ -121,9 +168,17 @@ class GlooWorld:
         agent.on_message(msg)
 
     def _peer_failed(self, peer: int, exc: BaseException) -> None:
+        err = self._unavailable(peer, exc)
         agent = self.agent
-        if agent is not None:
-            agent.on_peer_failed(peer, self._unavailable(peer, exc))
+        if agent is None:
+            with self._lock:
+                if self.agent is None and not self._stopped:
+                    self._early_failures.append((peer, err))
+                    return
+                agent = self.agent
+            if agent is None:
+                return
+        agent.on_peer_failed(peer, err)
 
     def _unavailable(self, peer: int, exc: BaseException) -> WorkerUnavailableError:
         me, other = self.workers[self.rank], self.workers[peer]

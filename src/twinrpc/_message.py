@@ -29,6 +29,7 @@ class Kind(enum.IntEnum):
     SCATTER = 21  # leader -> followers: the all-gather's result
     GRADIENT = 30  # distributed autograd: gradients for a send function
     CONTEXT_CLEANUP = 31  # distributed autograd: release a context
+    HEARTBEAT = 40  # gloo world only: "I am alive" on an idle link; never reaches the agent
 
 
 REQUEST_KINDS = frozenset(

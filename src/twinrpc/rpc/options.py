@@ -10,6 +10,10 @@ DEFAULT_INIT_METHOD = "env://"
 DEFAULT_NUM_WORKER_THREADS = 16
 UNSET_RPC_TIMEOUT = -1.0
 DEFAULT_SHUTDOWN_TIMEOUT = 0
+#: seconds between the gloo world's liveness frames on every link (0 = no heartbeats)
+DEFAULT_HEARTBEAT_INTERVAL = 1.0
+#: a peer silent for this many intervals while we wait for its next frame is declared dead
+DEFAULT_HEARTBEAT_MISSES = 10
 
 
 class BackendType(enum.Enum):
@@ -27,6 +31,13 @@ class RpcBackendOptions:
         init_method: rendezvous URL (``env://``, ``tcp://host:port``, ``file://path``).
         num_worker_threads: size of the pool that serves incoming requests (keyword-only; twinrpc
             accepts it here as well as on ``TensorPipeRpcBackendOptions``).
+        heartbeat_interval: twinrpc only, gloo world: seconds between the small liveness frames each
+            worker sends on every link (0 turns heartbeats off). A peer whose process is stopped or
+            cut off without its connection closing (SIGSTOP, a partition) is declared dead (ERR-7)
+            after ``heartbeat_interval * heartbeat_misses`` seconds without any frame from it while
+            this worker waits for one. Heartbeats come from a thread of their own, so a peer busy
+            in a long user function stays alive. The simulator ignores these options.
+        heartbeat_misses: twinrpc only: see ``heartbeat_interval``.
     """
 
     def __init__(
@@ -35,6 +46,8 @@ class RpcBackendOptions:
         init_method: str = DEFAULT_INIT_METHOD,
         *,
         num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        heartbeat_misses: int = DEFAULT_HEARTBEAT_MISSES,
     ) -> None:
         if not isinstance(rpc_timeout, (int, float)) or isinstance(rpc_timeout, bool):
             raise TypeError(
@@ -45,9 +58,25 @@ class RpcBackendOptions:
             raise TypeError(f"init_method must be a str URL, but got {init_method!r}")
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be a positive int, but got {num_worker_threads!r}")
+        if (
+            not isinstance(heartbeat_interval, (int, float))
+            or isinstance(heartbeat_interval, bool)
+            or not heartbeat_interval >= 0
+        ):
+            raise ValueError(
+                f"heartbeat_interval must be a number of seconds >= 0 (0 = off), but got {heartbeat_interval!r}"
+            )
+        if (
+            not isinstance(heartbeat_misses, int)
+            or isinstance(heartbeat_misses, bool)
+            or heartbeat_misses < 1
+        ):
+            raise ValueError(f"heartbeat_misses must be a positive int, but got {heartbeat_misses!r}")
         self.rpc_timeout = float(rpc_timeout)
         self.init_method = init_method
         self.num_worker_threads = num_worker_threads
+        self.heartbeat_interval = float(heartbeat_interval)
+        self.heartbeat_misses = heartbeat_misses
 
     def __repr__(self) -> str:
         return (
@@ -72,8 +101,16 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         devices: list[Any] | None = None,
         _transports: list[str] | None = None,
         _channels: list[str] | None = None,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        heartbeat_misses: int = DEFAULT_HEARTBEAT_MISSES,
     ) -> None:
-        super().__init__(rpc_timeout, init_method, num_worker_threads=num_worker_threads)
+        super().__init__(
+            rpc_timeout,
+            init_method,
+            num_worker_threads=num_worker_threads,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_misses=heartbeat_misses,
+        )
         self.device_maps: dict[str, dict[Any, Any]] = dict(device_maps or {})
         self.devices: list[Any] = list(devices or [])
 

@@ -1,0 +1,109 @@
+"""The simulator's crash verb: ``Simulation.crash`` and ``FaultPlan(crashes=...)`` (ERR-7 on sim)."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import pytest
+from twinrpc.simulator import Crash, FaultPlan, NetworkModel, Simulation, now, sleep
+
+import twinrpc.rpc as rpc
+from twinrpc._errors import WorkerUnavailableError
+from twinrpc._message import Kind
+
+DETECTION = 0.25
+
+
+def _caller_with_victim(rank: int) -> Any:
+    """Rank 0 keeps a call to rank 1 pending (timeout=0); rank 1 is crashed by the plan."""
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3)
+    if rank == 1:
+        sleep(100.0)  # crashed long before this returns
+        return "survived"
+    if rank == 2:
+        sleep(5.0)
+        rpc.shutdown(graceful=False)
+        return "left"
+    fut = rpc.rpc_async("worker1", sleep, args=(50.0,), timeout=0)
+    try:
+        fut.wait()
+        pending: Any = "returned"
+    except WorkerUnavailableError as exc:
+        pending = (now(), str(exc))
+    later_start = now()
+    try:
+        rpc.rpc_sync("worker1", operator.add, args=(1, 2))
+        later: Any = "returned"
+    except WorkerUnavailableError as exc:
+        later = (now() - later_start, str(exc))
+    other = rpc.rpc_sync("worker2", operator.add, args=(1, 2))
+    rpc.shutdown(graceful=False)
+    return pending, later, other
+
+
+def _run(plan: FaultPlan, seed: int = 3) -> Any:
+    network = NetworkModel(failure_detection=DETECTION)
+    return Simulation(3, seed=seed, network=network, faults=plan).run(_caller_with_victim)
+
+
+def test_a_crash_at_a_time_fails_calls_after_the_detection_delay() -> None:
+    result = _run(FaultPlan(crashes=(Crash(1, at=1.0),)))
+    assert result.crashed == (1,)
+    values = result.values()
+    assert values[1] is None and values[2] == "left"
+    (pending_at, message), (later_elapsed, later_message), other = values[0]
+    assert pending_at == pytest.approx(1.0 + DETECTION)  # virtual time: exact
+    assert "'worker1' (rank 1) is unavailable" in message and "simulated crash at t=1.000000" in message
+    assert later_elapsed == 0.0 and "'worker1'" in later_message
+    assert other == 3
+    events = [e.event for e in result.trace]
+    assert "crash" in events and "peer-failed" in events
+
+
+def test_a_crash_on_the_nth_arrival_of_a_kind_loses_that_message() -> None:
+    # worker1 receives CALLs: #1 is rank 0's sleep call; crash on it, so the call is never served.
+    result = _run(FaultPlan(crashes=(Crash(1, on_receive=Kind.CALL, nth=1),)))
+    assert result.crashed == (1,)
+    (pending_at, _), _, other = result.values()[0]
+    assert pending_at < 0.01 + DETECTION  # crashed on arrival (microseconds), then detected
+    assert other == 3
+    assert any(e.event == "fault" and "CALL" in str(e.detail) for e in result.trace)
+
+
+def test_crash_runs_are_deterministic() -> None:
+    plan = FaultPlan(crashes=(Crash(1, at=0.5),))
+    assert _run(plan, seed=11).digest == _run(plan, seed=11).digest
+
+
+def _self_crash(rank: int, sim: Simulation) -> Any:
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    if rank == 1:
+        sim.crash(1)
+        raise AssertionError("Simulation.crash returned on the crashed worker")
+    sleep(1.0)
+    try:
+        rpc.shutdown()  # graceful, with a dead peer: raises instead of waiting (SHUT-2)
+    except WorkerUnavailableError as exc:
+        return str(exc)
+    return "shutdown returned"
+
+
+def test_a_worker_crashing_itself_stops_and_its_peer_s_graceful_shutdown_raises() -> None:
+    sim = Simulation(2, seed=1)
+    result = sim.run(_self_crash, sim)
+    assert result.crashed == (1,)
+    assert "'worker1' (rank 1) is unavailable" in result.values()[0]
+
+
+def test_crash_plans_are_checked_and_printable() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        Crash(1)
+    with pytest.raises(ValueError, match="exactly one"):
+        Crash(1, at=1.0, on_receive=Kind.CALL)
+    with pytest.raises(ValueError, match="nth"):
+        Crash(1, on_receive=Kind.CALL, nth=0)
+    plan = FaultPlan(crashes=(Crash(2, on_receive=Kind.RREF_USER_DELETE, nth=2),))
+    assert "crash worker 2 when message #2 of kind RREF_USER_DELETE arrives" in plan.describe()
+    with pytest.raises(ValueError, match="no worker 5"):
+        Simulation(3, faults=FaultPlan(crashes=(Crash(5, at=0.0),)))
