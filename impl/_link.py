@@ -20,10 +20,22 @@ import torch.distributed as dist
 
 from twinrpc._message import Kind, Message
 
-from ._framing import FrameError, Header, encode_close, encode_header, new_header_tensor
+from ._framing import (
+    HEADER_BYTES,
+    FrameError,
+    Header,
+    encode_close,
+    encode_header,
+    new_header_tensor,
+    recv_buffer,
+)
 
 _log = logging.getLogger("twinrpc.impl")
-_TAG = 0
+_TAG = 0  # header frames (and close frames)
+_DATA_TAG = 1  # payload and tensor frames, which follow their header in order
+#: header receives kept posted ahead: a gloo send waits until the peer has posted the matching
+#: receive, so with one posted header a stream of messages pays a notify round trip per message
+_RING = 16
 _CLOSE_FLUSH = 10.0  # seconds to let the outbox drain before the close frame
 #: bytes per second a peer is allowed to be slow at while sending a large frame (heartbeat allowance)
 _MIN_FRAME_RATE = 10e6
@@ -33,6 +45,8 @@ class _ThreadRole(threading.local):
     #: True on threads that must never block in a gloo send: receivers (a peer's receiver may be
     #: sending to us at the same moment, and gloo sends wait for the matching receive) and the timer.
     no_blocking_send = False
+    #: the PeerLink this thread receives for (None: not a receiver); see PeerLink.hand_off
+    link: Any = None
 
 
 THREAD_ROLE = _ThreadRole()
@@ -57,7 +71,9 @@ class PeerLink:
         self._on_failure = on_failure
         self._send_lock = threading.Lock()
         self._send_header, self._send_view = new_header_tensor()
-        self._recv_header, self._recv_view = new_header_tensor()
+        self._ring = [new_header_tensor() for _ in range(_RING)]
+        self._ring_works: list[Any] = []
+        self._ring_pos = 0
         #: the error that broke the link (IO error, malformed frame): nothing can be sent any more
         self.failed: BaseException | None = None
         #: the peer sent its close frame (it shut down): calls to it fail, our own close frame may still go
@@ -75,13 +91,29 @@ class PeerLink:
         #: malformed frames rejected so far (each logged, naming the peer)
         self.bad_frames = 0
         self._receiver = threading.Thread(target=self._receive_loop, name=f"twinrpc-recv-{peer}", daemon=True)
+        self._receive_done = threading.Event()
+        self._run_elsewhere: Callable[[Callable[[], None]], None] | None = None
         self._outbox: queue.SimpleQueue[tuple[Message, Callable[[Message, BaseException], None]] | None] = (
             queue.SimpleQueue()
         )
         self._outbox_thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    def start(self, run_elsewhere: Callable[[Callable[[], None]], None] | None = None) -> None:
+        """Start receiving. ``run_elsewhere(fn)`` runs ``fn`` on another (idle) thread: with it, a
+        receiver can hand its role over (see hand_off) instead of making a request wait for a thread."""
+        self._run_elsewhere = run_elsewhere
         self._receiver.start()
+
+    def hand_off(self) -> bool:
+        """Called on this link's receiver thread: another thread takes over receiving (at once, while
+        this one finishes handling its message); this thread becomes an ordinary thread that may
+        block, run a request or send. Returns False (nothing changed) where that cannot be done."""
+        if THREAD_ROLE.link is not self or self._run_elsewhere is None:
+            return False
+        THREAD_ROLE.link = None
+        THREAD_ROLE.no_blocking_send = False
+        self._run_elsewhere(self._receive_more)
+        return True
 
     # -- sending -----------------------------------------------------------------------------------
     def send(self, msg: Message) -> None:
@@ -93,14 +125,15 @@ class PeerLink:
         pg, dst = self.pg, self._peer_rank_in_pg
         with self._send_lock:
             try:
-                inline = encode_header(self._send_view, msg)
+                inline, inline_tensors = encode_header(self._send_view, msg)
                 pg.send([self._send_header], dst, _TAG).wait()
                 if not inline:
                     payload = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8)
-                    pg.send([payload], dst, _TAG).wait()
-                for t in msg.tensors:
-                    if t.numel():
-                        pg.send([t], dst, _TAG).wait()
+                    pg.send([payload], dst, _DATA_TAG).wait()
+                if not inline_tensors:
+                    for t in msg.tensors:
+                        if t.numel():
+                            pg.send([t], dst, _DATA_TAG).wait()
             except RuntimeError as exc:
                 self._fail(exc)
                 raise
@@ -149,30 +182,76 @@ class PeerLink:
         """Receive one frame into ``t``, recording for the heartbeat that we wait for the peer."""
         self._waiting = (time.monotonic(), t.numel() / _MIN_FRAME_RATE)
         try:
-            self.pg.recv([t], self._peer_rank_in_pg, _TAG).wait()
+            self.pg.recv([t], self._peer_rank_in_pg, _DATA_TAG).wait()
         finally:
             self._waiting = None
         self.heard = time.monotonic()
 
+    def _post_header(self, i: int) -> None:
+        t, _ = self._ring[i]
+        # gloo accepts a frame shorter than the buffer silently: clear it, so a truncated
+        # header shows as zeros (bad magic/version) rather than as the previous header's tail.
+        t.zero_()
+        self._ring_works[i] = self.pg.recv([t], self._peer_rank_in_pg, _TAG)
+
+    def _next_header(self) -> Header:
+        """Wait for the next header frame (receives are kept posted ahead, see _RING); decode it and
+        post that buffer's receive again."""
+        i = self._ring_pos
+        self._waiting = (time.monotonic(), HEADER_BYTES / _MIN_FRAME_RATE)
+        try:
+            self._ring_works[i].wait()
+        finally:
+            self._waiting = None
+        self.heard = time.monotonic()
+        self._ring_pos = (i + 1) % _RING
+        try:
+            header = Header(self._ring[i][1], self.peer, self.me, self._ring[i][0])
+        except FrameError:
+            self._post_header(i)
+            raise
+        if not header.closing:
+            self._post_header(i)
+        return header
+
     def _receive_loop(self) -> None:
+        try:
+            self._ring_works = [None] * _RING
+            for i in range(_RING):
+                self._post_header(i)
+        except RuntimeError as exc:
+            if not self.closing:
+                self._fail(exc)
+            self._receive_done.set()
+            return
+        self._receive_more()
+
+    def _receive_more(self) -> None:
+        """Receive until the link ends, or until this thread hands its role over (hand_off)."""
         THREAD_ROLE.no_blocking_send = True
-        header_bytes = self._recv_header.numpy()
+        THREAD_ROLE.link = self
+        try:
+            handed_off = self._receive_messages()
+        finally:
+            if THREAD_ROLE.link is self:
+                THREAD_ROLE.link = None
+                THREAD_ROLE.no_blocking_send = False
+        if not handed_off:
+            self._receive_done.set()
+
+    def _receive_messages(self) -> bool:
         while True:
             try:
-                # gloo accepts a frame shorter than the buffer silently: clear it, so a truncated
-                # header shows as zeros (bad magic/version) rather than as the previous header's tail.
-                header_bytes.fill(0)
-                self._recv(self._recv_header)
+                header = self._next_header()
                 if self.failed is not None:
-                    return  # declared dead (heartbeat): nothing it still sends is trusted
-                header = Header(self._recv_view, self.peer, self.me)
+                    return False  # declared dead (heartbeat): nothing it still sends is trusted
                 if header.closing:
                     self.closed_by_peer = True
                     if not self.closing:
                         left = RuntimeError("the peer has shut down RPC")
                         left.graceful_exit = header.graceful  # type: ignore[attr-defined]
                         self._on_failure(self.peer, left)
-                    return
+                    return False
                 if header.kind is Kind.HEARTBEAT:
                     continue
                 payload = header.inline_payload
@@ -180,12 +259,14 @@ class PeerLink:
                     buf = torch.empty(header.payload_len, dtype=torch.uint8)
                     self._recv(buf)
                     payload = buf.numpy().tobytes()
-                tensors = []
-                for size in header.sizes:
-                    t = torch.empty(size, dtype=torch.uint8)
-                    if size:
-                        self._recv(t)
-                    tensors.append(t)
+                tensors = header.inline_tensors
+                if tensors is None:
+                    tensors = []
+                    for size in header.sizes:
+                        t = recv_buffer(size)
+                        if size:
+                            self._recv(t)
+                        tensors.append(t)
             except FrameError as exc:
                 # gloo is message-based: each receive gets exactly one send's frame, so after a bad
                 # header the next frame starts a message again. Reject this one and keep the link.
@@ -199,11 +280,13 @@ class PeerLink:
             except RuntimeError as exc:
                 if not self.closing:
                     self._fail(exc)
-                return
+                return False
             try:
                 self._on_message(Message(header.kind, header.id, self.peer, self.me, payload, tensors))
             except Exception:
                 _log.exception("twinrpc: handling a message from %s failed", self.peer_name)
+            if THREAD_ROLE.link is not self:
+                return True  # handed off while handling it: another thread receives now
 
     # -- liveness ----------------------------------------------------------------------------------
     def check_alive(self, now: float, threshold: float) -> None:
@@ -245,8 +328,8 @@ class PeerLink:
             self._on_failure(self.peer, exc)
 
     def join(self, timeout: float) -> bool:
-        self._receiver.join(timeout)
-        return not self._receiver.is_alive()
+        """Wait until receiving has ended (whichever thread receives by then)."""
+        return self._receive_done.wait(timeout)
 
 
 def _ignore_heartbeat_error(msg: Message, exc: BaseException) -> None:
