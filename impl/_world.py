@@ -58,7 +58,7 @@ class GlooWorld:
         for peer, link in self.links.items():
             link.peer_name = f"'{self.workers[peer].name}' (rank {peer})"
         for link in self.links.values():
-            link.start()
+            link.start(self._pool.run_job)
         # Heartbeats (failure detection for a peer that stops without closing its connection).
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat_threshold = heartbeat_interval * heartbeat_misses
@@ -78,8 +78,12 @@ class GlooWorld:
             return
         link = self.links[msg.dst]
         if THREAD_ROLE.no_blocking_send:
-            link.send_later(msg, self._send_failed)
-            return
+            # A receiver hands its role to an idle thread and sends itself (no outbox hop on the
+            # reply's way); the timer (no link to hand off) queues on the outbox.
+            receiving = THREAD_ROLE.link
+            if receiving is None or not receiving.hand_off():
+                link.send_later(msg, self._send_failed)
+                return
         try:
             link.send(msg)
         except Exception as exc:
@@ -91,10 +95,17 @@ class GlooWorld:
             agent.on_send_failed(msg, self._unavailable(msg.dst, exc))
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
-        threading.Thread(target=fn, args=args, daemon=True).start()
+        # On an idle pool thread (not a request slot): e.g. every dead user RRef's delete is sent from
+        # a task, and starting an OS thread for each one costs more than the delete itself.
+        self._pool.run_job(lambda: fn(*args))
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._pool.submit(fn, *args)
+        receiving = THREAD_ROLE.link
+        if receiving is not None:
+            # On a receiver: run the request right here if a slot is free, handing receiving over.
+            self._pool.run_here(fn, args, receiving.hand_off)
+        else:
+            self._pool.submit(fn, *args)
 
     def call_later(self, delay: float, fn: Callable[[], Any]) -> TimerHandle:
         return self._timer.call_later(delay, fn)
