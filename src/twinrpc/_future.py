@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+from _thread import allocate_lock as _allocate_lock
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -27,12 +28,17 @@ class Blocker(Protocol):
 
 
 class _ThreadBlocker:
-    """The real world: block this OS thread on an event set by the completing thread."""
+    """The real world: block this OS thread on a lock released by the completing thread.
+
+    A bare lock rather than a threading.Event: the Event's Condition is Python code, ~5 us more of
+    GIL-held work per wait on every rpc_sync, to_here() and wait() (measured).
+    """
 
     def wait_done(self, fut: Future[Any]) -> None:
-        event = threading.Event()
-        if fut._add_callback_if_pending(lambda _f: event.set()):
-            event.wait()
+        lock = _allocate_lock()
+        lock.acquire()
+        if fut._add_callback_if_pending(lambda _f: lock.release()):
+            lock.acquire()  # released once, by the callback
 
 
 THREAD_BLOCKER: Blocker = _ThreadBlocker()
