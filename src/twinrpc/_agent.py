@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from . import _serialize
+from ._dist_autograd import AUTOGRAD_KINDS, CURRENT_CONTEXT, AutogradEnvelope, DistAutogradContainer
 from ._errors import (
     RemoteError,
     RPCError,
@@ -28,7 +29,6 @@ from ._errors import (
     original_type,
     serialization_error,
 )
-from ._dist_autograd import AUTOGRAD_KINDS, CURRENT_CONTEXT, AutogradEnvelope, DistAutogradContainer
 from ._future import Future
 from ._message import REQUEST_KINDS, RREF_CONTROL_KINDS, Kind, Message
 from ._rref import OwnerState, RRef, UserState
@@ -486,8 +486,16 @@ class RpcAgent:
     def _reply(self, msg: Message, value: Any) -> None:
         try:
             # hook: the reply to a request served inside an autograd context joins it (DAG-4)
-            linked = self.autograd.dumps_reply(msg, value, lambda r: self.rrefs.fork(r, msg.src)) if self.autograd.replies else None
-            payload, tensors = linked if linked is not None else _serialize.dumps(value, lambda rref: self.rrefs.fork(rref, msg.src))
+            linked = (
+                self.autograd.dumps_reply(msg, value, lambda r: self.rrefs.fork(r, msg.src))
+                if self.autograd.replies
+                else None
+            )
+            payload, tensors = (
+                linked
+                if linked is not None
+                else _serialize.dumps(value, lambda rref: self.rrefs.fork(rref, msg.src))
+            )
         except BaseException as exc:
             self._reply_error(
                 msg,
@@ -702,7 +710,9 @@ class RpcAgent:
         finally:
             self.finalize(graceful=graceful, ignore_rref_leak=ignore_rref_leak, completed=completed)
 
-    def finalize(self, *, graceful: bool = False, ignore_rref_leak: bool = True, completed: bool = False) -> None:
+    def finalize(
+        self, *, graceful: bool = False, ignore_rref_leak: bool = True, completed: bool = False
+    ) -> None:
         """Local teardown: stop the world, fail whatever is still pending.
 
         Raises:
