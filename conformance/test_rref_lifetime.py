@@ -105,7 +105,17 @@ def _wait_freed(ctx: Any, owner: str, key: str) -> int:
 
 
 def _settle(ctx: Any) -> None:
-    ctx.sleep(0.3)
+    """Let asynchronous RRef deletes (this test's and earlier tests' in a reused world) land: wait until
+    every worker's RRef counts are unchanged across two polls (bounded), rather than a fixed sleep."""
+    previous = None
+    for _ in range(40):
+        ctx.sleep(0.1)
+        counts = [
+            ctx.rpc.rpc_sync(ctx.name(r), _remote_counts, args=(ctx.backend,)) for r in range(ctx.world_size)
+        ]
+        if counts == previous:
+            return
+        previous = counts
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -114,6 +124,7 @@ def _settle(ctx: Any) -> None:
 
 
 def _prog_freed_after_last_user(ctx: Any, key: str) -> dict[str, Any]:
+    _settle(ctx)
     before = ctx.rpc.rpc_sync("worker1", _remote_counts, args=(ctx.backend,))
     rref = ctx.rpc.remote("worker1", _make_tracked, args=(ctx.backend, key, [1, 2]))
     value = rref.to_here().items
