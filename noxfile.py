@@ -27,7 +27,7 @@ def _workers() -> str:
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole test suite: unit tests, the conformance suite on every backend, then the docs."""
-    _install(session, "test,docs")
+    _install(session, "test,docs,train")
     session.run("pytest", "tests", "-q", "-n", _workers(), *session.posargs)
     for backend in BACKENDS:
         _conformance(session, backend)
