@@ -136,7 +136,8 @@ class DistributedOptimizer:
     Args:
         optimizer_class: a ``torch.optim.Optimizer`` subclass, instantiated on each owner.
         params_rref: RRefs of the parameters (tensors requiring grad), on any workers.
-        *args, **kwargs: passed to ``optimizer_class`` on every owner.
+        *args: positional arguments passed to ``optimizer_class`` on every owner.
+        **kwargs: keyword arguments passed to ``optimizer_class`` on every owner.
 
     The constructor blocks until every owner has built its local optimizer (OPT-1); ``remote_optimizers``
     holds an RRef to each. ``is_functional_optim`` is True for the eight optimizers with a functional
