@@ -38,3 +38,9 @@ def outcome(thunk: Callable[[], Any]) -> tuple[Any, Any]:
     except Exception as exc:
         kinds = tuple(k.__name__ for k in (RuntimeError, TypeError, ValueError) if isinstance(exc, k))
         return (kinds or (type(exc).__name__,), str(exc))
+
+
+def slow_echo(backend: str, seconds: float, value: Any) -> Any:
+    """A UDF that takes ``seconds`` (virtual on the simulator) and returns ``value``."""
+    backend_sleep(backend, seconds)
+    return value

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from conformance._support import backend_sleep, outcome, rpc_module
+from conformance._support import backend_sleep, outcome, rpc_module, slow_echo
 
 NOT_INITIALIZED = "RPC has not been initialized"
 
@@ -25,9 +25,7 @@ def _noop() -> str:
     return "pong"
 
 
-def _slow_echo(backend: str, seconds: float, value: Any) -> Any:
-    _sleep(backend, seconds)
-    return value
+_slow_echo = slow_echo
 
 
 _RECORDED: list[Any] = []
