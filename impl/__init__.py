@@ -35,5 +35,6 @@ def connect(
         options.num_worker_threads,
         heartbeat_interval=getattr(options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL),
         heartbeat_misses=getattr(options, "heartbeat_misses", DEFAULT_HEARTBEAT_MISSES),
+        rpc_timeout=options.rpc_timeout,
     )
     return world, joined.workers[joined.rank], joined.workers

@@ -3,6 +3,25 @@
 A process group per pair (not one for the whole world) keeps failures apart: when a peer dies only
 its link breaks, and every other peer keeps working (gloo closes the whole context on an IO error).
 The receiver posts receives with an explicit source, which gloo serves much faster than any-source.
+
+Nothing waits in gloo forever for a stopped peer. A gloo send completes only once the peer has posted
+the matching receive, so a thread sending to a peer whose process is stopped (SIGSTOP, a hung or cut-off
+host) blocks inside gloo, and so does a receiver waiting for the rest of a message. How long at most:
+
+* with heartbeats (the default), the world's heartbeat tick declares the peer dead once it has been
+  silent for ``heartbeat_interval * heartbeat_misses`` seconds (plus ``size / 10 MB/s`` for a large
+  frame) while this worker waits for one of its frames or for one of our sends to it to complete; any
+  frame heard from the peer restarts the count, so a live but slow peer is never cut off;
+* with heartbeats off, each send waits at most ``rpc_timeout`` (plus the size allowance); with
+  ``rpc_timeout=0`` too, a stopped peer can block a sender for good, as the user asked.
+
+Failing the link then closes the pair's gloo connection at once (:meth:`PeerLink.abandon`: a receive
+posted for no other purpose is waited on with a 1 ms timeout, and gloo closes every pair of a context on
+an application timeout), which wakes every thread blocked in it with an error; the pair's process group
+is unusable afterwards, and nothing uses it again. Every call pending on the peer fails with
+``WorkerUnavailableError`` naming it, as for a killed peer; other peers' links are untouched. Shutdown
+closes a link the same way if its peer has not closed it within ``_CLOSE_WAIT``, so no thread is left
+blocked in native code.
 """
 
 from __future__ import annotations
@@ -33,6 +52,7 @@ from ._framing import (
 _log = logging.getLogger("twinrpc.impl")
 _TAG = 0  # header frames (and close frames)
 _DATA_TAG = 1  # payload and tensor frames, which follow their header in order
+_KILL_TAG = 2  # a receive posted on it never completes: waiting on it with a timeout closes the pair
 #: header receives kept posted ahead: a gloo send waits until the peer has posted the matching
 #: receive, so with one posted header a stream of messages pays a notify round trip per message
 _RING = 16
@@ -62,7 +82,10 @@ class PeerLink:
         pg: Any,
         on_message: Callable[[Message], None],
         on_failure: Callable[[int, BaseException], None],
+        send_timeout: float | None = None,
     ) -> None:
+        """``send_timeout``: seconds (plus the size allowance) a send may wait in gloo before the link
+        is failed; None: no bound of its own (the heartbeat tick judges stuck sends, see check_alive)."""
         self.me = me
         self.peer = peer
         self.pg = pg
@@ -88,6 +111,13 @@ class PeerLink:
         #: (since, allowance) while the receiver waits in a receive: a silent peer is only suspect
         #: while we wait for it, never while our own receiver is busy handling a message
         self._waiting: tuple[float, float] | None = None
+        #: (since, allowance) while a thread waits in gloo for one of our frames to be taken by the peer
+        self._sending: tuple[float, float] | None = None
+        self._send_timeout = send_timeout
+        #: the kill switch (see abandon): a receive nobody ever sends to
+        self._kill_buf = torch.zeros(1, dtype=torch.uint8)
+        self._kill_work: Any = None
+        self._abandoned = False
         #: malformed frames rejected so far (each logged, naming the peer)
         self.bad_frames = 0
         self._receiver = threading.Thread(target=self._receive_loop, name=f"twinrpc-recv-{peer}", daemon=True)
@@ -97,11 +127,16 @@ class PeerLink:
             queue.SimpleQueue()
         )
         self._outbox_thread: threading.Thread | None = None
+        self._outbox_lock = threading.Lock()
 
     def start(self, run_elsewhere: Callable[[Callable[[], None]], None] | None = None) -> None:
         """Start receiving. ``run_elsewhere(fn)`` runs ``fn`` on another (idle) thread: with it, a
         receiver can hand its role over (see hand_off) instead of making a request wait for a thread."""
         self._run_elsewhere = run_elsewhere
+        try:
+            self._kill_work = self.pg.recv([self._kill_buf], self._peer_rank_in_pg, _KILL_TAG)
+        except RuntimeError:
+            self._kill_work = None  # a pair broken from the start: the receiver reports it
         self._receiver.start()
 
     def hand_off(self) -> bool:
@@ -124,24 +159,65 @@ class PeerLink:
             raise RuntimeError("the peer has shut down RPC")
         pg, dst = self.pg, self._peer_rank_in_pg
         with self._send_lock:
+            if self.failed is not None:  # failed while this thread waited for the lock
+                raise self.failed
             try:
                 inline, inline_tensors = encode_header(self._send_view, msg)
-                pg.send([self._send_header], dst, _TAG).wait()
+                self._wait_sent(pg.send([self._send_header], dst, _TAG), HEADER_BYTES)
                 if not inline:
                     payload = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8)
-                    pg.send([payload], dst, _DATA_TAG).wait()
+                    self._wait_sent(pg.send([payload], dst, _DATA_TAG), len(msg.payload))
                 if not inline_tensors:
                     for t in msg.tensors:
-                        if t.numel():
-                            pg.send([t], dst, _DATA_TAG).wait()
+                        n = t.numel()
+                        if n:
+                            self._wait_sent(pg.send([t], dst, _DATA_TAG), n)
             except RuntimeError as exc:
+                if self.failed is not None:
+                    raise self.failed from None  # woken by abandon(): the link's own error says why
                 self._fail(exc)
                 raise
+
+    def _wait_sent(self, work: Any, nbytes: int) -> None:
+        """Wait until the peer has taken one frame of ours, recording the wait for check_alive."""
+        allowance = nbytes / _MIN_FRAME_RATE
+        since = time.monotonic()
+        self._sending = (since, allowance)
+        try:
+            if self._send_timeout is None:
+                work.wait()
+                return
+            try:
+                work.wait(timedelta(seconds=self._send_timeout + allowance))
+            except RuntimeError as exc:
+                self._fail(exc)  # while _sending is still set: see _overdue_send
+                raise
+        finally:
+            self._sending = None
+
+    def _overdue_send(self) -> RuntimeError | None:
+        """The error to report if a send is past its own bound (heartbeats off). gloo's timeout wakes
+        the receiver too, which may report first: both say this rather than gloo's 'Application
+        timeout caused pair closure'."""
+        sending, timeout = self._sending, self._send_timeout
+        if sending is None or timeout is None:
+            return None
+        since, allowance = sending
+        waited = time.monotonic() - since
+        if waited < timeout + allowance - 0.01:
+            return None
+        return RuntimeError(
+            f"a frame to it was not taken within {timeout + allowance:.1f} s (rpc_timeout plus "
+            f"{allowance:.1f} s for its size; heartbeats are off); its process is stopped, hung or cut "
+            "off from this one"
+        )
 
     def send_later(self, msg: Message, on_error: Callable[[Message, BaseException], None]) -> None:
         """Send from the link's outbox thread (for threads that must not block, see THREAD_ROLE)."""
         if self._outbox_thread is None:
-            with self._send_lock:
+            # Not under the send lock: the timer queues heartbeats here and must never wait for a
+            # send that is stuck on a stopped peer (it is the thread that judges that peer).
+            with self._outbox_lock:
                 if self._outbox_thread is None:
                     self._outbox_thread = threading.Thread(
                         target=self._outbox_loop, name=f"twinrpc-send-{self.peer}", daemon=True
@@ -156,26 +232,34 @@ class PeerLink:
                 return
             msg, on_error = item
             try:
-                self.send(msg)
+                self.send(msg)  # raises at once once the link failed, so a failed outbox drains fast
             except Exception as exc:
                 on_error(msg, exc)
 
-    def send_close(self, graceful: bool = False) -> None:
+    def send_close(self, graceful: bool = False, deadline: float | None = None) -> None:
         """Tell the peer's receiver for us to stop, after anything still queued. ``graceful``: we
-        completed graceful shutdown, so the peer must not treat our departure as a failure."""
-        if self.failed is not None:
-            return  # a dead peer reads nothing: don't wait for the outbox to drain
+        completed graceful shutdown, so the peer must not treat our departure as a failure.
+        Waits until ``deadline`` (monotonic; default ``_CLOSE_FLUSH`` from now) at most, but gives the
+        close frame itself at least 1 s; a stopped peer leaves it unsent (abandon() cleans up)."""
+        if deadline is None:
+            deadline = time.monotonic() + _CLOSE_FLUSH
         if self._outbox_thread is not None:
-            self._outbox.put(None)
-            self._outbox_thread.join(_CLOSE_FLUSH)
-        if self.failed is not None:
+            self._outbox.put(None)  # the outbox thread ends after what is queued (or at once if failed)
+            if self.failed is None:
+                self._outbox_thread.join(max(0.0, deadline - time.monotonic()))
+        if self.failed is not None or (self._outbox_thread is not None and self._outbox_thread.is_alive()):
+            return  # a dead peer reads nothing; a stuck outbox holds the send lock
+        left = max(1.0, deadline - time.monotonic())
+        if not self._send_lock.acquire(timeout=left):
             return
-        with self._send_lock:
-            try:
-                encode_close(self._send_view, self.me, graceful)
-                self.pg.send([self._send_header], self._peer_rank_in_pg, _TAG).wait()
-            except RuntimeError as exc:
-                _log.debug("twinrpc: close frame to %d failed: %s", self.peer, exc)
+        try:
+            encode_close(self._send_view, self.me, graceful)
+            work = self.pg.send([self._send_header], self._peer_rank_in_pg, _TAG)
+            work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
+        except RuntimeError as exc:
+            _log.debug("twinrpc: close frame to %d failed: %s", self.peer, exc)
+        finally:
+            self._send_lock.release()
 
     # -- receiving ---------------------------------------------------------------------------------
     def _recv(self, t: torch.Tensor) -> None:
@@ -290,21 +374,29 @@ class PeerLink:
 
     # -- liveness ----------------------------------------------------------------------------------
     def check_alive(self, now: float, threshold: float) -> None:
-        """Declare the peer dead if we have waited for its next frame for longer than ``threshold``
-        seconds (plus time for a large frame at ``_MIN_FRAME_RATE``) since we last heard from it.
+        """Declare the peer dead if it has been silent for longer than ``threshold`` seconds (plus
+        time for a large frame at ``_MIN_FRAME_RATE``) while we depend on it: while our receiver waits
+        for its next frame, or (when the receiver is not waiting, e.g. busy handling a message) while
+        one of our sends waits for the peer to take a frame. Failing the link wakes those waits.
 
         Only a peer heard at least once is judged, so a peer still setting up its world is never
-        mistaken for a dead one. Runs on the world's timer thread; never blocks.
+        mistaken for a dead one. Runs on the world's timer thread; never blocks for long.
         """
-        waiting, heard = self._waiting, self.heard
-        if waiting is None or heard is None or self.failed is not None or self.closing or self.closed_by_peer:
+        waiting, sending, heard = self._waiting, self._sending, self.heard
+        if heard is None or self.failed is not None or self.closing or self.closed_by_peer:
             return
-        since, allowance = waiting
+        # A receiver waiting is the better judge: the peer's heartbeats land right there. (While it is
+        # in the middle of a large frame the peer's heartbeats queue behind that frame: its allowance.)
+        what = "while waiting for one" if waiting is not None else "while a send to it waited"
+        judged = waiting if waiting is not None else sending
+        if judged is None:
+            return
+        since, allowance = judged
         silent = now - max(since, heard)
         if silent > threshold + allowance:
             self._fail(
                 RuntimeError(
-                    f"no frame or heartbeat from it for {silent:.1f} s while waiting for one (limit "
+                    f"no frame or heartbeat from it for {silent:.1f} s {what} (limit "
                     f"{threshold + allowance:.1f} s: heartbeat_interval x heartbeat_misses); its process is "
                     "stopped, hung or cut off from this one"
                 )
@@ -324,12 +416,36 @@ class PeerLink:
 
     def _fail(self, exc: BaseException) -> None:
         if self.failed is None and not self.closing:
-            self.failed = exc
-            self._on_failure(self.peer, exc)
+            self.failed = exc = self._overdue_send() or exc
+            self._on_failure(self.peer, exc)  # first: pending calls fail with this error, not gloo's
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Close the pair's gloo connection now: every thread blocked in a send to or a receive from
+        this peer wakes with an error. The pair's process group is unusable afterwards (gloo closes
+        every pair of a context on an application timeout). Idempotent; blocks about 1 ms."""
+        work = self._kill_work
+        if work is None or self._abandoned:
+            return
+        self._abandoned = True
+        try:
+            work.wait(timedelta(milliseconds=1))
+        except RuntimeError:
+            pass  # expected: "Timed out waiting 1ms for recv operation" (or the pair was closed already)
 
     def join(self, timeout: float) -> bool:
         """Wait until receiving has ended (whichever thread receives by then)."""
         return self._receive_done.wait(timeout)
+
+    def threads_done(self) -> bool:
+        """Whether no thread of this link is left: receiving has ended and the outbox thread exited."""
+        outbox = self._outbox_thread
+        return self._receive_done.is_set() and (outbox is None or not outbox.is_alive())
+
+    def join_outbox(self, timeout: float) -> None:
+        outbox = self._outbox_thread
+        if outbox is not None:
+            outbox.join(timeout)
 
 
 def _ignore_heartbeat_error(msg: Message, exc: BaseException) -> None:

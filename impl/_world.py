@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("twinrpc.impl")
 _CLOSE_WAIT = 10.0
+#: after abandoning a link at shutdown, how long its threads get to leave gloo (they wake at once)
+_ABANDON_WAIT = 2.0
 
 
 class GlooWorld:
@@ -38,6 +40,7 @@ class GlooWorld:
         *,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_misses: int = DEFAULT_HEARTBEAT_MISSES,
+        rpc_timeout: float = 0.0,
     ) -> None:
         self.rank = joined.rank
         self.workers = joined.workers
@@ -49,11 +52,16 @@ class GlooWorld:
         self._pool = RequestPool(num_worker_threads, f"twinrpc-pool-{self.rank}")
         self._timer = TimerThread(f"twinrpc-timer-{self.rank}")
         self.links: dict[int, PeerLink] = {}
+        # With heartbeats the timer judges a stuck send (PeerLink.check_alive); without them a send
+        # waits at most rpc_timeout in gloo (none with rpc_timeout=0: the user chose to wait forever).
+        send_timeout = None if heartbeat_interval > 0 or rpc_timeout <= 0 else rpc_timeout
         # Pairs are created in one global order, so no two processes wait on each other in a cycle.
         for peer in range(joined.world_size):
             if peer != self.rank:
                 pg = make_pair_group(joined.store, self.rank, peer)
-                self.links[peer] = PeerLink(self.rank, peer, pg, self._deliver, self._peer_failed)
+                self.links[peer] = PeerLink(
+                    self.rank, peer, pg, self._deliver, self._peer_failed, send_timeout=send_timeout
+                )
         self._store = joined.store
         for peer, link in self.links.items():
             link.peer_name = f"'{self.workers[peer].name}' (rank {peer})"
@@ -121,22 +129,30 @@ class GlooWorld:
             agent.on_peer_failed(peer, err)
 
     def stop(self, graceful: bool = False) -> None:
-        """Close every link (peers' receivers for us stop), then stop the pool and timer."""
+        """Close every link (peers' receivers for us stop), then stop the pool and timer.
+
+        Bounded: a peer that has not closed its side within ``_CLOSE_WAIT`` (stopped, or still
+        running after a non-graceful shutdown) has its link abandoned, so no thread of ours is left
+        blocked in gloo."""
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
             self.agent = None
-        for link in self.links.values():
-            link.closing = True
-            link.send_close(graceful)
         deadline = time.monotonic() + _CLOSE_WAIT
-        for link in self.links.values():
-            if link.failed is not None:
-                continue  # its receiver may be stuck in gloo for good (a stopped peer): don't wait
-            if not link.join(max(0.0, deadline - time.monotonic())):
-                _log.debug("twinrpc: receiver for rank %d still running at shutdown", link.peer)
+        links = list(self.links.values())
+        for link in links:
             link.closing = True
+        for link in links:
+            link.send_close(graceful, deadline)
+        for link in links:
+            if link.failed is None and not link.join(max(0.0, deadline - time.monotonic())):
+                _log.debug("twinrpc: receiver for rank %d still running at shutdown", link.peer)
+        for link in links:
+            if not link.threads_done():
+                link.abandon()  # wakes whatever still waits in gloo for this peer
+                link.join(_ABANDON_WAIT)
+                link.join_outbox(_ABANDON_WAIT)
         self._pool.stop()
         self._timer.stop()
 

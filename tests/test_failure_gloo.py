@@ -187,6 +187,254 @@ def test_a_stopped_peer_is_declared_dead_by_the_heartbeat_but_a_busy_one_is_not(
 
 
 # ---------------------------------------------------------------------------------------------------
+# A peer stopped while a large message to or from it is in flight
+# ---------------------------------------------------------------------------------------------------
+BIG = 64 << 20  #: bytes: a send this size waits for the peer to post its receive (and drain the socket)
+
+
+def _echo(t: Any) -> Any:
+    return t
+
+
+def _frames_of(name: str) -> list[str]:
+    """Names of the threads of this process whose stack is inside the function ``name`` (a
+    qualified name, e.g. ``PeerLink.send``)."""
+    import sys
+
+    found = []
+    by_id = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        f: Any = frame
+        while f is not None:
+            if f.f_code.co_qualname == name:
+                found.append(by_id.get(ident, str(ident)))
+                break
+            f = f.f_back
+    return found
+
+
+def _poll(predicate: Any, what: str, bound: float = BOUND) -> float:
+    """Wait (bounded) until ``predicate()``; returns how long it took."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > bound:
+            raise AssertionError(f"not within {bound} s: {what}")
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def _stop_mid_message() -> None:
+    """On worker2: send worker0 the header of a message whose payload frame never follows (a
+    test-only injection on the pair's own process group), then stop this very process."""
+    from impl._framing import encode_header
+    from impl._link import _TAG
+    from twinrpc._current import current_agent
+    from twinrpc._message import Kind, Message
+
+    link = current_agent().world.links[0]  # type: ignore[attr-defined]
+    with link._send_lock:
+        inline, _ = encode_header(link._send_view, Message(Kind.CALL, 99, 2, 0, b"x" * (1 << 20)))
+        assert not inline
+        link.pg.send([link._send_header], link._peer_rank_in_pg, _TAG).wait()
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _twinrpc_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("twinrpc-") and t.is_alive())
+
+
+def _stopped_mid_transfer_program(rank: int, world_size: int, init_file: str, shared: dict[str, Any]) -> Any:
+    import torch
+
+    rpc = _init(rank, world_size, init_file)
+    if rank == 1:
+        time.sleep(WORLD_TIMEOUT)  # SIGSTOPped in here by the test
+        return "slept"
+    if rank == 2:
+        time.sleep(WORLD_TIMEOUT)  # stops itself in _stop_mid_message
+        return "slept"
+    if rank == 3:
+        shared["done"].wait(WORLD_TIMEOUT)
+        rpc.shutdown(graceful=False)
+        return "left"
+    from twinrpc._current import current_agent
+
+    links = current_agent().world.links  # type: ignore[attr-defined]
+    result: dict[str, Any] = {}
+    assert rpc.rpc_sync("worker1", operator.add, args=(1, 2)) == 3
+    assert rpc.rpc_sync("worker2", operator.add, args=(1, 2)) == 3
+
+    # -- send side: worker1 is stopped, then a 64 MiB send to it starts and cannot complete --------
+    pending = rpc.rpc_async("worker1", time.sleep, args=(60.0,), timeout=0)
+    shared["stop_rank1"].set()
+    assert shared["rank1_stopped"].wait(WORLD_TIMEOUT)
+    stopped_at = time.monotonic()
+    big = torch.ones(BIG // 4)
+    outcome: dict[str, Any] = {}
+
+    def big_call() -> None:
+        outcome["big"] = _timed(lambda: rpc.rpc_sync("worker1", _echo, args=(big,), timeout=0))
+
+    caller = threading.Thread(target=big_call, name="big-caller")
+    caller.start()
+    # the caller is inside the gloo send (PeerLink.send), not failed before sending
+    result["in_send_after"] = _poll(
+        lambda: "big-caller" in _frames_of("PeerLink.send") or "big" in outcome, "send"
+    )
+    result["was_in_send"] = "big" not in outcome
+    caller.join(BOUND)
+    result["caller_returned"] = not caller.is_alive()
+    result["big"] = outcome.get("big")
+    result["big_since_stop"] = time.monotonic() - stopped_at
+    result["pending"] = _timed(pending.wait)
+    result["later"] = _timed(lambda: rpc.rpc_sync("worker1", operator.add, args=(1, 2)))
+
+    # -- receive side: worker2 sends the header of a 1 MiB message, then stops itself ---------------
+    fut2 = rpc.rpc_async("worker2", _stop_mid_message, timeout=0)
+    result["in_recv_after"] = _poll(
+        lambda: bool(_frames_of("PeerLink._recv")) or fut2.done(), "payload receive"
+    )
+    receiving_at = time.monotonic()
+    result["was_in_recv"] = not fut2.done()
+    result["pending2"] = _timed(fut2.wait)
+    result["pending2_since_recv"] = time.monotonic() - receiving_at
+    result["recv_ended"] = links[2].join(BOUND)  # the receiver woke from its gloo receive
+
+    result["other_peer"] = rpc.rpc_sync("worker3", operator.add, args=(1, 2))
+    shared["done"].set()
+    result["local_shutdown"] = _timed(lambda: rpc.shutdown(graceful=False))
+    try:
+        _poll(lambda: not _twinrpc_threads(), "every twinrpc thread has ended")
+    except AssertionError:
+        pass
+    result["threads_left"] = _twinrpc_threads()
+    return result
+
+
+def test_a_peer_stopped_mid_transfer_fails_the_blocked_sender_and_receiver_within_the_heartbeat_bound(
+    tmp_path: Path,
+) -> None:
+    """A thread blocked inside a 64 MiB gloo send to a SIGSTOPped peer, and a receiver blocked in the
+    payload receive of a message whose sender stopped after its header: both are woken with the
+    peer's WorkerUnavailableError (heartbeat) within the bound, other peers keep working, shutdown
+    returns and no thread is left blocked in gloo."""
+    mp = multiprocessing.get_context("spawn")
+    stop_rank1, rank1_stopped, done = mp.Event(), mp.Event(), mp.Event()
+
+    def operator_(procs: list[Any]) -> None:
+        def act() -> None:
+            if stop_rank1.wait(WORLD_TIMEOUT):
+                os.kill(procs[1].pid, signal.SIGSTOP)
+                rank1_stopped.set()
+
+        threading.Thread(target=act, daemon=True).start()
+
+    r = _run_world(
+        _stopped_mid_transfer_program,
+        4,
+        tmp_path,
+        reporting=[0],
+        started=operator_,
+        stop_rank1=stop_rank1,
+        rank1_stopped=rank1_stopped,
+        done=done,
+    )[0]
+    limit = INTERVAL * MISSES
+    print(
+        f"64 MiB caller: in the gloo send {r['in_send_after']:.3f} s after starting; returned "
+        f"{r['big_since_stop']:.3f} s after the stop (heartbeat limit {limit:.1f} s)"
+    )
+    assert r["was_in_send"] and r["caller_returned"], r
+    for what in ("big", "pending", "later", "pending2"):
+        name, message, elapsed = r[what]
+        print(f"{what}: {name} after {elapsed:.3f} s: {message[:200]}")
+        assert name == "WorkerUnavailableError", (what, name, message)
+        assert "heartbeat" in message, message
+        assert elapsed < BOUND
+    assert "'worker1'" in r["big"][1] and "'worker1'" in r["pending"][1] and "'worker1'" in r["later"][1]
+    assert "'worker2'" in r["pending2"][1]
+    assert r["big_since_stop"] < BOUND
+    assert r["later"][2] < 1.0  # at once: the link is known to be broken
+    print(f"receiver in the payload receive; the pending call failed {r['pending2_since_recv']:.3f} s later")
+    assert r["was_in_recv"] and r["recv_ended"], r
+    assert r["other_peer"] == 3
+    name, message, elapsed = r["local_shutdown"]
+    print(f"shutdown(graceful=False) returned after {elapsed:.3f} s; threads left: {r['threads_left']}")
+    assert name is None, message
+    assert elapsed < BOUND
+    assert r["threads_left"] == [], r["threads_left"]
+
+
+def _heartbeats_off_program(rank: int, world_size: int, init_file: str, shared: dict[str, Any]) -> Any:
+    import torch
+
+    import twinrpc.rpc as rpc
+
+    options = rpc.RpcBackendOptions(
+        rpc_timeout=RPC_TIMEOUT, init_method=f"file://{init_file}", heartbeat_interval=0
+    )
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
+    if rank == 1:
+        time.sleep(WORLD_TIMEOUT)  # SIGSTOPped in here by the test
+        return "slept"
+    result: dict[str, Any] = {}
+    assert rpc.rpc_sync("worker1", operator.add, args=(1, 2)) == 3
+    shared["stop_rank1"].set()
+    assert shared["rank1_stopped"].wait(WORLD_TIMEOUT)
+    result["call"] = _timed(lambda: rpc.rpc_sync("worker1", _echo, args=(torch.ones(1 << 18),)))
+    result["later"] = _timed(lambda: rpc.rpc_sync("worker1", operator.add, args=(1, 2)))
+    result["local_shutdown"] = _timed(lambda: rpc.shutdown(graceful=False))
+    try:
+        _poll(lambda: not _twinrpc_threads(), "every twinrpc thread has ended")
+    except AssertionError:
+        pass
+    result["threads_left"] = _twinrpc_threads()
+    return result
+
+
+RPC_TIMEOUT = 2.0
+
+
+def test_without_heartbeats_a_send_stuck_on_a_stopped_peer_ends_at_the_rpc_timeout(tmp_path: Path) -> None:
+    """heartbeat_interval=0 turns stopped-peer detection off, but a 1 MiB send that a SIGSTOPped peer
+    never takes still returns: the call fails with its RPC timeout, the send gives up shortly after
+    (rpc_timeout plus 0.1 s for its size) and fails the link, so later calls fail at once."""
+    mp = multiprocessing.get_context("spawn")
+    stop_rank1, rank1_stopped = mp.Event(), mp.Event()
+
+    def operator_(procs: list[Any]) -> None:
+        def act() -> None:
+            if stop_rank1.wait(WORLD_TIMEOUT):
+                os.kill(procs[1].pid, signal.SIGSTOP)
+                rank1_stopped.set()
+
+        threading.Thread(target=act, daemon=True).start()
+
+    r = _run_world(
+        _heartbeats_off_program,
+        2,
+        tmp_path,
+        reporting=[0],
+        started=operator_,
+        stop_rank1=stop_rank1,
+        rank1_stopped=rank1_stopped,
+    )[0]
+    name, message, elapsed = r["call"]
+    print(f"call: {name} after {elapsed:.3f} s: {message[:160]}")
+    assert name == "RPCTimeoutError" and "RPC ran for more than set timeout" in message, message
+    assert RPC_TIMEOUT <= elapsed < RPC_TIMEOUT + BOUND
+    name, message, elapsed = r["later"]
+    print(f"later: {name} after {elapsed:.3f} s: {message[:240]}")
+    assert name == "WorkerUnavailableError" and "'worker1'" in message and "heartbeats are off" in message
+    assert elapsed < 1.0
+    name, message, elapsed = r["local_shutdown"]
+    print(f"shutdown(graceful=False) returned after {elapsed:.3f} s; threads left: {r['threads_left']}")
+    assert name is None, message
+    assert elapsed < BOUND
+    assert r["threads_left"] == [], r["threads_left"]
+
+
+# ---------------------------------------------------------------------------------------------------
 # Malformed frames
 # ---------------------------------------------------------------------------------------------------
 class _Records(logging.Handler):
