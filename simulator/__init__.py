@@ -12,23 +12,28 @@ Faults are verbs and plain data: ``sim.crash(2, at=0.5)`` or ``FaultPlan(crashes
 
 from __future__ import annotations
 
+from ._determinism import NondeterminismError, check_determinism
 from ._errors import SimulationDeadlock, SimulationError
 from ._faults import Crash, Delay, Deliver, Drop, Duplicate, FaultPlan, Hold
 from ._monitors import MonitorViolation, RRefMonitor
 from ._network import NetworkModel
 from ._simulation import RunResult, Simulation, WorkerOutcome, now, sleep
-from ._trace import Trace, TraceEvent
+from ._trace import MessageInfo, Trace, TraceEvent, TraceFormatError
+from ._trace_diff import Divergence, diff_traces
 
 __all__ = [
     "Crash",
     "Delay",
     "Deliver",
+    "Divergence",
     "Drop",
     "Duplicate",
     "FaultPlan",
     "Hold",
+    "MessageInfo",
     "MonitorViolation",
     "NetworkModel",
+    "NondeterminismError",
     "RRefMonitor",
     "RunResult",
     "Simulation",
@@ -36,7 +41,10 @@ __all__ = [
     "SimulationError",
     "Trace",
     "TraceEvent",
+    "TraceFormatError",
     "WorkerOutcome",
+    "check_determinism",
+    "diff_traces",
     "now",
     "sleep",
 ]

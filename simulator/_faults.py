@@ -208,16 +208,16 @@ class NetworkFaults:
             if hold.src == msg.src and hold.dst == msg.dst and hold.start <= sched.now < hold.end:
                 delay += hold.end - sched.now
                 self.held += 1
-                sim.trace.record(sched.now, msg.src, "hold", f"{msg.describe()} until t={hold.end:g}")
+                sim.trace.message(sched.now, msg.src, "hold", msg, f" until t={hold.end:g}")
                 break
         if isinstance(action, Delay):
             delay += action.extra
         elif isinstance(action, Drop) and retryable:
             self.dropped += 1
-            sim.trace.record(sched.now, msg.src, "drop", msg.describe())
+            sim.trace.message(sched.now, msg.src, "drop", msg)
             return
         elif isinstance(action, Duplicate) and retryable:
             self.duplicated += 1
-            sim.trace.record(sched.now, msg.src, "duplicate", msg.describe())
+            sim.trace.message(sched.now, msg.src, "duplicate", msg)
             sched.schedule(delay + action.extra, sim._deliver, msg)
         sched.schedule(delay, sim._deliver, msg)

@@ -108,6 +108,9 @@ class RRefMonitor:
         if children is not None:
             children.discard(fid)
 
+    def user_confirmed(self, rank: int, state: UserState) -> None:
+        """Nothing to check: the owner's side (``fork_known``) carries the invariant."""
+
     def _user_gone(self, key: _Key, rank: int) -> None:
         self._refs.pop(key, None)
         if key not in self._dead:

@@ -13,13 +13,16 @@ import heapq
 import random
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import greenlet
 
 from twinrpc._world import TimerHandle
 
 from ._errors import SimulationDeadlock, SimulationError
+
+if TYPE_CHECKING:
+    from ._trace import Trace
 
 
 class Task:
@@ -61,6 +64,8 @@ class Scheduler:
         self.failure: BaseException | None = None
         self.stopped = False
         self.switches = 0
+        #: where task switches are recorded (the simulation's trace when it is on)
+        self.trace: Trace | None = None
         self._idle: list[_TaskGreenlet] = []
 
     # -- events -----------------------------------------------------------------------------------
@@ -92,6 +97,9 @@ class Scheduler:
         g.task = task
         task.g = g
         self.switches += 1
+        trace = self.trace
+        if trace is not None:
+            trace._events.append((self.now, task.worker, "switch", (task.id, task.name)))
         g.switch(task, fn, args)
 
     def _task_loop(self, task: Task, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
@@ -143,6 +151,9 @@ class Scheduler:
         if task.done or task.g is None:
             return
         self.switches += 1
+        trace = self.trace
+        if trace is not None:
+            trace._events.append((self.now, task.worker, "switch", (task.id, task.name)))
         task.g.switch()
 
     def call_later(self, delay: float, fn: Callable[[], None]) -> TimerHandle:

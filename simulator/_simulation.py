@@ -21,6 +21,7 @@ from ._monitors import RRefMonitor
 from ._network import NetworkModel
 from ._scheduler import Scheduler
 from ._trace import Trace
+from ._trace_observer import TraceObserver
 from ._world import SimBlocker, SimWorker, SimWorld
 
 _RENDEZVOUS_DELAY = 1e-3  # a store round trip at init
@@ -106,7 +107,7 @@ class Simulation:
         #: rank -> virtual time of its crash (see :meth:`crash`)
         self.crashed: dict[int, float] = {}
         self.blocker = SimBlocker(self.sched, self.crashed)
-        self.trace = Trace(trace)
+        self.trace = Trace(trace, seed=seed, world_size=world_size)
         self.workers = [SimWorker(self, r) for r in range(world_size)]
         self._rendezvous: dict[int, dict[int, str]] = {}
         self._rendezvous_done: dict[int, Future[None]] = {}
@@ -115,6 +116,10 @@ class Simulation:
         self.faults = NetworkFaults(self, faults) if faults is not None else None
         self.gc_delay = faults.gc_delay if faults is not None else DEFAULT_GC_DELAY
         self.monitor = RRefMonitor(self) if monitors else None
+        #: records RRef and autograd events (and forwards RRef events to the monitors); None: trace off
+        self.trace_observer = TraceObserver(self, self.monitor) if trace else None
+        if trace:
+            self.sched.trace = self.trace  # task switches
 
     @property
     def now(self) -> float:
@@ -185,6 +190,7 @@ class Simulation:
         joined = self._rendezvous.setdefault(generation, {})
         done = self._rendezvous_done.setdefault(generation, Future())
         joined[worker.rank] = name
+        self.trace.name_worker(worker.rank, name)
         self.trace.record(self.sched.now, worker.rank, "init", f"{name} generation {generation}")
         if len(joined) == self.world_size:
             self.sched.call_later(_RENDEZVOUS_DELAY, lambda: done.set_result(None))
@@ -232,7 +238,9 @@ class Simulation:
             self.monitor.stop(f"worker {rank} crashed at t={sched.now:.6f}")
             for w in self.workers:
                 if w.world is not None and w.world.agent is not None:
-                    w.world.agent.rrefs.observer = None
+                    w.world.agent.rrefs.observer = self.trace_observer
+            if self.trace_observer is not None:
+                self.trace_observer.monitor = None
         for other in self.workers:
             if other.rank != rank:
                 sched.call_later(
@@ -276,7 +284,7 @@ class Simulation:
     # -- network --------------------------------------------------------------------------------------
     def _deliver(self, msg: Message) -> None:
         if msg.dst in self.crashed:
-            self.trace.record(self.sched.now, msg.dst, "lost", f"{msg.describe()}: worker {msg.dst} crashed")
+            self.trace.message(self.sched.now, msg.dst, "lost", msg, f": worker {msg.dst} crashed")
             return
         if self.faults is not None and self.faults.crash_on_arrival(msg):
             return
@@ -287,7 +295,7 @@ class Simulation:
         dst.deliver(msg)
 
     def _bounce(self, msg: Message, why: str) -> None:
-        self.trace.record(self.sched.now, msg.dst, "bounce", f"{msg.describe()}: {why}")
+        self.trace.message(self.sched.now, msg.dst, "bounce", msg, f": {why}")
         if msg.src in self.crashed:
             return
         src = self.workers[msg.src].world

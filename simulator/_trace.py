@@ -1,64 +1,431 @@
-"""The trace of a simulation: every send, delivery and task event with its virtual time.
+"""The trace of a run: every send, delivery, drop, task switch, RRef and autograd event, in order.
 
-Recording is on the hot path, so an event is stored as a tuple and formatted only when read.
-A message event stores (kind, id, src, dst, nbytes), never the message (which would keep its
-tensors alive).
+Recording is on the hot path, so an event is stored as a tuple ``(time, worker, event, detail)`` and
+formatted only when read. A message event's detail is a tuple
+``(kind, id, src, dst, nbytes, seq, note)``, never the message (which would keep its tensors alive);
+``seq`` is the message number the trace gave the send, so every later event about the same message
+(its delivery, a drop, a duplicate) names the same number. A task switch's detail is
+``(task id, task name)``.
+
+Vector clocks are not stored: each worker's clock ticks at each of its events, a send carries the
+sender's clock, and a delivery merges it before ticking. They follow from the order of events and the
+message numbers, so :meth:`Trace.events` computes them when the trace is read, which keeps recording
+a dict store and a list append per message.
+
+The same events come from a file: :meth:`Trace.save` writes JSON lines (``twinrpc._trace_format``);
+:meth:`Trace.load` reads that back, or the per-worker files of the gloo world's recorder
+(``TWINRPC_TRACE=dir``), merged in causal order.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import heapq
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from twinrpc._message import Kind
+from twinrpc._message import Kind, Message
+from twinrpc._trace_format import FORMAT, VERSION, event_line, header_line
+
+from ._errors import SimulationError
+
+#: events whose detail names a message
+MESSAGE_EVENTS = frozenset({"send", "deliver", "drop", "duplicate", "hold", "lost", "bounce", "send-failed"})
+#: events after which the message is gone (delivered, lost, dropped or bounced)
+_FINAL = frozenset({"deliver", "lost", "bounce", "drop"})
+_SWITCH = "switch"
+
+
+class TraceFormatError(SimulationError, ValueError):
+    """A trace file that is not in twinrpc's trace format (or of a newer version)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MessageInfo:
+    """The message a trace event is about.
+
+    Attributes:
+        kind: the message kind's name (``"CALL"``, ``"RESPONSE"``, ...).
+        id: the message id (per sender; a reply carries its request's id).
+        src: the sender's rank.
+        dst: the destination's rank.
+        nbytes: payload plus tensor bytes.
+        seq: the message number: one per send, shared by every event about that message; ``None``
+            when unknown (a send that never left, or an unpaired event of a recorded gloo run).
+    """
+
+    kind: str
+    id: int
+    src: int
+    dst: int
+    nbytes: int
+    seq: int | None
+
+    def describe(self) -> str:
+        return f"{self.kind}#{self.id} {self.src}->{self.dst} ({self.nbytes} B)"
 
 
 @dataclass(frozen=True, slots=True)
 class TraceEvent:
+    """One event of a trace.
+
+    Attributes:
+        time: virtual seconds (wall-clock seconds in a recorded gloo run).
+        worker: the rank the event happened on; ``-1`` for the simulation itself (monitors).
+        event: what happened (``send``, ``deliver``, ``switch``, ``rref-user-created``, ...).
+        detail: the event's text.
+        message: the message of a message event (``send``, ``deliver``, ``drop``, ...), else ``None``.
+        clock: the worker's vector clock after the event (one entry per rank), ``None`` for
+            worker ``-1``.
+        index: the event's position in the trace.
+    """
+
     time: float
     worker: int
     event: str
     detail: str
+    message: MessageInfo | None = None
+    clock: tuple[int, ...] | None = None
+    index: int = -1
 
     def line(self) -> str:
+        """The event as a line of :meth:`Trace.text`."""
         return f"{self.time:.9f} w{self.worker} {self.event} {self.detail}"
 
 
-def _detail(detail: Any) -> str:
-    if isinstance(detail, tuple):
-        kind, msg_id, src, dst, nbytes = detail
-        return f"{Kind(kind).name}#{msg_id} {src}->{dst} ({nbytes} B)"
+def _render(detail: Any) -> str:
+    if type(detail) is str:
+        return detail
+    if type(detail) is tuple:
+        if len(detail) == 7:
+            kind, msg_id, src, dst, nbytes, _seq, note = detail
+            name = kind.name if isinstance(kind, Kind) else kind
+            return f"{name}#{msg_id} {src}->{dst} ({nbytes} B){note}"
+        if len(detail) == 2:
+            return f"{detail[1]} (task {detail[0]})"
     return str(detail)
 
 
+def _message(detail: Any) -> MessageInfo | None:
+    if type(detail) is tuple and len(detail) == 7:
+        kind, msg_id, src, dst, nbytes, seq, _note = detail
+        name = kind.name if isinstance(kind, Kind) else str(kind)
+        return MessageInfo(name, msg_id, src, dst, nbytes, seq)
+    return None
+
+
 class Trace:
-    """Events in the order they happened. Same seed + same program = the same trace (SIM-1)."""
+    """Events in the order they happened. Same seed + same program = the same trace (SIM-1).
 
-    def __init__(self, enabled: bool = True) -> None:
+    Args:
+        enabled: record events (off: nothing is recorded and the digest covers nothing).
+        seed: the simulation's seed (written into saved files).
+        world_size: the number of workers (the length of each vector clock).
+        workers: the workers' names by rank (a simulation fills them in at ``init_rpc``).
+        source: ``"simulator"``, or ``"gloo"`` for a recorded real run.
+        clock: ``"virtual"`` or ``"wall"``: what event times mean.
+    """
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        *,
+        seed: int | None = None,
+        world_size: int = 0,
+        workers: list[str] | None = None,
+        source: str = "simulator",
+        clock: str = "virtual",
+    ) -> None:
         self.enabled = enabled
+        self.seed = seed
+        self.world_size = world_size
+        self.workers: list[str] = list(workers) if workers is not None else []
+        self.source = source
+        self.clock = clock
         self._events: list[tuple[float, int, str, Any]] = []
+        # id(message) -> its message number, from its send to its last event (an id is unique while
+        # the message lives, and a message in flight is alive: the event queue holds it)
+        self._numbers: dict[int, int] = {}
+        self._duplicates: dict[int, int] = {}  # message number -> deliveries still to come - 1
+        self._sent = 0
 
+    # -- recording ---------------------------------------------------------------------------------
     def record(self, time: float, worker: int, event: str, detail: Any) -> None:
-        """Record an event; ``detail`` is a string or a message tuple (kind, id, src, dst, nbytes)."""
+        """Record an event; ``detail`` is a string (or a tuple as described in the module docstring)."""
         if self.enabled:
             self._events.append((time, worker, event, detail))
 
+    def sent(self, time: float, worker: int, msg: Message, nbytes: int) -> None:
+        """Record the send of ``msg``, giving it the next message number."""
+        if self.enabled:
+            n = self._sent
+            self._sent = n + 1
+            self._numbers[id(msg)] = n
+            self._events.append((time, worker, "send", (msg.kind, msg.id, msg.src, msg.dst, nbytes, n, "")))
+
+    def message(self, time: float, worker: int, event: str, msg: Message, note: str = "") -> None:
+        """Record an event about ``msg`` (``deliver``, ``drop``, ``lost``...); ``note`` is appended to
+        its detail (e.g. ``": worker 1 crashed"``). ``send-failed`` (never sent) has no number."""
+        if not self.enabled:
+            return
+        key = id(msg)
+        if event in _FINAL:
+            n = self._numbers.get(key)
+            if n is not None:
+                left = self._duplicates.get(n)
+                if left:  # a duplicate's copy is still to come: keep the number for it
+                    self._duplicates[n] = left - 1
+                else:
+                    self._duplicates.pop(n, None)
+                    del self._numbers[key]
+        elif event == "send-failed":
+            n = None
+        else:
+            n = self._numbers.get(key)
+            if event == "duplicate" and n is not None:
+                self._duplicates[n] = self._duplicates.get(n, 0) + 1
+        self._events.append((time, worker, event, (msg.kind, msg.id, msg.src, msg.dst, msg.nbytes, n, note)))
+
+    def copied(self, original: Message, copy: Message) -> None:
+        """``copy`` (a fault's duplicate of ``original``, a new object) is the same message: later
+        events about it carry the original's message number."""
+        if self.enabled:
+            n = self._numbers.get(id(original))
+            if n is not None:
+                self._numbers[id(copy)] = n
+
+    def name_worker(self, rank: int, name: str) -> None:
+        """Remember ``rank``'s worker name (the first one it used)."""
+        while len(self.workers) <= rank:
+            self.workers.append(f"rank{len(self.workers)}")
+        if self.workers[rank] == f"rank{rank}":
+            self.workers[rank] = name
+        self.world_size = max(self.world_size, rank + 1)
+
+    # -- reading -----------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._events)
 
     def __iter__(self) -> Iterator[TraceEvent]:
-        for t, w, e, d in self._events:
-            yield TraceEvent(t, w, e, _detail(d))
+        """Every event with its message and vector clock (see :meth:`events`)."""
+        n = max(self.world_size, len(self.workers), 1 + max((w for _, w, _, _ in self._events), default=-1))
+        clocks = [[0] * n for _ in range(n)]
+        carried: dict[int, list[int]] = {}  # message number -> the sender's clock at its send
+        for index, (t, w, e, d) in enumerate(self._events):
+            clock: tuple[int, ...] | None = None
+            info = _message(d)
+            if 0 <= w < n:
+                vc = clocks[w]
+                if e == "deliver" and info is not None and info.seq is not None:
+                    sent = carried.get(info.seq)
+                    if sent is not None:
+                        for i, c in enumerate(sent):
+                            if c > vc[i]:
+                                vc[i] = c
+                vc[w] += 1
+                if e == "send" and info is not None and info.seq is not None:
+                    carried[info.seq] = list(vc)
+                clock = tuple(vc)
+            yield TraceEvent(t, w, e, _render(d), info, clock, index)
+
+    def events(self) -> list[TraceEvent]:
+        """Every event, with its :class:`MessageInfo` and vector clock.
+
+        Each worker's clock counts its own events; a ``deliver`` first takes the element-wise
+        maximum with the clock its message's ``send`` carried. So event ``a`` happened before event
+        ``b`` exactly when ``a.clock <= b.clock`` element-wise and they differ.
+        """
+        return list(self)
+
+    def worker_name(self, rank: int) -> str:
+        """The name of ``rank`` (``"simulation"`` for -1)."""
+        if rank < 0:
+            return "simulation"
+        return self.workers[rank] if rank < len(self.workers) else f"rank{rank}"
 
     def digest(self) -> str:
         """A SHA-256 over every event: equal digests mean identical runs."""
         h = hashlib.sha256()
         for t, w, e, d in self._events:
-            h.update(f"{t:.9f}|{w}|{e}|{_detail(d)}\n".encode())
+            h.update(f"{t:.9f}|{w}|{e}|{_render(d)}\n".encode())
         return h.hexdigest()
 
     def text(self, limit: int | None = None) -> str:
         """A readable timeline, one event a line."""
-        return "\n".join(ev.line() for i, ev in enumerate(self) if limit is None or i < limit)
+        lines = []
+        for i, (t, w, e, d) in enumerate(self._events):
+            if limit is not None and i >= limit:
+                break
+            lines.append(f"{t:.9f} w{w} {e} {_render(d)}")
+        return "\n".join(lines)
+
+    def export(self, format: str, path: str | Path | None = None) -> str:
+        """Render the trace for a viewer: ``"perfetto"`` (Chrome trace JSON), ``"shiviz"``,
+        ``"text"`` or ``"html"`` (a self-contained space-time diagram); also written to ``path``
+        when given. Returns the text.
+
+        Raises:
+            ValueError: an unknown format.
+        """
+        from ._export import export
+
+        return export(self, format, path)
+
+    # -- files -------------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        """Write the trace as JSON lines: a header (format, version, seed, world size, worker names),
+        then one event a line with its message and vector clock. Same events = the same bytes."""
+        events = self.events()
+        n = max(self.world_size, len(self.workers), 1 + max((ev.worker for ev in events), default=-1))
+        names = [self.worker_name(r) for r in range(n)]
+        with open(path, "w", encoding="utf-8", newline="\n") as f:
+            f.write(
+                header_line(source=self.source, clock=self.clock, seed=self.seed, world_size=n, workers=names)
+                + "\n"
+            )
+            for ev in events:
+                m = ev.message
+                msg = (m.kind, m.id, m.src, m.dst, m.nbytes, m.seq) if m is not None else None
+                f.write(event_line(ev.time, ev.worker, ev.event, ev.detail, msg, ev.clock) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        """Read a trace saved by :meth:`save`, or a gloo run recorded with ``TWINRPC_TRACE=dir``
+        (pass the directory: its per-worker files are merged in causal order, each delivery after
+        its send, otherwise by time).
+
+        Raises:
+            TraceFormatError: not a twinrpc trace, or a version this twinrpc does not read.
+            FileNotFoundError: no such file, or a directory without ``*.jsonl`` files.
+        """
+        p = Path(path)
+        if p.is_dir():
+            files = sorted(p.glob("*.jsonl"))
+            if not files:
+                raise FileNotFoundError(f"{p}: no *.jsonl trace files in this directory")
+            parts = [_read(f) for f in files]
+            if len(parts) == 1 and parts[0][0].get("rank") is None:
+                return _build(*parts[0])
+            return _merge(parts, p)
+        header, events = _read(p)
+        if header.get("rank") is not None:  # one worker's file of a recorded run
+            return _merge([(header, events)], p)
+        return _build(header, events)
+
+
+# -- loading -----------------------------------------------------------------------------------------
+_Raw = tuple[float, int, str, Any]
+
+
+def _read(path: Path) -> tuple[dict[str, Any], list[_Raw]]:
+    with open(path, encoding="utf-8") as f:
+        first = f.readline()
+        try:
+            header = json.loads(first)
+        except json.JSONDecodeError:
+            header = None
+        if not isinstance(header, dict) or header.get("format") != FORMAT:
+            raise TraceFormatError(
+                f"{path}: not a twinrpc trace (its first line should be a header with "
+                f'"format": "{FORMAT}"; write one with Trace.save or TWINRPC_TRACE=dir)'
+            )
+        if header.get("version") != VERSION:
+            raise TraceFormatError(
+                f"{path}: trace format version {header.get('version')!r}; this twinrpc reads version "
+                f"{VERSION}"
+            )
+        events: list[_Raw] = []
+        for lineno, line in enumerate(f, start=2):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                t, w, e, d = float(obj["t"]), int(obj["w"]), str(obj["e"]), str(obj["d"])
+                m = obj.get("m")
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                raise TraceFormatError(f"{path}:{lineno}: not a trace event ({exc}): {line[:200]!r}")
+            if m is not None:
+                kind, msg_id, src, dst, nbytes, seq = m
+                detail: Any = (str(kind), int(msg_id), int(src), int(dst), int(nbytes), seq, "")
+                base = _render(detail)
+                note = d[len(base) :] if d.startswith(base) else ""
+                detail = (*detail[:6], note)
+            else:
+                detail = d
+            events.append((t, w, e, detail))
+    return header, events
+
+
+def _new(header: dict[str, Any]) -> Trace:
+    return Trace(
+        seed=header.get("seed"),
+        world_size=int(header.get("world_size") or 0),
+        workers=[str(w) for w in header.get("workers") or []],
+        source=str(header.get("source", "simulator")),
+        clock=str(header.get("clock", "virtual")),
+    )
+
+
+def _build(header: dict[str, Any], events: list[_Raw]) -> Trace:
+    trace = _new(header)
+    trace._events = events
+    trace._sent = 1 + max((d[5] for _, _, e, d in events if e == "send" and d[5] is not None), default=-1)
+    return trace
+
+
+def _merge(parts: list[tuple[dict[str, Any], list[_Raw]]], where: Path) -> Trace:
+    """Merge per-worker event lists (a recorded gloo run) into one trace in causal order.
+
+    Sends and deliveries are paired by (src, dst, kind, id) in order of occurrence (a link delivers
+    in order). The merge takes the earliest head event of any worker, except a delivery whose send
+    was not taken yet; only if every head waits like that (its sender's file is missing) does it
+    take one unpaired.
+    """
+    ranks = [h.get("rank") for h, _ in parts]
+    if len(set(ranks)) != len(ranks):
+        raise TraceFormatError(f"{where}: several files claim the same rank(s) {sorted(map(str, ranks))}")
+    header = dict(parts[0][0])
+    header["rank"] = None
+    world_size = max(int(h.get("world_size") or 0) for h, _ in parts)
+    header["world_size"] = world_size
+    trace = _new(header)
+    queues = [collections.deque(evs) for _, evs in parts]
+    sent: dict[tuple[Any, ...], collections.deque[int]] = collections.defaultdict(collections.deque)
+    merged: list[_Raw] = []
+    number = 0
+
+    def waiting(ev: _Raw) -> bool:
+        _, _, e, d = ev
+        return e == "deliver" and type(d) is tuple and not sent.get((d[2], d[3], d[0], d[1]))
+
+    while True:
+        heads = [(q[0][0], q[0][1], i) for i, q in enumerate(queues) if q]
+        if not heads:
+            break
+        heapq.heapify(heads)
+        pick = None
+        while heads:
+            _, _, i = heapq.heappop(heads)
+            if not waiting(queues[i][0]):
+                pick = i
+                break
+        if pick is None:  # every head is a delivery with no send (yet): take the earliest unpaired
+            pick = min((q[0][0], q[0][1], i) for i, q in enumerate(queues) if q)[2]
+        t, w, e, d = queues[pick].popleft()
+        if type(d) is tuple:
+            key = (d[2], d[3], d[0], d[1])
+            if e == "send":
+                sent[key].append(number)
+                d = (*d[:5], number, d[6])
+                number += 1
+            elif e == "deliver":
+                q = sent.get(key)
+                d = (*d[:5], q.popleft() if q else None, d[6])
+        merged.append((t, w, e, d))
+    trace._events = merged
+    trace._sent = number
+    return trace

@@ -107,7 +107,7 @@ class SimWorld:
             return  # a crashed worker's unwinding code sends nothing
         dead = self.dead_peers.get(msg.dst) if self.dead_peers else None
         if dead is not None:  # a known-dead peer: fail the call at once, as a closed link does
-            sim.trace.record(self.sched.now, self.rank, "send-failed", f"{msg.describe()}: peer dead")
+            sim.trace.message(self.sched.now, self.rank, "send-failed", msg, ": peer dead")
             agent = self.agent
             if agent is not None:
                 self.worker.spawn("send-failed", agent.on_send_failed, msg, dead)
@@ -116,7 +116,7 @@ class SimWorld:
             msg.tensors = copy_storages(msg.tensors)
         nbytes = msg.nbytes
         delay = sim.network.delay(msg.src, msg.dst, nbytes, sim.sched.rng)
-        sim.trace.record(self.sched.now, self.rank, "send", (int(msg.kind), msg.id, msg.src, msg.dst, nbytes))
+        sim.trace.sent(self.sched.now, self.rank, msg, nbytes)
         if sim.faults is None:
             self.sched.schedule(delay, sim._deliver, msg)
         else:  # fault hook (simulator/_faults.py): delay, drop, duplicate, hold
@@ -161,10 +161,17 @@ class SimWorld:
 
     def start(self, agent: RpcAgent) -> None:
         self.agent = agent
-        if self.sim.monitor is not None:  # online RRef monitors (simulator/_monitors.py)
+        # RRef and autograd hooks: the trace (simulator/_trace_observer.py), which forwards RRef events
+        # to the online monitors (simulator/_monitors.py); the monitors alone when the trace is off.
+        observer = self.sim.trace_observer
+        if observer is not None:
+            agent.rrefs.observer = observer
+            agent.autograd.observer = observer
+        elif self.sim.monitor is not None:
             agent.rrefs.observer = self.sim.monitor
         early, self._early = self._early, []
         for msg in early:
+            self.sim.trace.message(self.sched.now, self.rank, "deliver", msg)
             self.worker.spawn("deliver", agent.on_message, msg)
         for peer, exc in self.dead_peers.items():  # died before this agent started
             self.worker.spawn("peer-failed", agent.on_peer_failed, peer, exc)
@@ -177,9 +184,7 @@ class SimWorld:
     def deliver(self, msg: Message) -> None:
         agent = self.agent
         if agent is not None:
-            self.sim.trace.record(
-                self.sched.now, self.rank, "deliver", (msg.kind, msg.id, msg.src, msg.dst, msg.nbytes)
-            )
+            self.sim.trace.message(self.sched.now, self.rank, "deliver", msg)
             self.worker.spawn(_DELIVER, agent.on_message, msg)
         elif not self.stopped:
             self._early.append(msg)

@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -40,6 +40,14 @@ _ID_BITS = 48
 _MAX_WORKER_ID = 65535
 #: how often a context cleanup is sent before giving up (PyTorch: 20 retries)
 _CLEANUP_ATTEMPTS = 20
+
+
+class AutogradObserver(Protocol):
+    """What the simulator's trace is told about distributed autograd (``event``: context-created,
+    context-released, send-recorded, recv-recorded, backward-started, backward-finished,
+    gradient-sent). Only set in simulations; ``None`` (no cost) in the real world."""
+
+    def autograd_event(self, rank: int, event: str, context_id: int, detail: str) -> None: ...
 
 
 def context_not_found(context_id: int) -> RuntimeError:
@@ -216,6 +224,14 @@ class _RecvHook:
         if not entry.nodes:
             with self.ctx.lock:
                 self.ctx.recvs[entry.autograd_message_id] = entry
+            observer = self.ctx.container.observer
+            if observer is not None:
+                observer.autograd_event(
+                    self.ctx.container.rank,
+                    "recv-recorded",
+                    self.ctx.context_id,
+                    f"autograd message {entry.autograd_message_id}: {entry.what}",
+                )
         return entry.attach(t)
 
 
@@ -262,6 +278,7 @@ class DistAutogradContainer:
         #: (src, request id) -> (context id, what) for requests served inside a context; the agent's
         #: reply path checks this dict's truthiness only, so it costs nothing outside autograd
         self.replies: dict[tuple[int, int], tuple[int, str]] = {}
+        self.observer: AutogradObserver | None = None
 
     # -- ids and contexts ----------------------------------------------------------------------
     def max_id(self) -> int:
@@ -280,9 +297,12 @@ class DistAutogradContainer:
     def create(self, context_id: int) -> DistAutogradContext:
         with self._lock:
             ctx = self._contexts.get(context_id)
-            if ctx is None:
-                ctx = self._contexts[context_id] = DistAutogradContext(self, context_id)
-            return ctx
+            if ctx is not None:
+                return ctx
+            ctx = self._contexts[context_id] = DistAutogradContext(self, context_id)
+        if self.observer is not None:
+            self.observer.autograd_event(self.rank, "context-created", context_id, "")
+        return ctx
 
     def get(self, context_id: int) -> DistAutogradContext | None:
         return self._contexts.get(context_id)
@@ -311,6 +331,8 @@ class DistAutogradContainer:
             ctx = self._contexts.pop(context_id, None)
         if ctx is None:
             raise context_not_found(context_id)
+        if self.observer is not None:
+            self.observer.autograd_event(self.rank, "context-released", context_id, "released here")
         self._propagate_cleanup(ctx, exclude=-1)
 
     def _propagate_cleanup(self, ctx: DistAutogradContext, exclude: int) -> None:
@@ -335,6 +357,10 @@ class DistAutogradContainer:
         with self._lock:
             ctx = self._contexts.pop(context_id, None)
         if ctx is not None:
+            if self.observer is not None:
+                self.observer.autograd_event(
+                    self.rank, "context-released", context_id, f"cleanup from rank {msg.src}"
+                )
             self._propagate_cleanup(ctx, exclude=msg.src)
 
     def clear(self) -> None:
@@ -370,6 +396,13 @@ class DistAutogradContainer:
                 ctx.sends[message_id] = SendRpcBackward(
                     message_id, dst, grads, f"arguments of the {what} to {peer}"
                 )
+        if grads and self.observer is not None:
+            self.observer.autograd_event(
+                self.rank,
+                "send-recorded",
+                context_id,
+                f"autograd message {message_id}: arguments of the {what} to {peer}",
+            )
         return payload
 
     def enter_request(self, msg: Message, env: AutogradEnvelope) -> tuple[Any, contextvars.Token[int | None]]:
@@ -404,6 +437,13 @@ class DistAutogradContainer:
             with ctx.lock:
                 ctx.sends[message_id] = SendRpcBackward(
                     message_id, msg.src, grads, f"result of the {what} from {peer}"
+                )
+            if self.observer is not None:
+                self.observer.autograd_event(
+                    self.rank,
+                    "send-recorded",
+                    context_id,
+                    f"autograd message {message_id}: result of the {what} from {peer}",
                 )
         return payload
 

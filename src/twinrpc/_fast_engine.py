@@ -306,6 +306,15 @@ class GraphPass:
         with self.lock:
             self.outstanding += 1
         body = (self.ctx.context_id, self.pass_id, entry.autograd_message_id, grads, self.retain_graph)
+        observer = self.container.observer
+        if observer is not None:
+            observer.autograd_event(
+                self.container.rank,
+                "gradient-sent",
+                self.ctx.context_id,
+                f"pass {self.pass_id}: gradients for autograd message {entry.autograd_message_id} to "
+                f"rank {entry.peer}",
+            )
         try:
             fut = self.agent.request(entry.peer, Kind.GRADIENT, body, -1.0)
         except BaseException as exc:
@@ -422,13 +431,22 @@ def run_backward(container: DistAutogradContainer, context_id: int, roots: Any, 
     gp = GraphPass(container, ctx, container.new_message_id(), bool(retain_graph), roots)
     with ctx.lock:
         ctx.current_pass = gp
+    observer = container.observer
+    if observer is not None:
+        observer.autograd_event(container.rank, "backward-started", context_id, f"pass {gp.pass_id}")
+    outcome = "failed"
     gp.feed(_ROOT, [torch.ones_like(r) for r in roots])
     try:
         gp.done.wait()
+        outcome = "done"
     finally:
         with ctx.lock:
             if ctx.current_pass is gp:
                 ctx.current_pass = None
+        if observer is not None:
+            observer.autograd_event(
+                container.rank, "backward-finished", context_id, f"pass {gp.pass_id} {outcome}"
+            )
 
 
 def on_gradient_request(container: DistAutogradContainer, msg: Message, obj: Any) -> None:

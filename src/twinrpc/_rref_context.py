@@ -68,10 +68,12 @@ _LEAK_WARNING = (
 
 
 class RRefObserver(Protocol):
-    """What the simulator's online monitors (``simulator/_monitors.py``) are told. ``rank`` is the
-    worker whose context reports the event. Only set in simulations with monitors on."""
+    """What the simulator's online monitors (``simulator/_monitors.py``) and its trace are told.
+    ``rank`` is the worker whose context reports the event. Only set in simulations; ``None`` (no
+    cost) in the real world."""
 
     def user_created(self, rank: int, state: UserState) -> None: ...
+    def user_confirmed(self, rank: int, state: UserState) -> None: ...
     def user_deleted(self, rank: int, state: UserState, notified: bool) -> None: ...
     def child_forked(self, rank: int, parent: UserState, child_fork_id: GloballyUniqueId) -> None: ...
     def fork_known(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None: ...
@@ -226,6 +228,8 @@ class RRefContext:
             done = self._check_pending_empty()
         state.reported_confirmed = True
         state.confirmed.try_set_result(None)
+        if self.observer is not None:
+            self.observer.user_confirmed(self.rank, state)
         if done is not None:
             done.set_result(None)
 

@@ -1,0 +1,171 @@
+"""Where two traces first differ: two seeds, two versions of a program, or a simulation vs a gloo run.
+
+Exact mode compares the traces event by event, as the digest does (time to the nanosecond, worker,
+event, detail), and stops at the first difference. Structural mode ignores times, message ids and
+everything but messages: it compares each worker's sequence of sends and deliveries as
+``(event, kind, peer)``, which is what a simulation and a recorded gloo run of the same program can
+share (their clocks, task switches and internal events differ by construction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._trace import Trace, TraceEvent
+
+_STRUCTURAL_EVENTS = ("send", "deliver")
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    """The first difference between trace A and trace B.
+
+    Attributes:
+        index: the position of the first difference: the event index (exact mode), or the position
+            in ``worker``'s sequence of sends and deliveries (structural mode).
+        worker: the worker of the differing event (A's; B's where A has no event there).
+        time: the differing event's time (A's, else B's).
+        a: A's event there, or ``None`` when A ended first.
+        b: B's event there, or ``None`` when B ended first.
+        context_a: A's events around the difference (a few before, the event, a few after).
+        context_b: B's events around the difference.
+        structural: whether this came from a structural comparison.
+    """
+
+    index: int
+    worker: int
+    time: float
+    a: TraceEvent | None
+    b: TraceEvent | None
+    context_a: tuple[TraceEvent, ...]
+    context_b: tuple[TraceEvent, ...]
+    structural: bool = False
+
+    def describe(self, names: tuple[str, str] = ("A", "B")) -> str:
+        """A readable report: where, both events, and the context in each trace."""
+        na, nb = names
+        where = (
+            f"position {self.index} of worker {self.worker}'s sends and deliveries (times and ids ignored)"
+            if self.structural
+            else f"event #{self.index}"
+        )
+        lines = [f"traces diverge at {where}, t={self.time:.9f}, worker {self.worker}:"]
+        lines.append(f"  {na}: {_show(self.a, na)}")
+        lines.append(f"  {nb}: {_show(self.b, nb)}")
+        for name, context, mark in ((na, self.context_a, self.a), (nb, self.context_b, self.b)):
+            lines.append(f"context in {name}:")
+            if not context:
+                lines.append("    (no events)")
+            for ev in context:
+                lines.append(f"  {'>' if ev is mark else ' '} #{ev.index:<6} {ev.line()}")
+        return "\n".join(lines)
+
+
+def _show(ev: TraceEvent | None, name: str) -> str:
+    return f"#{ev.index} {ev.line()}" if ev is not None else f"(no event: trace {name} ended)"
+
+
+def _key(ev: TraceEvent) -> tuple[str, int, str, str]:
+    return (f"{ev.time:.9f}", ev.worker, ev.event, ev.detail)
+
+
+def diff_traces(
+    a: Trace,
+    b: Trace,
+    *,
+    structural: bool = False,
+    kinds: Collection[str] | None = None,
+    context: int = 3,
+) -> Divergence | None:
+    """The first difference between traces ``a`` and ``b``, or ``None`` when they are the same.
+
+    Args:
+        a: a trace (e.g. ``RunResult.trace`` or ``Trace.load(path)``).
+        b: the trace to compare it with.
+        structural: compare each worker's sequence of sends and deliveries only, as
+            ``(event, kind, peer)``: for a simulation against a recorded gloo run, or runs whose
+            timing differs by design.
+        kinds: in structural mode, compare only messages of these kinds (names such as ``"CALL"``,
+            ``"RESPONSE"``): e.g. leave out the shutdown barrier's ``GATHER``/``SCATTER`` rounds,
+            whose number depends on timing.
+        context: how many events before and after the difference to include.
+    """
+    if context < 0:
+        raise ValueError(f"context must be >= 0, got {context}")
+    if kinds is not None and not structural:
+        raise ValueError("kinds= filters a structural comparison: pass structural=True too")
+    if structural:
+        return _structural(a, b, context, None if kinds is None else frozenset(kinds))
+    ea, eb = a.events(), b.events()
+    for i in range(max(len(ea), len(eb))):
+        x = ea[i] if i < len(ea) else None
+        y = eb[i] if i < len(eb) else None
+        if x is not None and y is not None and _key(x) == _key(y):
+            continue
+        first = x if x is not None else y
+        assert first is not None
+        lo = max(0, i - context)
+        return Divergence(
+            index=i,
+            worker=first.worker,
+            time=first.time,
+            a=x,
+            b=y,
+            context_a=tuple(ea[lo : i + context + 1]),
+            context_b=tuple(eb[lo : i + context + 1]),
+        )
+    return None
+
+
+def _per_worker(trace: Trace, kinds: frozenset[str] | None) -> dict[int, list[TraceEvent]]:
+    out: dict[int, list[TraceEvent]] = {}
+    for ev in trace:
+        m = ev.message
+        if (
+            ev.event in _STRUCTURAL_EVENTS
+            and m is not None
+            and ev.worker >= 0
+            and (kinds is None or m.kind in kinds)
+        ):
+            out.setdefault(ev.worker, []).append(ev)
+    return out
+
+
+def _shape(ev: TraceEvent) -> tuple[str, str, int]:
+    m = ev.message
+    assert m is not None
+    return (ev.event, m.kind, m.dst if ev.event == "send" else m.src)
+
+
+def _structural(a: Trace, b: Trace, context: int, kinds: frozenset[str] | None) -> Divergence | None:
+    wa, wb = _per_worker(a, kinds), _per_worker(b, kinds)
+    best: tuple[int, Divergence] | None = None
+    for worker in sorted(set(wa) | set(wb)):
+        sa, sb = wa.get(worker, []), wb.get(worker, [])
+        for i in range(max(len(sa), len(sb))):
+            x = sa[i] if i < len(sa) else None
+            y = sb[i] if i < len(sb) else None
+            if x is not None and y is not None and _shape(x) == _shape(y):
+                continue
+            first = x if x is not None else y
+            assert first is not None
+            # order the workers' divergences by where they happen in A (A's length if A ended there)
+            rank = x.index if x is not None else len(a) + (y.index if y is not None else 0)
+            lo = max(0, i - context)
+            div = Divergence(
+                index=i,
+                worker=worker,
+                time=first.time,
+                a=x,
+                b=y,
+                context_a=tuple(sa[lo : i + context + 1]),
+                context_b=tuple(sb[lo : i + context + 1]),
+                structural=True,
+            )
+            if best is None or rank < best[0]:
+                best = (rank, div)
+            break
+    return best[1] if best is not None else None
