@@ -198,7 +198,7 @@ def test_rref_control_messages_are_retried_until_acknowledged_over_a_lossy_netwo
     loss a real run cannot be made to show; the owner must still hear of the deletion (G1)."""
     from twinrpc.simulator import Drop, FaultPlan, Simulation
 
-    plan = FaultPlan(actions=(Drop(),) * 12)
+    plan = FaultPlan(actions=(Drop("rref-control"),) * 12)
     result = Simulation(world_size=2, seed=0, faults=plan).run(_owner_forgets_after_lossy_delete)
     assert result.values()[0] == 0
     resends = [e for e in result.trace if "RREF_USER_DELETE" in e.detail and e.event == "send"]

@@ -48,12 +48,12 @@ nitpick_ignore_regex = [
     # Python's standard library and third-party types: not linked (no intersphinx, see above).
     (
         r"py:.*",
-        r"(torch|collections|typing|pickle|_pickle|enum|datetime|random|hypothesis|threading|contextlib)(\..*)?",
+        r"(torch|collections|typing|pickle|_pickle|enum|datetime|random|hypothesis|threading|contextlib|pathlib)(\..*)?",
     ),
     (r"py:.*", r"(Tensor|Callable|Iterator|Sequence|Mapping|timedelta|SearchStrategy)"),
     (r"py:class", r"(PicklingError|TimeoutError|RuntimeError|Exception|BaseException|Enum)"),
     # twinrpc's private internals named in docstrings (message kinds, agent): not public API.
-    (r"py:.*", r"twinrpc\._[a-z_]+\..*"),
+    (r"py:.*", r"twinrpc\.(simulator\.|impl\.)?_[a-z_]+\..*"),
     # Type variables of generic signatures (Future[T], RRef[T]).
     (r"py:(class|obj)", r"(.*\.)?[TSF]"),
 ]

@@ -18,6 +18,7 @@ from ._link import THREAD_ROLE, PeerLink, make_pair_group
 from ._pool import RequestPool
 from ._rendezvous import Joined
 from ._timer import TimerThread
+from ._trace import TraceRecorder
 
 if TYPE_CHECKING:
     from twinrpc._agent import RpcAgent
@@ -47,6 +48,8 @@ class GlooWorld:
         self.agent: RpcAgent | None = None
         self._early: list[Message] = []
         self._early_failures: list[tuple[int, WorkerUnavailableError]] = []
+        #: TWINRPC_TRACE=dir: this worker's sends and deliveries are written there (impl/_trace.py)
+        self._recorder = TraceRecorder.from_env(self.rank, self.workers)
         self._lock = threading.Lock()
         self._stopped = False
         self._pool = RequestPool(num_worker_threads, f"twinrpc-pool-{self.rank}")
@@ -79,6 +82,8 @@ class GlooWorld:
         return time.monotonic()
 
     def send(self, msg: Message) -> None:
+        if self._recorder is not None:
+            self._recorder.record("send", msg)
         if msg.dst == self.rank:
             # To ourselves: no network, but still a copy (the callee must not share the caller's objects).
             local = Message(msg.kind, msg.id, msg.src, msg.dst, msg.payload, copy_storages(msg.tensors))
@@ -155,6 +160,8 @@ class GlooWorld:
                 link.join_outbox(_ABANDON_WAIT)
         self._pool.stop()
         self._timer.stop()
+        if self._recorder is not None:
+            self._recorder.close()
 
     # -- liveness ----------------------------------------------------------------------------------
     def _heartbeat_tick(self) -> None:
@@ -183,6 +190,8 @@ class GlooWorld:
 
     # -- incoming ----------------------------------------------------------------------------------
     def _deliver(self, msg: Message) -> None:
+        if self._recorder is not None:
+            self._recorder.record("deliver", msg)
         agent = self.agent
         if agent is None:
             with self._lock:

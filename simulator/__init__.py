@@ -7,21 +7,42 @@ Run a program as N workers in one process::
     result = Simulation(world_size=3, seed=7).run(program)   # program(rank) on every worker
     result.values(), result.digest
 
-Faults are verbs and plain data: ``sim.crash(2, at=0.5)`` or ``FaultPlan(crashes=(Crash(2, at=0.5),))``.
+Faults are verbs and plain data: ``sim.drop("response", src=1, dst=0)``, ``sim.partition(0, 1)``,
+``sim.crash(2, at=0.5)``, or ``FaultPlan([Crash(2, at=0.5)])``, also read from JSON/TOML
+(``FaultPlan.load``); ``Swarm`` draws the faults themselves from the seed.
 """
 
 from __future__ import annotations
 
 from ._determinism import NondeterminismError, check_determinism
-from ._errors import SimulationDeadlock, SimulationError
-from ._faults import Crash, Delay, Deliver, Drop, Duplicate, FaultPlan, Hold
+from ._errors import FaultPlanError, SimulationDeadlock, SimulationError
+from ._faults import (
+    FAULT_KINDS,
+    MESSAGE_CLASSES,
+    RETRIED_MESSAGES,
+    SURVIVABLE_KINDS,
+    Crash,
+    Delay,
+    Deliver,
+    Drop,
+    Duplicate,
+    FaultPlan,
+    Hold,
+    Partition,
+    Pause,
+)
 from ._monitors import MonitorViolation, RRefMonitor
 from ._network import NetworkModel
 from ._simulation import RunResult, Simulation, WorkerOutcome, now, sleep
+from ._swarm import Swarm, load_faults
 from ._trace import MessageInfo, Trace, TraceEvent, TraceFormatError
 from ._trace_diff import Divergence, diff_traces
 
 __all__ = [
+    "FAULT_KINDS",
+    "MESSAGE_CLASSES",
+    "RETRIED_MESSAGES",
+    "SURVIVABLE_KINDS",
     "Crash",
     "Delay",
     "Deliver",
@@ -29,20 +50,25 @@ __all__ = [
     "Drop",
     "Duplicate",
     "FaultPlan",
+    "FaultPlanError",
     "Hold",
     "MessageInfo",
     "MonitorViolation",
     "NetworkModel",
+    "Partition",
+    "Pause",
     "NondeterminismError",
     "RRefMonitor",
     "RunResult",
     "Simulation",
     "SimulationDeadlock",
     "SimulationError",
+    "Swarm",
     "Trace",
     "TraceEvent",
     "TraceFormatError",
     "WorkerOutcome",
+    "load_faults",
     "check_determinism",
     "diff_traces",
     "now",

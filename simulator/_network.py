@@ -1,9 +1,13 @@
-"""The network model: per-link latency with seeded jitter, and bandwidth."""
+"""The network model: per-link latency with seeded jitter, bandwidth, and failure detection delays."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._errors import FaultPlanError
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +24,12 @@ class NetworkModel:
         loopback_latency: one-way delay of a message a worker sends to itself.
         failure_detection: how long after a worker crashes its peers learn of it (the real world
             sees a closed connection within milliseconds of a process dying).
+        heartbeat_timeout: how long a worker may hear nothing from a peer (the peer is paused, or the
+            link is held or partitioned) before declaring it dead, as the gloo world does after
+            ``heartbeat_interval * heartbeat_misses`` seconds (default 1 s x 10); 0 = never.
+
+    Raises:
+        FaultPlanError: a value is negative, not a number, or ``bandwidth`` is 0.
     """
 
     latency: float = 50e-6
@@ -27,8 +37,55 @@ class NetworkModel:
     bandwidth: float = 2e9
     loopback_latency: float = 5e-6
     failure_detection: float = 1e-3
+    heartbeat_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "latency",
+            "jitter",
+            "bandwidth",
+            "loopback_latency",
+            "failure_detection",
+            "heartbeat_timeout",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise FaultPlanError(f"NetworkModel.{name} must be a number >= 0, got {value!r}")
+        if self.bandwidth == 0:
+            raise FaultPlanError("NetworkModel.bandwidth must be > 0 (bytes per second)")
 
     def delay(self, src: int, dst: int, nbytes: int, rng: random.Random) -> float:
         if src == dst:
             return self.loopback_latency + nbytes / self.bandwidth
         return self.latency + rng.random() * self.jitter + nbytes / self.bandwidth
+
+    # -- plain data --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Every field by name (``NetworkModel.from_dict(m.to_dict()) == m``)."""
+        from ._fault_files import network_to_dict
+
+        return network_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> NetworkModel:
+        """The model a dict describes; missing fields take their defaults.
+
+        Raises:
+            FaultPlanError: naming an unknown or malformed field.
+        """
+        from ._fault_files import network_from_dict
+
+        return network_from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> NetworkModel:
+        """Read a model from a ``.json`` or ``.toml`` file (the form of :meth:`to_dict`)."""
+        from ._fault_files import load_network
+
+        return load_network(path)
+
+    def dump(self, path: str | Path) -> None:
+        """Write the model to a ``.json`` or ``.toml`` file."""
+        from ._fault_files import dump_data
+
+        dump_data(self.to_dict(), path)

@@ -67,6 +67,8 @@ class Scheduler:
         #: where task switches are recorded (the simulation's trace when it is on)
         self.trace: Trace | None = None
         self._idle: list[_TaskGreenlet] = []
+        #: worker -> the task starts and wake-ups held back while it is paused (Simulation.pause)
+        self.paused: dict[int, list[tuple[Callable[[Any], None], Any]]] = {}
 
     # -- events -----------------------------------------------------------------------------------
     def schedule(self, delay: float, fn: Callable[[Any], None], arg: Any = None) -> None:
@@ -91,6 +93,9 @@ class Scheduler:
 
     def _start(self, item: tuple[Task, contextvars.Context, Callable[..., Any], tuple[Any, ...]]) -> None:
         task, context, fn, args = item
+        if self.paused and task.worker in self.paused:
+            self.paused[task.worker].append((self._start, item))
+            return
         # Greenlets are reused: creating one costs more than the switches of a small RPC.
         g = self._idle.pop() if self._idle else _TaskGreenlet(self._task_loop, parent=self.hub)
         g.gr_context = context.copy()
@@ -150,11 +155,23 @@ class Scheduler:
     def _resume(self, task: Task) -> None:
         if task.done or task.g is None:
             return
+        if self.paused and task.worker in self.paused:
+            self.paused[task.worker].append((self._resume, task))
+            return
         self.switches += 1
         trace = self.trace
         if trace is not None:
             trace._events.append((self.now, task.worker, "switch", (task.id, task.name)))
         task.g.switch()
+
+    def pause(self, worker: int) -> None:
+        """Hold back every task start and wake-up of ``worker`` until :meth:`unpause`."""
+        self.paused.setdefault(worker, [])
+
+    def unpause(self, worker: int) -> None:
+        """Let ``worker`` run again: what was held back is scheduled now, in its original order."""
+        for fn, arg in self.paused.pop(worker, []):
+            self.schedule(0.0, fn, arg)
 
     def call_later(self, delay: float, fn: Callable[[], None]) -> TimerHandle:
         handle = TimerHandle()

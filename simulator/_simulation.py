@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +16,12 @@ from twinrpc._message import REQUEST_KINDS, Message
 from twinrpc._worker_info import WorkerInfo
 
 from ._errors import SimulationError
-from ._faults import DEFAULT_GC_DELAY, FaultPlan, NetworkFaults
+from ._fault_engine import NetworkFaults
+from ._faults import DEFAULT_GC_DELAY, Crash, Delay, Drop, Duplicate, Fault, FaultPlan, Hold, Partition, Pause
 from ._monitors import RRefMonitor
 from ._network import NetworkModel
 from ._scheduler import Scheduler
+from ._swarm import Swarm
 from ._trace import Trace
 from ._trace_observer import TraceObserver
 from ._world import SimBlocker, SimWorker, SimWorld
@@ -81,8 +83,10 @@ class Simulation:
         network: the network model (latency, jitter, bandwidth).
         trace: record a trace (needed for digests and timelines).
         max_time: fail the run if virtual time passes this many seconds.
-        faults: a :class:`~twinrpc.simulator.FaultPlan` (delay, drop, duplicate, hold, crash; and the
-            bound of the seeded delay before a dead user RRef's delete is sent).
+        faults: a :class:`~twinrpc.simulator.FaultPlan` (message, link and worker faults, and the
+            bound of the seeded delay before a dead user RRef's delete is sent), or a
+            :class:`~twinrpc.simulator.Swarm`, resolved into a plan with ``seed``. The fault verbs
+            (:meth:`drop`, :meth:`partition`, :meth:`crash`, ...) add faults to a running simulation.
         monitors: check the RRef invariants online (G1, G2, no value freed while a user exists, no
             leak after graceful shutdown); a violation fails the run with ``MonitorViolation``.
     """
@@ -95,7 +99,7 @@ class Simulation:
         *,
         trace: bool = True,
         max_time: float | None = None,
-        faults: FaultPlan | None = None,
+        faults: FaultPlan | Swarm | None = None,
         monitors: bool = True,
     ) -> None:
         if world_size < 1:
@@ -112,7 +116,12 @@ class Simulation:
         self._rendezvous: dict[int, dict[int, str]] = {}
         self._rendezvous_done: dict[int, Future[None]] = {}
         self._used = False
-        # RRef checking hooks (simulator/_faults.py, simulator/_monitors.py); None = off, no cost.
+        if isinstance(faults, Swarm):
+            faults = faults.plan(seed, world_size)
+        #: the fault plan of this run (a Swarm resolved with the seed), or None
+        self.plan: FaultPlan | None = faults
+        # Fault hooks (simulator/_fault_engine.py; installed by a plan or the first fault verb) and
+        # RRef monitors (simulator/_monitors.py); None = off, no cost.
         self.faults = NetworkFaults(self, faults) if faults is not None else None
         self.gc_delay = faults.gc_delay if faults is not None else DEFAULT_GC_DELAY
         self.monitor = RRefMonitor(self) if monitors else None
@@ -167,6 +176,104 @@ class Simulation:
             gc.set_threshold(*threshold)
         return RunResult(tuple(o for o in outcomes if o is not None), self.trace, self.sched.now, self.seed)
 
+    # -- fault verbs (callable before run() or from a simulated task; see docs/howto/fault-plan.md) --
+    def _engine(self) -> NetworkFaults:
+        if self.faults is None:
+            self.faults = NetworkFaults(self, None)
+        return self.faults
+
+    def apply(self, fault: Fault) -> Fault:
+        """Put any fault of a :class:`FaultPlan` in force now (times in it are absolute virtual
+        times; message counts start now). Returns it."""
+        return self._engine().install(fault)
+
+    def delay(
+        self,
+        extra: float,
+        kind: str | None = None,
+        *,
+        src: int | None = None,
+        dst: int | None = None,
+        nth: int = 1,
+        count: int | None = 1,
+        rate: float = 1.0,
+    ) -> Delay:
+        """Deliver the ``nth`` message of ``kind`` from ``src`` to ``dst`` sent from now on (and the
+        ``count - 1`` after it) ``extra`` seconds late; see :class:`Delay`."""
+        return self._engine().install(Delay(extra, kind, src, dst, nth, count, rate))  # type: ignore[return-value]
+
+    def drop(
+        self,
+        kind: str | None = None,
+        *,
+        src: int | None = None,
+        dst: int | None = None,
+        nth: int = 1,
+        count: int | None = 1,
+        rate: float = 1.0,
+    ) -> Drop:
+        """Lose the ``nth`` message of ``kind`` from ``src`` to ``dst`` sent from now on (and the
+        ``count - 1`` after it); see :class:`Drop` for what a loss does."""
+        return self._engine().install(Drop(kind, src, dst, nth, count, rate))  # type: ignore[return-value]
+
+    def duplicate(
+        self,
+        kind: str | None = None,
+        *,
+        extra: float = 0.0,
+        src: int | None = None,
+        dst: int | None = None,
+        nth: int = 1,
+        count: int | None = 1,
+        rate: float = 1.0,
+    ) -> Duplicate:
+        """Deliver the ``nth`` message of ``kind`` from ``src`` to ``dst`` sent from now on twice, the
+        copy ``extra`` seconds after it; see :class:`Duplicate`."""
+        return self._engine().install(Duplicate(extra, kind, src, dst, nth, count, rate))  # type: ignore[return-value]
+
+    def hold(self, src: int, dst: int) -> Hold:
+        """Hold every message ``src`` sends to ``dst`` from now on, until :meth:`release`."""
+        return self._engine().install(Hold(src, dst, self.sched.now))  # type: ignore[return-value]
+
+    def release(self, src: int | None = None, dst: int | None = None) -> int:
+        """End the holds on ``src -> dst`` (``None`` = any), delivering what they held (each message
+        after its normal delay from now). Returns how many messages were released."""
+        engine = self._engine()
+        blocks = [
+            b
+            for b in engine.blocks_of(Hold)
+            if (src is None or b.fault.src == src) and (dst is None or b.fault.dst == dst)  # type: ignore[union-attr]
+        ]
+        return engine.remove_blocks(blocks, "released")
+
+    def partition(
+        self, a: int | Iterable[int], b: int | Iterable[int] | None = None, *, oneway: bool = False, mode: str = "hold"
+    ) -> Partition:
+        """Cut ``a`` from ``b`` (``None`` = everyone else) from now on, until :meth:`heal`; see
+        :class:`Partition` (``mode="hold"`` delivers late on heal, ``"drop"`` loses the messages)."""
+        fault = Partition(a, b, self.sched.now, None, oneway, mode)  # type: ignore[arg-type]
+        return self._engine().install(fault)  # type: ignore[return-value]
+
+    def heal(self) -> int:
+        """End every partition in force; held messages are delivered. Returns how many were."""
+        engine = self._engine()
+        return engine.remove_blocks(engine.blocks_of(Partition), "healed")
+
+    def pause(self, rank: int, duration: float, *, at: float | None = None) -> Pause:
+        """Stop worker ``rank`` for ``duration`` seconds, now or at virtual time ``at``; see
+        :class:`Pause`. Called from the paused worker's own task, it returns after the pause."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"pause({rank}): no such worker in a world of {self.world_size}")
+        when = self.sched.now if at is None else at
+        if when < self.sched.now:
+            raise ValueError(f"pause({rank}, at={when}): virtual time is already {self.sched.now}")
+        return self._engine().install(Pause(rank, duration, when))  # type: ignore[return-value]
+
+    def _stop_monitors(self, why: str) -> None:
+        """The RRef monitors stop checking (a fault outside the protocol's assumptions happened)."""
+        if self.monitor is not None:
+            self.monitor.stop(why)
+
     # -- rendezvous (the simulated store) -----------------------------------------------------------
     def _connect(
         self,
@@ -208,8 +315,18 @@ class Simulation:
         return world, infos[worker.rank], infos
 
     # -- crashes --------------------------------------------------------------------------------------
-    def crash(self, rank: int, *, at: float | None = None) -> None:
-        """Crash worker ``rank`` now, or at virtual time ``at`` (a fault verb, like a SIGKILL).
+    def crash(
+        self,
+        rank: int,
+        *,
+        at: float | None = None,
+        on_receive: str | None = None,
+        on_send: str | None = None,
+        nth: int = 1,
+    ) -> None:
+        """Crash worker ``rank`` now, at virtual time ``at``, or when the ``nth`` message of a kind
+        arrives at it (``on_receive``) or leaves it (``on_send``) from now on (a fault verb, like a
+        SIGKILL; kinds as for :class:`Crash`).
 
         The worker's tasks stop forever (its program's outcome is ``crashed``), messages to it are
         dropped, messages it already sent are still delivered, and each peer's agent gets
@@ -221,6 +338,9 @@ class Simulation:
         """
         if not 0 <= rank < self.world_size:
             raise ValueError(f"crash({rank}): no such worker in a world of {self.world_size}")
+        if on_receive is not None or on_send is not None:
+            self._engine().install(Crash(rank, at, on_receive, on_send, nth))
+            return
         sched = self.sched
         if at is not None or sched.hub is None:  # scheduled (or before run(): at t=0 of the run)
             when = sched.now if at is None else float(at)
@@ -286,7 +406,7 @@ class Simulation:
         if msg.dst in self.crashed:
             self.trace.message(self.sched.now, msg.dst, "lost", msg, f": worker {msg.dst} crashed")
             return
-        if self.faults is not None and self.faults.crash_on_arrival(msg):
+        if self.faults is not None and self.faults.on_arrival(msg):
             return
         dst = self.workers[msg.dst].world
         if dst is None:

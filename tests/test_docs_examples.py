@@ -85,9 +85,9 @@ def test_lost_update_is_found_replayed_and_fixed():
     assert "fixed: counter 6 on every seed 0..99" in out
 
 
-def test_shrink_fault_plan_finds_a_one_action_plan():
+def test_shrink_fault_plan_finds_a_one_fault_plan():
     out = _run("docs/examples/shrink_fault_plan.py")
-    assert "smallest failing plan: FaultPlan(actions=[#0: delay 1e-05s]" in out
+    assert "smallest failing plan: FaultPlan(faults=[delay the 1st message by 1e-05s])" in out
 
 
 def test_fault_plan():

@@ -34,8 +34,8 @@ from twinrpc.simulator.strategies import (
     Send,
     Share,
     ToHere,
-    fault_plans,
     replay_source,
+    rref_fault_plans,
     run_workload,
     workloads,
 )
@@ -51,7 +51,7 @@ EXAMPLES = int(os.environ.get("TWINRPC_RREF_EXAMPLES", "500"))
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     database=None,
 )
-@given(workload=workloads(), plan=fault_plans(), seed=st.integers(0, 2**16))
+@given(workload=workloads(), plan=rref_fault_plans(), seed=st.integers(0, 2**16))
 def test_rref_guarantees_hold_for_generated_workloads_and_schedules(workload, plan, seed):
     note("replay with:\n" + replay_source(workload, plan, seed))
     sim = run_workload(workload, plan, seed)
@@ -77,7 +77,7 @@ def g2_disabled():
 
 
 def test_broken_g2_is_caught_by_the_monitors_and_shrunk_to_a_minimal_replayable_example(g2_disabled):
-    pairs = st.tuples(workloads(max_ops=8), fault_plans(max_actions=20), st.integers(0, 2**16))
+    pairs = st.tuples(workloads(max_ops=8), rref_fault_plans(max_actions=20), st.integers(0, 2**16))
     minimal = find(
         pairs,
         _violates,
@@ -114,7 +114,8 @@ def test_fire_and_forget_fork_of_a_dying_user_violates_g2_only_when_g2_is_disabl
 
 def test_lost_and_duplicated_control_messages_are_retried_and_handled_once():
     workload = [Create(owner=1), Share(slot=0, holder=2), Return(slot=0, via=2), ToHere(slot=1), Release(2)]
-    plan = FaultPlan(actions=tuple([Drop(), Duplicate(1e-3), Drop(), Delay(0.5)] * 10))
+    control = "rref-control"  # only the messages PyTorch retries: the sender's retry recovers them
+    plan = FaultPlan(actions=tuple([Drop(control), Duplicate(1e-3, control), Drop(control), Delay(0.5)] * 10))
     # run_workload itself checks the values, the monitors and that no owner state is left over.
     sim = run_workload(workload, plan, seed=5, trace=True)
     assert sim.faults is not None and sim.faults.dropped >= 3 and sim.faults.duplicated >= 3
@@ -144,7 +145,7 @@ def test_monitors_can_be_switched_off():
 def test_fault_plan_rejects_bad_values():
     with pytest.raises(ValueError, match="gc_delay"):
         FaultPlan(gc_delay=-1)
-    with pytest.raises(ValueError, match="extra delay"):
+    with pytest.raises(ValueError, match="extra must be"):
         FaultPlan(actions=(Delay(-1.0),))
     with pytest.raises(TypeError, match="expected Deliver"):
         FaultPlan(actions=("drop",))  # type: ignore[arg-type]

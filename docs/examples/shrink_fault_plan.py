@@ -27,7 +27,7 @@ def loses_an_update(plan: FaultPlan) -> bool:
 def main() -> None:
     assert not loses_an_update(FaultPlan())
     plan = find(
-        fault_plans(max_actions=30),
+        fault_plans(world_size=3, kinds=("delay",), max_faults=3),
         loses_an_update,
         settings=settings(max_examples=2000, database=None, deadline=None),
     )

@@ -290,6 +290,14 @@ class RpcAgent:
             pending.fut.set_exception(exc)
             self._call_ended()
 
+    def count_request_copies(self, msg: Message, copies: int) -> None:
+        """The world delivers request ``msg`` ``copies`` times instead of once: 0 when it was lost for
+        good, 2 or more when it was duplicated. Only the simulator's fault plans do this (a real link
+        delivers a message once or fails). join() counts requests sent against requests served, so
+        every copy that will be served must be counted, or shutdown would wait forever."""
+        with self._lock:
+            self._sent_requests += copies - 1
+
     def on_peer_failed(self, peer: int, exc: BaseException) -> None:
         """A peer died or left: fail every call pending on it and every collective that needs it."""
         with self._lock:
