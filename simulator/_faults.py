@@ -175,9 +175,10 @@ class _MessageFault:
             )
         else:
             text = f"{what} #{self.nth}..#{self.nth + self.count - 1}{self._link()}"
-        if self.rate < 1.0:
-            text += f", each with probability {self.rate:g}"
         return text
+
+    def _chance(self) -> str:
+        return f" (each with probability {self.rate:g})" if self.rate < 1.0 else ""
 
     def _filter(self) -> str:
         """The positional form's text: the action applies only to messages of this kind/link."""
@@ -223,7 +224,7 @@ class Delay(_MessageFault):
         self._check_selector()
 
     def __str__(self) -> str:
-        return f"delay {self._target()} by {self.extra:g}s"
+        return f"delay {self._target()} by {self.extra:g}s{self._chance()}"
 
     def positional_text(self) -> str:
         """How it reads as the *i*-th entry of ``FaultPlan.actions``."""
@@ -251,7 +252,7 @@ class Drop(_MessageFault):
         self._check_selector()
 
     def __str__(self) -> str:
-        return f"drop {self._target()}"
+        return f"drop {self._target()}{self._chance()}"
 
     def positional_text(self) -> str:
         """How it reads as the *i*-th entry of ``FaultPlan.actions``."""
@@ -281,7 +282,8 @@ class Duplicate(_MessageFault):
         self._check_selector()
 
     def __str__(self) -> str:
-        return f"duplicate {self._target()} (copy +{self.extra:g}s)"
+        chance = f", each with probability {self.rate:g}" if self.rate < 1.0 else ""
+        return f"duplicate {self._target()} (copy +{self.extra:g}s{chance})"
 
     def positional_text(self) -> str:
         """How it reads as the *i*-th entry of ``FaultPlan.actions``."""
@@ -524,7 +526,9 @@ class FaultPlan:
         """One line a person can read: every fault, every non-``Deliver`` action, a non-default
         ``gc_delay`` (``FaultPlan()`` for a plan that does nothing)."""
         parts = []
-        acts = [f"#{i}: {a.positional_text()}" for i, a in enumerate(self.actions) if not isinstance(a, Deliver)]
+        acts = [
+            f"#{i}: {a.positional_text()}" for i, a in enumerate(self.actions) if not isinstance(a, Deliver)
+        ]
         if acts:
             parts.append("actions=[" + ", ".join(acts) + "]")
         if self.faults:

@@ -353,6 +353,7 @@ class Simulation:
         self.crashed[rank] = sched.now
         worker = self.workers[rank]
         worker.crashed = True
+        self.trace.record(sched.now, rank, "fault", f"crash worker {rank}")
         self.trace.record(sched.now, rank, "crash", f"worker {rank} crashed")
         if self.monitor is not None:
             self.monitor.stop(f"worker {rank} crashed at t={sched.now:.6f}")

@@ -94,7 +94,12 @@ def test_fault_plan():
     out = _run("docs/examples/fault_plan.py")
     assert "held link: RPCTimeoutError: RPC ran for more than set timeout (1000 ms)" in out
     assert "no faults:           [1, 2]" in out
-    assert "first call delayed:  [2, 1]" in out
+    assert "first call delayed:  [2, 1] - FaultPlan(faults=[delay the 1st request 0->1 by 0.01s])" in out
+    assert "lost reply: RPCTimeoutError: RPC ran for more than set timeout (1000 ms)" in out
+    assert "partition healed: 3 after 2.000 s" in out
+    # faults.toml: its lost reply times the call out
+    assert "from faults.toml: FaultPlan(faults=[drop the 1st response 1->0; " in out
+    assert out.count("swarm seed") == 2
 
 
 def test_torchrun_program():

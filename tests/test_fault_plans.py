@@ -279,6 +279,44 @@ def test_a_positional_action_with_a_kind_touches_only_that_kind() -> None:
     assert _run(_four_calls, faults=plan).values()[0] == ["RPCTimeoutError", 1, 2, 3]
 
 
+def _late_reply(rank: int, sim: Simulation) -> Any:
+    """Rank 0's call times out while its reply is held; the reply then arrives late."""
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    out: Any = None
+    if rank == 0:
+        sim.hold(1, 0)
+        try:
+            out = rpc.rpc_sync("worker1", operator.add, args=(1, 2), timeout=0.5)
+        except RuntimeError as exc:
+            out = type(exc).__name__
+        sim.release(1, 0)
+        sleep(0.01)  # the late reply arrives now, after its call timed out
+        out = (out, rpc.rpc_sync("worker1", operator.add, args=(3, 4)))
+    rpc.shutdown()
+    return out
+
+
+def test_a_reply_that_arrives_after_its_timeout_is_dropped_by_the_caller() -> None:
+    sim = Simulation(2, seed=5)
+    assert sim.run(_late_reply, sim).values()[0] == ("RPCTimeoutError", 7)  # ERR-4: no error, no effect
+    assert any(e.event == "deliver" and e.detail.startswith("RESPONSE#0") and e.time > 0.5 for e in sim.trace)
+    assert sim.monitor is not None and sim.monitor.stopped is None  # late delivery keeps the monitors on
+
+
+def test_apply_puts_any_fault_in_force_and_every_fault_is_a_trace_event() -> None:
+    sim = Simulation(2, seed=1)
+    sim.apply(Delay(0.25, "request"))
+    sim.apply(Pause(1, 0.1))
+    result = sim.run(_one_call)
+    first, elapsed, _ = result.values()[0]
+    assert first == 3 and elapsed == pytest.approx(0.25, abs=1e-3)
+    faults = _faults(result)
+    assert faults[0].startswith("pause worker 1") and faults[1] == "resume worker 1"
+    assert faults[2].startswith("delay CALL#0 0->1 (42 B) by 0.25s: delay the 1st request by 0.25s")
+    crashed = Simulation(2, seed=1, faults=FaultPlan([Crash(1, at=0.0005)])).run(_one_call)
+    assert "crash worker 1" in _faults(crashed)
+
+
 # -- links ---------------------------------------------------------------------------------------------
 def test_hold_and_release_deliver_the_held_request_late() -> None:
     sim = Simulation(2, seed=2)
