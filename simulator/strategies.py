@@ -1,13 +1,23 @@
-"""Hypothesis strategies for RRef workloads and network schedules, and the runner that replays them.
+"""Hypothesis strategies for fault plans and network models, and for RRef workloads.
 
-A *workload* is a list of RRef operations that worker 0 (the driver) performs in a world of three
-workers; a *schedule* is a :class:`~twinrpc.simulator.FaultPlan` (per-message delay, drop, duplicate,
-link holds, and the bound of the delay before a dead user RRef's delete goes out) plus the
-simulation seed. :func:`run_workload` runs one pair with the online monitors on; it raises
-:class:`~twinrpc.simulator.MonitorViolation` the moment G1, G2 or "no owner value freed while a user
-exists" breaks, and ``AssertionError`` when a value read back is wrong or an owner keeps state after
-every user died. Any failure is replayed exactly by calling :func:`run_workload` with the same three
-arguments (:func:`replay_source` prints that call)::
+For any program: :func:`fault_plans` draws :class:`~twinrpc.simulator.FaultPlan` values for a world of
+a given size (by default only faults a correct program must survive), and :func:`network_models`
+draws :class:`~twinrpc.simulator.NetworkModel` values. Both shrink towards fewer and milder faults and
+towards the default network, so the example hypothesis reports for a failing property is a minimal
+plan::
+
+    @given(plan=fault_plans(3), seed=st.integers(0, 2**16))
+    def test_training_survives(plan, seed):
+        Simulation(3, seed=seed, faults=plan).run(program).values()
+
+For the RRef protocol: a *workload* is a list of RRef operations that worker 0 (the driver) performs
+in a world of three workers; a *schedule* is a plan of :func:`rref_fault_plans` (per-message delays,
+drops and duplicates of retried control messages, link holds, the delay before a dead user RRef's
+delete goes out) plus the simulation seed. :func:`run_workload` runs one pair with the online monitors
+on; it raises :class:`~twinrpc.simulator.MonitorViolation` the moment G1, G2 or "no owner value freed
+while a user exists" breaks, and ``AssertionError`` when a value read back is wrong or an owner keeps
+state after every user died. Any failure is replayed exactly by calling :func:`run_workload` with the
+same three arguments (:func:`replay_source` prints that call)::
 
     from twinrpc.simulator.strategies import *
     run_workload([Create(owner=1), Send(slot=0, holder=2)], FaultPlan(), seed=0)
