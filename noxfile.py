@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import nox
@@ -13,6 +14,8 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
 
 BACKENDS = ("sim", "gloo", "torch")
+#: the browser tests/test_trace_html_browser.py drives (Debian's chromium package)
+CHROMIUM = os.environ.get("TWINRPC_CHROMIUM", "/usr/bin/chromium")
 
 
 def _install(session: nox.Session, extras: str = "test") -> None:
@@ -24,10 +27,33 @@ def _workers() -> str:
     return os.environ.get("TWINRPC_XDIST", "2")
 
 
+def _chromium(session: nox.Session) -> None:
+    """Debian's chromium for the HTML trace test: installed with apt-get when missing (as root; CI runs
+    as root, as .ci/run does for iproute2). Playwright drives it; no browser is downloaded."""
+    if Path(CHROMIUM).exists():
+        return
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        session.error(
+            f"no Chromium at {CHROMIUM}: install it (Debian: apt-get install -y chromium) or set "
+            "TWINRPC_CHROMIUM to a Chromium binary"
+        )
+    session.run("apt-get", "update", "-q", external=True)
+    session.run("apt-get", "install", "-y", "-q", "chromium", external=True)
+
+
+@nox.session
+def browser(session: nox.Session) -> None:
+    """The HTML trace diagram in headless Chromium (installs Debian's chromium when missing)."""
+    _install(session)
+    _chromium(session)
+    session.run("pytest", "tests/test_trace_html_browser.py", "-q", *session.posargs)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole test suite: unit tests, the conformance suite on every backend, then the docs."""
     _install(session, "test,docs,train")
+    _chromium(session)  # tests/test_trace_html_browser.py runs with the rest, in CI too
     session.run("pytest", "tests", "-q", "-n", _workers(), *session.posargs)
     for backend in BACKENDS:
         _conformance(session, backend)
