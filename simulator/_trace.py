@@ -150,7 +150,9 @@ class Trace:
         # id(message) -> its message number, from its send to its last event (an id is unique while
         # the message lives, and a message in flight is alive: the event queue holds it)
         self._numbers: dict[int, int] = {}
-        self._duplicates: dict[int, int] = {}  # message number -> deliveries still to come - 1
+        # (src, dst, kind, id) -> numbers of duplicated messages whose extra copy has not arrived yet
+        # (a fault's copy is a new object, or the same one delivered twice: either misses _numbers)
+        self._copies: dict[tuple[int, int, Any, int], list[int]] = {}
         self._sent = 0
 
     # -- recording ---------------------------------------------------------------------------------
@@ -172,23 +174,28 @@ class Trace:
         its detail (e.g. ``": worker 1 crashed"``). ``send-failed`` (never sent) has no number."""
         if not self.enabled:
             return
-        key = id(msg)
+        n: int | None
         if event in _FINAL:
-            n = self._numbers.get(key)
-            if n is not None:
-                left = self._duplicates.get(n)
-                if left:  # a duplicate's copy is still to come: keep the number for it
-                    self._duplicates[n] = left - 1
-                else:
-                    self._duplicates.pop(n, None)
-                    del self._numbers[key]
+            n = self._numbers.pop(id(msg), None)
+            if n is None and self._copies:
+                n = self._copy_number(msg)
         elif event == "send-failed":
             n = None
         else:
-            n = self._numbers.get(key)
+            n = self._numbers.get(id(msg))
             if event == "duplicate" and n is not None:
-                self._duplicates[n] = self._duplicates.get(n, 0) + 1
+                self._copies.setdefault((msg.src, msg.dst, msg.kind, msg.id), []).append(n)
         self._events.append((time, worker, event, (msg.kind, msg.id, msg.src, msg.dst, msg.nbytes, n, note)))
+
+    def _copy_number(self, msg: Message) -> int | None:
+        key = (msg.src, msg.dst, msg.kind, msg.id)
+        pending = self._copies.get(key)
+        if not pending:
+            return None
+        n = pending.pop(0)
+        if not pending:
+            del self._copies[key]
+        return n
 
     def copied(self, original: Message, copy: Message) -> None:
         """``copy`` (a fault's duplicate of ``original``, a new object) is the same message: later

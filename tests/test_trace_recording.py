@@ -115,6 +115,12 @@ def test_drops_and_duplicates_keep_the_message_number() -> None:
     other = Message(Kind.CALL, 8, 0, 1, b"yy")
     trace.sent(3.0, 0, other, 2)
     trace.message(3.0, 0, "drop", other)
+    original = Message(Kind.RREF_FORK_REQUEST, 3, 1, 0, b"z")
+    trace.sent(5.0, 1, original, 1)
+    trace.message(5.0, 1, "duplicate", original)
+    copy = Message(original.kind, original.id, original.src, original.dst, original.payload)  # a fault's copy
+    trace.message(5.5, 0, "deliver", copy)
+    trace.message(6.0, 0, "deliver", original)
     never = Message(Kind.CALL, 9, 0, 1, b"")
     trace.message(4.0, 0, "send-failed", never, ": peer dead")
     seqs = [(ev.event, ev.message.seq if ev.message else None) for ev in trace]
@@ -125,6 +131,10 @@ def test_drops_and_duplicates_keep_the_message_number() -> None:
         ("deliver", 0),
         ("send", 1),
         ("drop", 1),
+        ("send", 2),
+        ("duplicate", 2),
+        ("deliver", 2),
+        ("deliver", 2),
         ("send-failed", None),
     ]
     assert list(trace)[-1].detail == "CALL#9 0->1 (0 B): peer dead"
@@ -174,3 +184,30 @@ def test_trace_events_are_plain_values() -> None:
     ev = TraceEvent(0.5, 1, "exit", "ok")
     assert ev.line() == "0.500000000 w1 exit ok"
     assert ev.message is None and ev.clock is None
+
+
+def _deletes_under_faults(rank: int, sim: Simulation) -> None:
+    scenarios.rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    if rank == 0:
+        sim.drop("rref-control", src=0, dst=1)  # the first delete is lost (and resent)
+        sim.duplicate("rref-control", src=0, dst=1, nth=2, extra=1e-3)  # the resend arrives twice
+        rref = scenarios.rpc.remote("worker1", scenarios.double, args=(scenarios.torch.ones(1),))
+        rref.to_here()
+        del rref
+    scenarios.sleep(5.0)  # past the control-message retry
+    scenarios.rpc.shutdown()
+
+
+def test_fault_verbs_drops_and_duplicates_are_linked_to_their_send() -> None:
+    sim = Simulation(2, seed=3)
+    sim.run(_deletes_under_faults, sim)
+    events = sim.trace.events()
+    drop = next(ev for ev in events if ev.event == "drop")
+    duplicate = next(ev for ev in events if ev.event == "duplicate")
+    for ev in (drop, duplicate):
+        assert ev.message is not None and ev.message.kind == "RREF_USER_DELETE" and ev.message.seq is not None
+        send = next(e for e in events if e.event == "send" and e.message.seq == ev.message.seq)
+        assert send.index < ev.index and send.message.kind == "RREF_USER_DELETE"
+    assert not [ev for ev in events if ev.event == "deliver" and ev.message.seq == drop.message.seq]
+    copies = [ev for ev in events if ev.event == "deliver" and ev.message.seq == duplicate.message.seq]
+    assert len(copies) == 2 and copies[1].time >= copies[0].time + 1e-3
