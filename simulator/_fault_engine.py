@@ -215,12 +215,7 @@ class NetworkFaults:
     def _message_event(self, worker: int, event: str, msg: Message, note: str = "") -> None:
         """A message event (``drop``, ``duplicate``, ``hold``) through the trace's message API, so the
         trace can follow each message from its send to its end."""
-        trace = self.sim.trace
-        message = getattr(trace, "message", None)
-        if message is not None:
-            message(self.sim.sched.now, worker, event, msg, note)
-        else:
-            trace.record(self.sim.sched.now, worker, event, f"{msg.describe()}{note}")
+        self.sim.trace.message(self.sim.sched.now, worker, event, msg, note)
 
     # -- sending -----------------------------------------------------------------------------------
     def _classify_send(self, msg: Message) -> frozenset[str]:
@@ -280,10 +275,13 @@ class NetworkFaults:
             return
         if copies:
             self._duplicated(msg, classes, len(copies))
-        deliveries = [(msg, delay + extra)] + [(_copy(msg), delay + extra + c) for c in copies]
+        deliveries = [(msg, delay + extra)]
         for c in copies:
+            copy = _copy(msg)
             self._message_event(msg.src, "duplicate", msg, f": a copy arrives +{c:g}s after it")
+            self.sim.trace.copied(msg, copy)  # the copy's events carry the original's message number
             self._record(msg.src, f"duplicate {msg.describe()}: a copy arrives +{c:g}s after it")
+            deliveries.append((copy, delay + extra + c))
         if blocks:
             queue = self._queued.setdefault(link, [])
             for m, d in deliveries:

@@ -6,7 +6,7 @@ import operator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, Phase, find, given, settings
 from twinrpc.simulator import (
     Crash,
     Delay,
@@ -62,7 +62,7 @@ def test_every_fault_kind_is_generated() -> None:
         found = find(
             fault_plans(3, kinds=(name,), max_faults=1),
             lambda p, cls=cls: len(p.faults) == 1 and isinstance(p.faults[0], cls),
-            settings=settings(database=None, max_examples=200),
+            settings=settings(database=None, max_examples=200, phases=(Phase.generate,)),  # no shrinking
         )
         assert isinstance(found.faults[0], cls)
 
