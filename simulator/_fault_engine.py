@@ -200,7 +200,9 @@ class NetworkFaults:
             else:
                 self._on_send.append(_Trigger(fault))
         elif isinstance(fault, Pause):
-            if fault.at <= now:
+            if fault.at < now:
+                raise FaultPlanError(f"{fault}: virtual time is already {now:g}s")
+            if fault.at == now:
                 self.pause(fault.worker, fault.duration)
             else:
                 sim.sched.call_later(fault.at - now, lambda: self.pause(fault.worker, fault.duration))

@@ -527,6 +527,19 @@ def test_fault_verbs_reject_bad_arguments_naming_them() -> None:
     with pytest.raises(FaultPlanError, match="rate must be a probability"):
         sim.duplicate("request", rate=2.0)
 
+    def late(rank: int) -> None:
+        sleep(1.0)
+        if rank == 0:
+            with pytest.raises(FaultPlanError, match="virtual time is already 1s"):
+                sim2.apply(Pause(1, 1.0, at=0.5))
+            with pytest.raises(FaultPlanError, match="virtual time is already 1s"):
+                sim2.apply(Hold(0, 1, 0.0, 0.5))
+            with pytest.raises(ValueError, match="virtual time is already"):
+                sim2.crash(1, at=0.5)
+
+    sim2 = Simulation(2)
+    sim2.run(late).values()
+
 
 # -- plain data --------------------------------------------------------------------------------------------
 EVERY_FAULT = FaultPlan(
