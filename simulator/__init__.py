@@ -37,6 +37,7 @@ from ._simulation import RunResult, Simulation, WorkerOutcome, now, sleep
 from ._swarm import Swarm, load_faults
 from ._trace import MessageInfo, Trace, TraceEvent, TraceFormatError
 from ._trace_diff import Divergence, diff_traces
+from ._virtual_time import SimulationWarning
 
 __all__ = [
     "FAULT_KINDS",
@@ -63,6 +64,7 @@ __all__ = [
     "Simulation",
     "SimulationDeadlock",
     "SimulationError",
+    "SimulationWarning",
     "Swarm",
     "Trace",
     "TraceEvent",

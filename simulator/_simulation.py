@@ -24,6 +24,7 @@ from ._scheduler import Scheduler
 from ._swarm import Swarm
 from ._trace import Trace
 from ._trace_observer import TraceObserver
+from ._virtual_time import simulated_time
 from ._world import SimBlocker, SimWorker, SimWorld
 
 _RENDEZVOUS_DELAY = 1e-3  # a store round trip at init
@@ -171,7 +172,10 @@ class Simulation:
         threshold = gc.get_threshold()
         gc.set_threshold(max(threshold[0], _GC_GEN0_THRESHOLD), *threshold[1:])
         try:
-            self.sched.run(until=lambda: remaining[0] == 0)
+            # Wall-clock reads, wall-time sleeps and OS threads in the program are reported
+            # (SimulationWarning); the CLI's virtual time, installed around this, takes precedence.
+            with simulated_time(virtual=False):
+                self.sched.run(until=lambda: remaining[0] == 0)
         finally:
             gc.set_threshold(*threshold)
         return RunResult(tuple(o for o in outcomes if o is not None), self.trace, self.sched.now, self.seed)

@@ -1,0 +1,369 @@
+"""``python -m twinrpc.simulator run``: run an unchanged program as N simulated workers, as torchrun does.
+
+::
+
+    python -m twinrpc.simulator run --nproc-per-node 3 [--seed S] [--network FILE] [--faults FILE]
+        [--trace OUT] [--max-time T] prog.py ARGS...
+
+Each worker is a simulated process (:mod:`twinrpc.simulator._program`) that runs ``prog.py`` as
+``__main__`` with torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...),
+its own copy of the program's modules, and ``torch.distributed.rpc``/``.autograd``/
+``DistributedOptimizer`` served by twinrpc (:mod:`twinrpc.simulator._launch_torch`). Time follows the
+virtual clock (:mod:`twinrpc.simulator._virtual_time`). Output lines carry torchrun's rank prefix; the
+exit status is 0 iff every worker exits 0, and a failure prints torchrun's ``ChildFailedError``
+summary plus the command that replays the run.
+
+twinrpc's extension to torchrun's arguments: ``{rank}``, ``{local_rank}`` and ``{world_size}`` in the
+program's arguments are replaced per worker (torchrun itself only knows ``${local_rank}``, also
+replaced), so a program that takes its rank as an argument runs unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO, cast
+
+from ._errors import SimulationDeadlock, SimulationError
+from ._faults import FaultPlan
+from ._launch_torch import serve_torch_rpc
+from ._network import NetworkModel
+from ._program import ProcessImage, ProcessImages, RankStream, encode_environ, prefix_for
+from ._program_processes import ProcessLauncher, simulated_processes
+from ._simulation import Simulation
+from ._swarm import Swarm
+from ._trace import Trace
+from ._virtual_time import VIRTUAL_EPOCH, simulated_time
+
+DEFAULT_PREFIX_TEMPLATE = "[rank${rank}]:"
+_PLACEHOLDER = re.compile(r"\{(rank|local_rank|world_size)\}|\$\{local_rank\}")
+
+
+class LaunchError(ValueError):
+    """Bad input to ``python -m twinrpc.simulator run`` (a file, a flag value)."""
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Everything ``run`` needs (the parsed command line)."""
+
+    program: str
+    args: tuple[str, ...] = ()
+    nproc_per_node: int = 1
+    seed: int = 0
+    network: str | None = None
+    faults: str | None = None
+    trace: str | None = None
+    max_time: float | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    log_line_prefix_template: str = DEFAULT_PREFIX_TEMPLATE
+    local_ranks_filter: frozenset[int] | None = None
+
+    def replay_command(self) -> str:
+        """The command line that runs exactly this run again."""
+        cmd = ["python", "-m", "twinrpc.simulator", "run", "--nproc-per-node", str(self.nproc_per_node)]
+        cmd += ["--seed", str(self.seed)]
+        for flag, value in (("--network", self.network), ("--faults", self.faults)):
+            if value is not None:
+                cmd += [flag, value]
+        if self.max_time is not None:
+            cmd += ["--max-time", repr(self.max_time)]
+        return shlex.join([*cmd, self.program, *self.args])
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """What a run ended with."""
+
+    #: each rank's exit code (None: the rank never exited, the run hung or failed)
+    exitcodes: tuple[int | None, ...]
+    #: the status the command exits with: 0 iff every worker exited 0
+    status: int
+    virtual_time: float
+    trace: Trace
+    #: the simulation's own failure (a hang, max_time passed), if any
+    error: SimulationError | None = None
+
+
+def substitute(args: Sequence[str], rank: int, local_rank: int, world_size: int) -> list[str]:
+    """``{rank}``, ``{local_rank}``, ``{world_size}`` and torchrun's ``${local_rank}`` replaced."""
+    values = {"rank": rank, "local_rank": local_rank, "world_size": world_size}
+
+    def one(m: re.Match[str]) -> str:
+        return str(values[m.group(1)] if m.group(1) else local_rank)
+
+    return [_PLACEHOLDER.sub(one, a) for a in args]
+
+
+def torchrun_environment(options: LaunchOptions, rank: int, error_file: str) -> dict[str, str]:
+    """The variables torchrun's local agent sets for worker ``rank`` (one node: local = global)."""
+    n = options.nproc_per_node
+    env = {
+        "RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(n),
+        "WORLD_SIZE": str(n),
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_WORLD_SIZE": str(n),
+        "MASTER_ADDR": options.master_addr,
+        "MASTER_PORT": str(options.master_port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "TORCHELASTIC_ERROR_FILE": error_file,
+    }
+    if "OMP_NUM_THREADS" in os.environ:
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+    elif n > 1:
+        env["OMP_NUM_THREADS"] = "1"  # torchrun's default for more than one process per node
+    return env
+
+
+# -- --network / --faults files ----------------------------------------------------------------------
+def load_network(path: str) -> NetworkModel:
+    """A :class:`NetworkModel` from a JSON or TOML file of its fields."""
+    from ._fault_files import load_network as load
+
+    try:
+        return load(path)
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"--network: {exc}") from exc
+
+
+def load_faults(path: str) -> FaultPlan | Swarm:
+    """A :class:`FaultPlan` (or a :class:`Swarm`) from a JSON or TOML file
+    (:doc:`/howto/fault-plan`)."""
+    from ._fault_files import load_faults as load
+
+    try:
+        return load(path)
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"--faults: {exc}") from exc
+
+
+# -- the run -------------------------------------------------------------------------------------------
+def launch(
+    options: LaunchOptions, *, stdout: TextIO | None = None, stderr: TextIO | None = None
+) -> LaunchResult:
+    """Run the program as ``options.nproc_per_node`` simulated workers and report as torchrun does."""
+    out = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
+    n = options.nproc_per_node
+    if n < 1:
+        raise LaunchError(f"--nproc-per-node must be at least 1, got {n}")
+    path = os.path.abspath(options.program)
+    try:
+        source = Path(path).read_bytes()
+    except OSError as exc:
+        raise LaunchError(f"can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}") from exc
+    network = load_network(options.network) if options.network else None
+    faults = load_faults(options.faults) if options.faults else None
+    code = compile(source, path, "exec")
+    try:
+        sim = Simulation(n, seed=options.seed, network=network, max_time=options.max_time, faults=faults)
+    except ValueError as exc:  # a plan naming a worker the run does not have, a bad max_time
+        raise LaunchError(str(exc)) from exc
+    images = ProcessImages(os.path.dirname(path))
+    launcher = ProcessLauncher(sim, images, path, code)
+    shown = options.local_ranks_filter
+    error: SimulationError | None = None
+    with tempfile.TemporaryDirectory(prefix="twinrpc-sim-") as logs:
+        error_files = []
+        for rank in range(n):
+            error_file = os.path.join(logs, "attempt_0", str(rank), "error.json")
+            os.makedirs(os.path.dirname(error_file))
+            error_files.append(error_file)
+            prefix = prefix_for(options.log_line_prefix_template, rank, rank)
+            show = shown is None or rank in shown
+            env = torchrun_environment(options, rank, error_file)
+            launcher.add_main(
+                ProcessImage(
+                    pid=images.new_pid(),
+                    rank=rank,
+                    local_rank=rank,
+                    environ=encode_environ(os.environ._data, env),  # type: ignore[attr-defined]
+                    argv=[options.program, *substitute(options.args, rank, rank, n)],
+                    stdout=cast(TextIO, RankStream(out, prefix, show=show)),
+                    stderr=cast(TextIO, RankStream(err, prefix, show=show)),
+                )
+            )
+        threads = int(os.environ.get("OMP_NUM_THREADS", "1" if n > 1 else "0") or 0)
+        with (
+            _process_globals(options.seed, threads),
+            simulated_time(virtual=True),
+            serve_torch_rpc(),
+            simulated_processes(launcher),
+            images,
+        ):
+            try:
+                sim.run(lambda rank: launcher.run_main(launcher.main_image(rank)))
+            except SimulationError as exc:
+                error = exc
+        exitcodes = tuple(launcher.main_image(r).exitcode for r in range(n))
+        failed = error is not None or any(c != 0 for c in exitcodes)
+        if failed:
+            _report_failure(options, launcher, exitcodes, error_files, error, err)
+    if options.trace is not None:
+        sim.trace.save(options.trace)
+    return LaunchResult(exitcodes, 1 if failed else 0, sim.now, sim.trace, error)
+
+
+@contextmanager
+def _process_globals(seed: int, threads: int) -> Iterator[None]:
+    """What every worker process would set up for itself, for the run: the global random
+    generators (torch's, Python's, NumPy's) seeded from the simulation's seed, so a run replays
+    (real processes seed them from entropy), and torch's intra-op threads as ``OMP_NUM_THREADS``
+    says (torchrun's default is 1 with more than one process per node). Restored afterwards."""
+    import random
+
+    import numpy as np
+    import torch
+
+    saved = (torch.get_num_threads(), torch.get_rng_state(), random.getstate(), np.random.get_state())
+    if threads > 0:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.set_rng_state(saved[1])
+        random.setstate(saved[2])
+        np.random.set_state(saved[3])
+
+
+def _report_failure(
+    options: LaunchOptions,
+    launcher: ProcessLauncher,
+    exitcodes: tuple[int | None, ...],
+    error_files: list[str],
+    error: SimulationError | None,
+    err: TextIO,
+) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    if error is not None:
+        what = "hung" if isinstance(error, SimulationDeadlock) else "failed"
+        print(f"twinrpc.simulator: the simulation {what} at t={launcher.sim.now:.6f} s:\n{error}", file=err)
+    failures: dict[int, ProcessFailure] = {}
+    for rank, code in enumerate(exitcodes):
+        if code is None or code == 0:
+            continue
+        image = launcher.main_image(rank)
+        failure = ProcessFailure(local_rank=rank, pid=image.pid, exitcode=code, error_file=error_files[rank])
+        if failure.error_file_data.get("message") == "<NONE>" or not os.path.isfile(error_files[rank]):
+            failure.timestamp = VIRTUAL_EPOCH + (image.exit_time or 0.0)  # type: ignore[assignment]
+        failures[rank] = failure
+    if failures:
+        summary = ChildFailedError(name=options.program, failures=failures)
+        print(f"{type(summary).__module__}.{type(summary).__name__}: {summary}", file=err)
+    hung = [r for r, c in enumerate(exitcodes) if c is None]
+    if hung:
+        print(f"twinrpc.simulator: rank(s) {hung} did not exit", file=err)
+    print(f"twinrpc.simulator: replay this run with: {options.replay_command()}", file=err)
+    err.flush()
+
+
+# -- the subcommand --------------------------------------------------------------------------------------
+def _ranks(text: str) -> frozenset[int] | None:
+    if not text:
+        return None
+    try:
+        return frozenset(int(r) for r in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--local-ranks-filter must be a comma-separated list of integers e.g. 0,1,2; got {text!r}"
+        ) from None
+
+
+def _nproc(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nproc-per-node must be an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--nproc-per-node must be at least 1, got {n}")
+    return n
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``run`` subcommand."""
+    p = subparsers.add_parser(
+        "run",
+        allow_abbrev=False,  # the program's own options (--n=3) must not match ours by prefix
+        help="run a program as N simulated workers, as torchrun runs real ones",
+        description=(
+            "Run PROGRAM as N simulated workers of one deterministic simulation, with torchrun's "
+            "environment per worker and torch.distributed.rpc served by twinrpc. {rank}, {local_rank} "
+            "and {world_size} in ARGS are replaced per worker (twinrpc's extension)."
+        ),
+    )
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=_nproc, default=1, metavar="N")
+    p.add_argument("--seed", type=int, default=0, help="the simulation's seed (default 0)")
+    p.add_argument("--network", metavar="FILE", help="a NetworkModel as JSON or TOML")
+    p.add_argument("--faults", metavar="FILE", help="a FaultPlan as JSON or TOML")
+    p.add_argument("--trace", metavar="OUT", help="write the run's trace to OUT")
+    p.add_argument("--max-time", type=float, metavar="T", help="fail once virtual time passes T seconds")
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="MASTER_ADDR the workers see")
+    p.add_argument(
+        "--master-port", "--master_port", type=int, default=29500, help="MASTER_PORT the workers see"
+    )
+    p.add_argument(
+        "--log-line-prefix-template",
+        default=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", DEFAULT_PREFIX_TEMPLATE),
+        help="prefix of each output line ($rank, $local_rank, $role_name; default %(default)s)",
+    )
+    p.add_argument(
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        type=_ranks,
+        default=None,
+        help="show only these ranks' output, e.g. 0,1",
+    )
+    p.add_argument("program", metavar="PROGRAM")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
+    p.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``run``'s entry point: returns the exit status."""
+    options = LaunchOptions(
+        program=args.program,
+        args=tuple(args.args),
+        nproc_per_node=args.nproc_per_node,
+        seed=args.seed,
+        network=args.network,
+        faults=args.faults,
+        trace=args.trace,
+        max_time=args.max_time,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        log_line_prefix_template=args.log_line_prefix_template,
+        local_ranks_filter=args.local_ranks_filter,
+    )
+    try:
+        return launch(options).status
+    except LaunchError as exc:
+        print(f"python -m twinrpc.simulator run: error: {exc}", file=sys.stderr)
+        return 2
+    except SyntaxError:
+        import traceback
+
+        traceback.print_exc(limit=0)
+        return 1
