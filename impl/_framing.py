@@ -6,7 +6,9 @@ a larger payload follows as one more frame. Then each out-of-band storage follow
 sent straight from the tensor's memory (no pickling, no copy).
 
 Header layout (little-endian): magic u32, version u16, flags u16, kind u16, reserved u16, src i32,
-id i64, payload_len u64, n_tensors u32, then n_tensors u64 storage sizes, then the inline payload.
+id i64, payload_len u64, n_tensors u32, ack u64, then n_tensors u64 storage sizes, then the inline
+payload. ``ack`` counts the header frames the sender has taken from its receive ring (and posted a
+receive again for): the peer's credit for sends that cannot block (see PeerLink.try_send_now).
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from twinrpc._message import Kind, Message
 
 HEADER_BYTES = 4096
 MAGIC = 0x54574E52  # "TWNR"
-VERSION = 1
+VERSION = 2
 FLAG_INLINE = 1  # the payload is inside the header
 FLAG_CLOSE = 2  # the sender is closing this link (graceful shutdown): no message follows
 FLAG_GRACEFUL = 4  # with FLAG_CLOSE: the sender completed graceful shutdown (an orderly departure)
 FLAG_INLINE_TENSORS = 8  # the storages follow the inline payload inside the header (small ones)
 
-_FIXED = struct.Struct("<IHHHHiqQI")
+_FIXED = struct.Struct("<IHHHHiqQIQ")
 _SIZE = struct.Struct("<Q")
 MAX_TENSORS = (HEADER_BYTES - _FIXED.size) // _SIZE.size
 _KINDS = {int(k): k for k in Kind}
@@ -38,7 +40,7 @@ class FrameError(RPCError):
     the frame boundary can still be trusted (it cannot after a bad header, so the link is closed)."""
 
 
-def encode_header(buf: memoryview, msg: Message) -> tuple[bool, bool]:
+def encode_header(buf: memoryview, msg: Message, ack: int = 0) -> tuple[bool, bool]:
     """Fill ``buf`` (a view of the header tensor) for ``msg``; returns whether the payload is inline
     and whether the storages are inline too (then the header is the whole message: one gloo send
     instead of one per storage, each of which would wait for the peer to post its receive)."""
@@ -64,6 +66,7 @@ def encode_header(buf: memoryview, msg: Message) -> tuple[bool, bool]:
         msg.id,
         len(payload),
         n,
+        ack,
     )
     for i, size in enumerate(sizes):
         _SIZE.pack_into(buf, _FIXED.size + i * _SIZE.size, size)
@@ -79,13 +82,14 @@ def encode_header(buf: memoryview, msg: Message) -> tuple[bool, bool]:
 
 def encode_close(buf: memoryview, src: int, graceful: bool = False) -> None:
     flags = FLAG_CLOSE | (FLAG_GRACEFUL if graceful else 0)
-    _FIXED.pack_into(buf, 0, MAGIC, VERSION, flags, 0, 0, src, 0, 0, 0)
+    _FIXED.pack_into(buf, 0, MAGIC, VERSION, flags, 0, 0, src, 0, 0, 0, 0)
 
 
 class Header:
     """A decoded header."""
 
     __slots__ = (
+        "ack",
         "closing",
         "graceful",
         "id",
@@ -103,7 +107,7 @@ class Header:
         """Decode ``buf``; ``frame`` is the header tensor ``buf`` views (storages sent inline are
         copied out of it into tensors of their own)."""
         try:
-            magic, version, flags, kind, _, src, msg_id, payload_len, n = _FIXED.unpack_from(buf, 0)
+            magic, version, flags, kind, _, src, msg_id, payload_len, n, ack = _FIXED.unpack_from(buf, 0)
         except struct.error as exc:
             raise FrameError(f"truncated header frame: {exc}") from exc
         if magic != MAGIC or version != VERSION:
@@ -115,6 +119,7 @@ class Header:
                 f"header says source rank {src} but arrived on the link from rank {expected_src}"
             )
         self.src = src
+        self.ack = ack
         self.closing = bool(flags & FLAG_CLOSE)
         self.graceful = bool(flags & FLAG_GRACEFUL)
         if self.closing:

@@ -97,6 +97,17 @@ class PeerLink:
         self._ring = [new_header_tensor() for _ in range(_RING)]
         self._ring_works: list[Any] = []
         self._ring_pos = 0
+        # -- credit: header receives the peer has posted that no header of ours has used yet ------
+        #: header frames we have sent (under the send lock)
+        self._headers_sent = 0
+        #: header frames we have taken from our ring and posted a receive again for (receiver only);
+        #: every header we send carries it as ``ack``
+        self._consumed = 0
+        #: the peer's latest ``ack``: it has re-posted a receive for that many of our headers, and
+        #: gloo has learnt of those receives before the header carrying the ack reached us (same
+        #: connection, in order); so ``_headers_sent - _peer_acked < _RING`` means a header send
+        #: completes without the peer's receiver doing anything
+        self._peer_acked = 0
         #: the error that broke the link (IO error, malformed frame): nothing can be sent any more
         self.failed: BaseException | None = None
         #: the peer sent its close frame (it shut down): calls to it fail, our own close frame may still go
@@ -162,7 +173,8 @@ class PeerLink:
             if self.failed is not None:  # failed while this thread waited for the lock
                 raise self.failed
             try:
-                inline, inline_tensors = encode_header(self._send_view, msg)
+                inline, inline_tensors = encode_header(self._send_view, msg, self._consumed)
+                self._headers_sent += 1
                 self._wait_sent(pg.send([self._send_header], dst, _TAG), HEADER_BYTES)
                 if not inline:
                     payload = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8)
@@ -177,6 +189,36 @@ class PeerLink:
                     raise self.failed from None  # woken by abandon(): the link's own error says why
                 self._fail(exc)
                 raise
+
+    def try_send_now(self, msg: Message) -> bool:
+        """Send ``msg`` now if that cannot make this thread wait for the peer's receiver: it is one
+        header frame (small payload and storages inline), the send lock is free and the peer has a
+        header receive posted that none of our headers has used (see ``_peer_acked``). For threads
+        that must not block (receivers, the timer): replying this way saves handing the receiver
+        role to another thread. Returns False (nothing sent) otherwise; raises as send() does."""
+        if self.failed is not None or self.closed_by_peer:
+            return False  # the ordinary path reports it
+        if self._headers_sent - self._peer_acked >= _RING - 1:
+            return False
+        if not self._send_lock.acquire(blocking=False):
+            return False
+        try:
+            if self.failed is not None or self._headers_sent - self._peer_acked >= _RING - 1:
+                return False
+            inline, inline_tensors = encode_header(self._send_view, msg, self._consumed)
+            if not inline or not (inline_tensors or not any(t.numel() for t in msg.tensors)):
+                return False  # more frames would follow: their receives are not posted yet
+            self._headers_sent += 1
+            try:
+                self._wait_sent(self.pg.send([self._send_header], self._peer_rank_in_pg, _TAG), HEADER_BYTES)
+            except RuntimeError as exc:
+                if self.failed is not None:
+                    raise self.failed from None
+                self._fail(exc)
+                raise
+            return True
+        finally:
+            self._send_lock.release()
 
     def _wait_sent(self, work: Any, nbytes: int) -> None:
         """Wait until the peer has taken one frame of ours, recording the wait for check_alive."""
@@ -254,6 +296,7 @@ class PeerLink:
             return
         try:
             encode_close(self._send_view, self.me, graceful)
+            self._headers_sent += 1
             work = self.pg.send([self._send_header], self._peer_rank_in_pg, _TAG)
             work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
         except RuntimeError as exc:
@@ -293,9 +336,12 @@ class PeerLink:
             header = Header(self._ring[i][1], self.peer, self.me, self._ring[i][0])
         except FrameError:
             self._post_header(i)
+            self._consumed += 1
             raise
         if not header.closing:
             self._post_header(i)
+            self._consumed += 1
+            self._peer_acked = header.ack
         return header
 
     def _receive_loop(self) -> None:

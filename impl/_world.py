@@ -91,8 +91,15 @@ class GlooWorld:
             return
         link = self.links[msg.dst]
         if THREAD_ROLE.no_blocking_send:
-            # A receiver hands its role to an idle thread and sends itself (no outbox hop on the
-            # reply's way); the timer (no link to hand off) queues on the outbox.
+            # A one-frame message the peer has a receive posted for goes at once (most replies);
+            # otherwise a receiver hands its role to an idle thread and sends itself (no outbox hop
+            # on the reply's way); the timer (no link to hand off) queues on the outbox.
+            try:
+                if link.try_send_now(msg):
+                    return
+            except Exception as exc:
+                self._send_failed(msg, exc)
+                return
             receiving = THREAD_ROLE.link
             if receiving is None or not receiving.hand_off():
                 link.send_later(msg, self._send_failed)

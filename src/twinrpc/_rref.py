@@ -36,6 +36,11 @@ class GloballyUniqueId:
     def __repr__(self) -> str:
         return f"GloballyUniqueId(created_on={self.created_on}, local_id={self.local_id})"
 
+    def __reduce__(self) -> tuple[type[GloballyUniqueId], tuple[int, int]]:
+        # Pickled in every RRef message: the dataclass default (__getstate__/__setstate__ over
+        # fields()) costs ~4x more than rebuilding from the two ints.
+        return (GloballyUniqueId, (self.created_on, self.local_id))
+
 
 @dataclass(frozen=True, slots=True)
 class ForkData:
