@@ -319,6 +319,34 @@ def test_a_process_that_exits_without_shutdown_is_a_dead_peer(
     assert status == 0
 
 
+def test_a_fault_plan_crash_kills_the_workers_rpc_process_with_sigkill(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--faults: worker 1 crashes at t=0.5 s; its peer sees it die, the summary shows the signal."""
+    faults = tmp_path / "faults.toml"
+    faults.write_text('[[faults]]\ntype = "crash"\nworker = 1\nat = 0.5\n')
+    prog = _program(
+        tmp_path,
+        """
+        import os, time
+        import torch.distributed.rpc as rpc
+        rank = int(os.environ["RANK"])
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=2)
+        time.sleep(1)
+        if rank == 0:
+            try:
+                rpc.rpc_sync("w1", os.getpid)
+            except RuntimeError as exc:
+                print(type(exc).__name__)
+        """,
+    )
+    status, out, err = _run(capsys, "--nproc-per-node", "2", "--faults", str(faults), str(prog))
+    assert status == 1
+    assert _lines(out, 0) == ["WorkerUnavailableError"], err
+    assert re.search(r"rank      : 1 \(local_rank: 1\)\n  exitcode  : -9 \(pid: \d+\) +\(SIGKILL\)", err), err
+    assert f"--faults {faults}" in err  # in the replay command
+
+
 def test_a_hang_is_reported_with_the_blocked_tasks_and_fails_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
