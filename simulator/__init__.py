@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from ._determinism import NondeterminismError, check_determinism
 from ._errors import FaultPlanError, SimulationDeadlock, SimulationError
+from ._explore import Exploration, Failure, explore, replay
 from ._faults import (
     FAULT_KINDS,
     MESSAGE_CLASSES,
@@ -50,15 +51,17 @@ __all__ = [
     "Divergence",
     "Drop",
     "Duplicate",
+    "Exploration",
+    "Failure",
     "FaultPlan",
     "FaultPlanError",
     "Hold",
     "MessageInfo",
     "MonitorViolation",
     "NetworkModel",
+    "NondeterminismError",
     "Partition",
     "Pause",
-    "NondeterminismError",
     "RRefMonitor",
     "RunResult",
     "Simulation",
@@ -70,9 +73,11 @@ __all__ = [
     "TraceEvent",
     "TraceFormatError",
     "WorkerOutcome",
-    "load_faults",
     "check_determinism",
     "diff_traces",
+    "explore",
+    "load_faults",
     "now",
+    "replay",
     "sleep",
 ]

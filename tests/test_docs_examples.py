@@ -129,3 +129,37 @@ def test_slow_network_backend_runs_the_conformance_suite():
         "slow_network_backend:SlowNetworkBackend",
     )
     assert " passed" in out and "failed" not in out
+
+
+def test_explore_lost_update_finds_shrinks_replays_and_exports():
+    out = _run("docs/examples/explore_lost_update.py")
+    assert "twinrpc.simulator.explore: run 2 failed; shrunk in 9 more runs to seed 125 and 0 faults" in out
+    assert (
+        "replay: python -m twinrpc.simulator replay docs/examples/explore_lost_update.py:checked --world-size 3 --seed 125"
+        in out
+    )
+    assert "replayed: lost an update: the counter is 5, expected 6" in out
+    assert "fixed: the minimal run passes" in out
+    assert '"""Regression test exported by twinrpc.simulator (explore, then shrink).' in out
+
+
+def test_lost_update_sim_runs_once_and_is_explored_with_the_simulation_fixture():
+    test = "docs/examples/test_lost_update_sim.py"
+    out = _run("-m", "pytest", test, "-q", "-p", "no:cacheprovider", "--rootdir", "docs/examples")
+    assert "1 passed" in out
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), str(ROOT)])}
+    args = ("-m", "pytest", test, "-q", "-p", "no:cacheprovider", "--rootdir", "docs/examples")
+    proc = subprocess.run(
+        [sys.executable, *args, "--sim-explore", "200"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "lost an update: the counter is" in proc.stdout
+    assert (
+        "replay: pytest docs/examples/test_lost_update_sim.py::test_no_update_is_lost --sim-seed "
+        in proc.stdout
+    )

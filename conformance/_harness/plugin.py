@@ -96,7 +96,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help=f"backend to run the suite on: {', '.join(BUILTIN_BACKENDS)} or package.module:BackendClass "
         f"(default: ${_ENV_BACKEND} or sim)",
     )
-    group.addoption("--sim-seed", type=int, default=0, help="seed of every simulation (default 0)")
+    try:
+        group.addoption("--sim-seed", type=int, default=0, help="seed of every simulation (default 0)")
+    except ValueError:  # twinrpc's own pytest plugin (twinrpc._pytest_plugin) defines it: default None
+        pass
     group.addoption(
         "--world-timeout",
         type=float,
@@ -173,7 +176,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     world_timeout = float(config.getoption("world_timeout"))
     backend_config = BackendConfig(
-        sim_seed=int(config.getoption("sim_seed")),
+        sim_seed=int(config.getoption("sim_seed") or 0),
         world_timeout=world_timeout,
         tmp_dir=Path("/nonexistent"),  # replaced by a private directory when the backend starts
         spares=max(0, int(config.getoption("world_spares"))),

@@ -1,0 +1,427 @@
+"""twinrpc's pytest plugin: the ``simulation`` fixture, seeds, exploration, replay and export.
+
+The plugin is installed with twinrpc (entry point ``pytest11`` ``twinrpc``) and does nothing to a test
+that does not ask for the ``simulation`` fixture. A test that does runs its program through it::
+
+    def test_counter_keeps_every_update(simulation):
+        result = simulation.run(program, 3)      # program(rank) on 3 simulated workers
+        assert result.values()[0] == 6
+
+Options (``pytest --help``, group "twinrpc"):
+
+``--sim-seed S``
+    Run every simulation with seed ``S`` (default: the marker's seed, else 0). The conformance
+    suite reads the same option for its own simulations.
+``--sim-faults PLAN``
+    The fault plan of every simulation: JSON text, or a JSON/TOML file.
+``--sim-network MODEL``
+    The network model: JSON text (the :class:`~twinrpc.simulator.NetworkModel` fields), or a JSON file.
+``--sim-explore N``
+    Run each simulation test over N drawn seeds and fault plans (:func:`twinrpc.simulator.explore`'s
+    search); on the first failure, shrink it and fail with the replay command and the minimal plan.
+``--sim-explore-seed S``
+    The exploration's own seed (default 0): the same seed explores the same cases.
+``--sim-export DIR``
+    Write each shrunk failure as a regression test file in ``DIR`` (``--sim-export-expect fail``:
+    one that asserts the known failure instead of its absence).
+
+The marker ``@pytest.mark.simulation(seed=..., faults=..., network=...)`` configures the fixture:
+``faults`` and ``network`` are a :class:`~twinrpc.simulator.FaultPlan` and a
+:class:`~twinrpc.simulator.NetworkModel` (or their data) for plain runs, or hypothesis strategies for
+``--sim-explore``. A marker with ``seed`` pins the case: such a test is a replay, and exploration
+leaves it alone. ``--sim-shrink-runs N`` bounds the runs spent shrinking (default 500).
+
+A failing simulation test prints the command that replays it (section "twinrpc simulation").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import pprint
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ._explore import (
+    Case,
+    Failure,
+    _Outcome,
+    _run,
+    _Search,
+    cases,
+    plan_from_data,
+    plan_to_data,
+    raises_block,
+    regression_header,
+)
+from ._faults import FaultPlan
+from ._network import NetworkModel
+from ._simulation import RunResult
+
+__all__ = ["SimulationFixture"]
+
+FIXTURE = "simulation"
+MARKER = "simulation"
+
+
+def _load_plan(text: str) -> FaultPlan:
+    """``--sim-faults``: JSON text, or a JSON/TOML file (:meth:`FaultPlan.load`)."""
+    stripped = text.strip()
+    try:
+        if stripped.startswith("{"):
+            return plan_from_data(stripped)
+        if not Path(text).is_file():
+            raise pytest.UsageError(f"--sim-faults {text!r}: neither a JSON object nor a file")
+        return FaultPlan.load(text)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise pytest.UsageError(f"--sim-faults: not a fault plan: {exc}") from exc
+
+
+def _load_network(text: str) -> NetworkModel:
+    stripped = text.strip()
+    raw = stripped if stripped.startswith("{") else None
+    if raw is None:
+        path = Path(text)
+        if not path.is_file():
+            raise pytest.UsageError(f"--sim-network {text!r}: neither a JSON object nor a file")
+        raw = path.read_text(encoding="utf-8")
+    try:
+        return NetworkModel(**json.loads(raw))
+    except (ValueError, TypeError) as exc:
+        raise pytest.UsageError(f"--sim-network: not a network model: {exc}") from exc
+
+
+def _as_plan(value: Any, where: str) -> FaultPlan | None:
+    if value is None or isinstance(value, FaultPlan):
+        return value
+    if isinstance(value, dict | str):
+        return plan_from_data(value)
+    if _is_strategy(value) or callable(value):
+        return None  # a strategy: for --sim-explore only
+    raise TypeError(f"{where}: faults= takes a FaultPlan, its data, or a hypothesis strategy; got {value!r}")
+
+
+def _as_network(value: Any, where: str) -> NetworkModel | None:
+    if value is None or isinstance(value, NetworkModel):
+        return value
+    if isinstance(value, dict):
+        return NetworkModel(**value)
+    if _is_strategy(value):
+        return None
+    raise TypeError(
+        f"{where}: network= takes a NetworkModel, its fields, or a hypothesis strategy; got {value!r}"
+    )
+
+
+def _is_strategy(value: Any) -> bool:
+    try:
+        from hypothesis.strategies import SearchStrategy
+    except ImportError:  # pragma: no cover - hypothesis is a test dependency
+        return False
+    return isinstance(value, SearchStrategy)
+
+
+class SimulationFixture:
+    """The ``simulation`` fixture: runs a test's program in a :class:`~twinrpc.simulator.Simulation`
+    under the case pytest chose (a seed, a fault plan, a network model).
+
+    One case per test run: every :meth:`run` of one test run uses it. Under ``--sim-explore`` the
+    test function runs once per explored case.
+    """
+
+    def __init__(self, item: pytest.Item) -> None:
+        self._item = item
+        config = item.config
+        marker = item.get_closest_marker(MARKER)
+        kwargs = dict(marker.kwargs) if marker is not None else {}
+        unknown = set(kwargs) - {"seed", "faults", "network"}
+        if unknown or (marker is not None and marker.args):
+            raise pytest.UsageError(
+                f"{item.nodeid}: @pytest.mark.simulation takes seed=, faults=, network= (keywords only); "
+                f"got {marker.args if marker else ()} {sorted(unknown)}"
+            )
+        where = f"{item.nodeid}: @pytest.mark.simulation"
+        self.pinned = "seed" in kwargs
+        seed_option = config.getoption("sim_seed")
+        seed = kwargs.get("seed", 0) if seed_option is None else seed_option
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise pytest.UsageError(f"{where}: seed must be an int, got {seed!r}")
+        faults_option = config.getoption("sim_faults")
+        plan = _load_plan(faults_option) if faults_option else _as_plan(kwargs.get("faults"), where)
+        network_option = config.getoption("sim_network")
+        net = _load_network(network_option) if network_option else _as_network(kwargs.get("network"), where)
+        #: the case plain runs use (exploration draws its own)
+        self.case = Case(seed, plan or FaultPlan(), net)
+        #: strategies for exploration (marker values that are strategies, else the defaults)
+        self.fault_strategy: Any = kwargs.get("faults") if plan is None and not faults_option else None
+        self.network_strategy: Any = (
+            kwargs.get("network") if net is None and _is_strategy(kwargs.get("network")) else None
+        )
+        if self.fault_strategy is not None and not (
+            _is_strategy(self.fault_strategy) or callable(self.fault_strategy)
+        ):
+            self.fault_strategy = None
+        self._draw: Callable[[int], Case] | None = None
+        #: the outcome of the last run (what failed, where)
+        self.last: _Outcome | None = None
+        self.ran = False
+
+    @property
+    def seed(self) -> int:
+        """The current case's simulation seed."""
+        return self.case.seed
+
+    @property
+    def faults(self) -> FaultPlan:
+        """The current case's fault plan."""
+        return self.case.faults
+
+    @property
+    def network(self) -> NetworkModel | None:
+        """The current case's network model (``None``: the default)."""
+        return self.case.network
+
+    def run(
+        self,
+        program: Callable[..., Any],
+        world_size: int,
+        *args: Any,
+        check: Callable[[RunResult], object] | None = None,
+        monitors: bool = True,
+        trace: bool = True,
+        max_time: float | None = None,
+    ) -> RunResult:
+        """Run ``program(rank, *args)`` on ``world_size`` simulated workers under this test's case.
+
+        Fails the way :func:`twinrpc.simulator.replay` does: the first worker error is raised (before
+        the deadlock it may cause), else the simulation's error, else ``check(result)``'s.
+        """
+        if self._draw is not None:
+            self.case = self._draw(world_size)
+            trace = False  # exploring: traces are for replays
+        self.ran = True
+        outcome = _run(
+            program,
+            world_size,
+            self.case,
+            args,
+            check=check,
+            trace=trace,
+            monitors=monitors,
+            max_time=max_time,
+        )
+        self.last = outcome
+        if outcome.error is not None:
+            raise outcome.error
+        assert outcome.result is not None
+        return outcome.result
+
+    # -- reporting -------------------------------------------------------------------------------------
+    def replay_command(self, case: Case | None = None) -> str:
+        """The pytest command line that replays ``case`` (default: the current one) of this test."""
+        case = self.case if case is None else case
+        item = self._item
+        config = item.config
+        path = os.path.relpath(item.path, config.invocation_params.dir)
+        name = item.nodeid.split("::", 1)[1] if "::" in item.nodeid else item.name
+        parts = ["pytest", shlex.quote(f"{path}::{name}"), f"--sim-seed {case.seed}"]
+        data = plan_to_data(case.faults)
+        if case.faults != FaultPlan():
+            parts.append(f"--sim-faults {shlex.quote(json.dumps(data, separators=(',', ':')))}")
+        if case.network is not None:
+            parts.append(
+                f"--sim-network {shlex.quote(json.dumps(dataclasses.asdict(case.network), separators=(',', ':')))}"
+            )
+        return " ".join(parts)
+
+
+def make_fixture(request: pytest.FixtureRequest) -> SimulationFixture:
+    fixture = SimulationFixture(request.node)
+    request.node.stash[_FIXTURE_KEY] = fixture
+    return fixture
+
+
+_FIXTURE_KEY = pytest.StashKey[SimulationFixture]()
+
+
+def report_section(item: pytest.Item) -> str | None:
+    """What a failed plain run of a simulation test prints: its case and the replay command."""
+    fixture = item.stash.get(_FIXTURE_KEY, None)
+    if fixture is None or not fixture.ran or item.config.getoption("sim_explore"):
+        return None
+    lines = [f"seed {fixture.seed}, faults {fixture.faults.describe()}"]
+    if fixture.last is not None and fixture.last.error is not None:
+        lines.append(f"error: {fixture.last.where()}")
+    lines.append(f"replay: {fixture.replay_command()}")
+    return "\n".join(lines)
+
+
+# -- exploration -------------------------------------------------------------------------------------------
+def explore_item(item: pytest.Function) -> bool:
+    """Run a simulation test under ``--sim-explore N``; True when it was explored (it passed), else
+    the failure is raised. A test pinned by its marker's seed runs once, as written."""
+    __tracebackhide__ = True
+    fixture = item.funcargs.get(FIXTURE)
+    if not isinstance(fixture, SimulationFixture) or fixture.pinned:
+        return False
+    config = item.config
+    runs = int(config.getoption("sim_explore"))
+    testfunction = item.obj
+    argnames = item._fixtureinfo.argnames
+    kwargs = {name: item.funcargs[name] for name in argnames}
+
+    def body(draw: Callable[[int], Case]) -> _Outcome:
+        fixture._draw = draw
+        fixture.last = None
+        try:
+            testfunction(**kwargs)
+        except Exception as exc:
+            last = fixture.last
+            if last is not None and last.error is exc:
+                return last
+            return _Outcome(None, exc, source="the test")
+        finally:
+            fixture._draw = None
+        return fixture.last if fixture.last is not None else _Outcome(None)
+
+    strategy_faults = fixture.fault_strategy
+    strategy_network = fixture.network_strategy
+    search = _Search(
+        body,
+        lambda n, horizon: cases(n, strategy_faults, strategy_network, None, horizon),
+        runs=runs,
+        seed=int(config.getoption("sim_explore_seed")),
+        max_shrink_runs=int(config.getoption("sim_shrink_runs")),
+        calibrate=strategy_faults is None,
+    )
+    if not search.run():
+        if search.calls == 0:
+            raise pytest.UsageError(
+                f"{item.nodeid} asks for the simulation fixture but never called simulation.run(...)"
+            )
+        return True
+    assert search.first is not None and search.best is not None and search.signature is not None
+    assert search.found_at is not None
+    original, first = search.first
+    case, minimal = search.best
+    assert first.error is not None
+    failure = Failure(
+        case=case,
+        original=original,
+        error=first.error,
+        minimal=minimal,
+        signature=search.signature,
+        runs=search.found_at,
+        shrink_runs=search.calls - search.found_at,
+        world_size=0,
+        program=None,
+        args=(),
+        check=None,
+        command=fixture.replay_command,
+        exporter=lambda f, name, expect: export_item(item, f, name, expect),
+    )
+    export_dir = config.getoption("sim_export")
+    if export_dir:
+        path = write_export(item, failure, Path(export_dir), config.getoption("sim_export_expect"))
+        failure.args = (f"{failure.describe()}\n  regression test written to {path}",)
+    failure.__cause__ = minimal.error
+    raise failure
+
+
+def regression_name(item: pytest.Item, case: Case) -> str:
+    base = item.originalname if isinstance(item, pytest.Function) else item.name
+    return f"{base}_regression_seed_{case.seed}"
+
+
+def write_export(item: pytest.Function, failure: Failure, directory: Path, expect: str) -> Path:
+    """Write ``failure``'s regression test into ``directory``; returns the file's path."""
+    name = regression_name(item, failure.case)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.py"
+    path.write_text(export_item(item, failure, name, expect), encoding="utf-8")
+    return path
+
+
+def _literal(value: Any) -> bool:
+    import ast
+
+    try:
+        return bool(ast.literal_eval(repr(value)) == value)
+    except (ValueError, SyntaxError):
+        return False
+
+
+def _indented(value: Any) -> str:
+    """A literal for a keyword argument at 4 spaces: one line if short, else wrapped under it."""
+    return pprint.pformat(value, width=100, sort_dicts=False).replace("\n", "\n    ")
+
+
+def export_item(item: pytest.Item, failure: Failure, name: str, expect: str) -> str:
+    """A pytest file that runs ``item``'s test function pinned to the failure's minimal case."""
+    if not isinstance(item, pytest.Function) or item.cls is not None:
+        raise ValueError(f"{item.nodeid}: only module-level test functions can be exported")
+    module = item.module.__name__ if item.module is not None else None
+    if not module or module == "__main__":
+        raise ValueError(f"{item.nodeid}: the test's module cannot be imported by name")
+    original = item.originalname
+    params = dict(item.callspec.params) if hasattr(item, "callspec") else {}
+    for key, value in params.items():
+        if not _literal(value):
+            raise ValueError(f"{item.nodeid}: parameter {key}={value!r} is not a Python literal")
+    argnames = list(inspect.signature(item.obj).parameters)
+    fixtures = [a for a in argnames if a not in params]
+    if FIXTURE not in fixtures:
+        fixtures.insert(0, FIXTURE)
+    call_args = ", ".join(f"{a}={a}" if a not in params else f"{a}={params[a]!r}" for a in argnames)
+    case = failure.case
+    mark = [f"    seed={case.seed},", f"    faults={_indented(plan_to_data(case.faults))},"]
+    if case.network is not None:
+        mark.append(f"    network={_indented(dataclasses.asdict(case.network))},")
+    imports = ["import pytest", "", f"from {module} import {original} as _replayed"]
+    body = [f"_replayed({call_args})"]
+    if expect == "pass":
+        doc = "The run that failed now passes."
+        lines = [f"    {b}" for b in body]
+    else:
+        doc = "The run still fails the known way (remove this test, or switch it to passing, once fixed)."
+        more, lines = raises_block(failure.exception_type, failure.pattern, "    ", body)
+        imports.extend(more)
+    return "\n".join(
+        [
+            *regression_header(failure),
+            "",
+            "from __future__ import annotations",
+            "",
+            *imports,
+            "",
+            f"PATTERN = {failure.pattern!r}",
+            "",
+            "",
+            "@pytest.mark.simulation(",
+            *mark,
+            ")",
+            f"def {name}({', '.join(fixtures)}) -> None:",
+            f'    """{doc}"""',
+            *lines,
+            "",
+        ]
+    )
+
+
+def check_options(config: pytest.Config) -> None:
+    """Reject combinations that cannot mean anything."""
+    explore = config.getoption("sim_explore")
+    if explore is not None and explore < 1:
+        raise pytest.UsageError(f"--sim-explore {explore}: at least one run")
+    if explore and config.getoption("sim_seed") is not None:
+        raise pytest.UsageError("--sim-explore draws seeds itself; --sim-seed replays one: pass one of them")
+    if config.getoption("sim_export") and not explore:
+        raise pytest.UsageError(
+            "--sim-export writes the failures --sim-explore finds: pass --sim-explore N too"
+        )
