@@ -97,6 +97,7 @@ PUBLIC_MODULES = (
     "twinrpc.optim",
     "twinrpc.simulator",
     "twinrpc.simulator.strategies",
+    "twinrpc.simulator.calibration",
 )
 
 

@@ -12,10 +12,14 @@ from ._errors import FaultPlanError
 
 @dataclass(frozen=True, slots=True)
 class NetworkModel:
-    """How long a message takes: ``latency + uniform(0, jitter) + nbytes / bandwidth``.
+    """How long a message takes: ``latency + uniform(0, jitter) + nbytes / bandwidth`` on the link,
+    plus ``message_cost`` of work at each end.
 
     Jitter makes messages of one link overtake each other (PyTorch promises no ordering, RPC-11).
-    Defaults are in the range of two processes on one host.
+    Defaults are in the range of two processes on one host, with message handling free;
+    ``benchmarks/bench_calibration.py`` fits ``latency``, ``jitter``, ``bandwidth`` and
+    ``message_cost`` to the gloo world measured on this machine (docs: how-to "Calibrate the network
+    model").
 
     Args:
         latency: fixed one-way delay in seconds.
@@ -27,6 +31,12 @@ class NetworkModel:
         heartbeat_timeout: how long a worker may hear nothing from a peer (the peer is paused, or the
             link is held or partitioned) before declaring it dead, as the gloo world does after
             ``heartbeat_interval * heartbeat_misses`` seconds (default 1 s x 10); 0 = never.
+        message_cost: virtual seconds of work each message costs its sender (pickling, framing)
+            before it leaves and its receiver (unpickling, dispatch) before its handler starts. A worker
+            does this work for one message at a time, in order (one Python process holds one GIL), so
+            a worker many peers talk to at once queues them: a busy parameter server slows down. It is
+            deterministic (no wall clock). 0, the default, makes handling free: only the link delays
+            messages. What handlers compute (the user's functions, autograd) is never charged.
 
     Raises:
         FaultPlanError: a value is negative, not a number, or ``bandwidth`` is 0.
@@ -38,6 +48,7 @@ class NetworkModel:
     loopback_latency: float = 5e-6
     failure_detection: float = 1e-3
     heartbeat_timeout: float = 10.0
+    message_cost: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -47,6 +58,7 @@ class NetworkModel:
             "loopback_latency",
             "failure_detection",
             "heartbeat_timeout",
+            "message_cost",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:

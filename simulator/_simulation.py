@@ -114,6 +114,8 @@ class Simulation:
         self.blocker = SimBlocker(self.sched, self.crashed)
         self.trace = Trace(trace, seed=seed, world_size=world_size)
         self.workers = [SimWorker(self, r) for r in range(world_size)]
+        #: rank -> virtual time until which its message handling is booked (``network.message_cost``)
+        self.busy_until = [0.0] * world_size
         self._rendezvous: dict[int, dict[int, str]] = {}
         self._rendezvous_done: dict[int, Future[None]] = {}
         self._used = False
@@ -407,11 +409,31 @@ class Simulation:
         world.peer_failed(dead, err)
 
     # -- network --------------------------------------------------------------------------------------
+    def _book(self, rank: int, cost: float) -> float:
+        """Book ``cost`` seconds of ``rank``'s message handling after what is already booked; returns
+        when it ends. Deterministic: one worker handles one message at a time, first come first served."""
+        now = self.sched.now
+        busy = self.busy_until[rank]
+        end = (busy if busy > now else now) + cost
+        self.busy_until[rank] = end
+        return end
+
     def _deliver(self, msg: Message) -> None:
+        """``msg`` arrives at its destination (it is handled now, or after ``network.message_cost``)."""
         if msg.dst in self.crashed:
             self.trace.message(self.sched.now, msg.dst, "lost", msg, f": worker {msg.dst} crashed")
             return
         if self.faults is not None and self.faults.on_arrival(msg):
+            return
+        cost = self.network.message_cost
+        if cost:  # the receiver unpickles and dispatches it first, one message at a time
+            self.sched.schedule(self._book(msg.dst, cost) - self.sched.now, self._handle, msg)
+            return
+        self._handle(msg)
+
+    def _handle(self, msg: Message) -> None:
+        if msg.dst in self.crashed:  # crashed while the message waited to be handled
+            self.trace.message(self.sched.now, msg.dst, "lost", msg, f": worker {msg.dst} crashed")
             return
         dst = self.workers[msg.dst].world
         if dst is None:

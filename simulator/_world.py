@@ -115,7 +115,10 @@ class SimWorld:
         if msg.tensors:
             msg.tensors = copy_storages(msg.tensors)
         nbytes = msg.nbytes
-        delay = sim.network.delay(msg.src, msg.dst, nbytes, sim.sched.rng)
+        network = sim.network
+        delay = network.delay(msg.src, msg.dst, nbytes, sim.sched.rng)
+        if network.message_cost:  # the sender pickles and frames it first, one message at a time
+            delay += sim._book(self.rank, network.message_cost) - self.sched.now
         sim.trace.sent(self.sched.now, self.rank, msg, nbytes)
         if sim.faults is None:
             self.sched.schedule(delay, sim._deliver, msg)

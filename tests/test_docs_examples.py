@@ -163,3 +163,22 @@ def test_lost_update_sim_runs_once_and_is_explored_with_the_simulation_fixture()
         "replay: pytest docs/examples/test_lost_update_sim.py::test_no_update_is_lost --sim-seed "
         in proc.stdout
     )
+
+
+def test_calibrate_network_recovers_a_known_model_from_the_simulator(tmp_path: Path) -> None:
+    out = _run("docs/examples/calibrate_network.py", "--world", "sim", "--out", str(tmp_path / "net.toml"))
+    assert "bandwidth 1.500 GB/s" in out and "rms relative error 0.0%" in out
+    from twinrpc.simulator import NetworkModel
+
+    model = NetworkModel.load(tmp_path / "net.toml")
+    assert abs(model.message_cost - 30e-6) < 1e-6 and abs(model.latency - 80e-6) < 2e-6
+
+
+def test_calibrate_network_on_gloo_writes_a_model(tmp_path: Path) -> None:
+    out = _run(
+        "docs/examples/calibrate_network.py", "--world", "gloo", "--quick", "--out", str(tmp_path / "n.json")
+    )
+    assert "rms relative error" in out
+    from twinrpc.simulator import NetworkModel
+
+    assert NetworkModel.load(tmp_path / "n.json").bandwidth > 0

@@ -1,0 +1,353 @@
+"""Fit a :class:`~twinrpc.simulator.NetworkModel` to measured round trips, by least squares.
+
+Measure a real world (two twinrpc workers over gloo, say) and fit the simulator's model to it, so that
+simulated time means something on that machine::
+
+    from twinrpc.simulator.calibration import Pipelined, RoundTrip, fit_network_model
+
+    fit = fit_network_model(
+        [RoundTrip(request_bytes=180, response_bytes=120, seconds=310e-6, spread=60e-6),
+         RoundTrip(request_bytes=1_048_800, response_bytes=1_048_700, seconds=2.1e-3)],
+        [Pipelined(seconds_per_call=95e-6, in_flight=64)],
+    )
+    fit.model.dump("network.toml")          # python -m twinrpc.simulator run --network network.toml
+    print(fit.describe())                   # parameters and residuals
+
+The fit uses the simulator's own arithmetic for two workers and no other traffic (tested by fitting
+round trips the simulator itself produced, which gives the model back):
+
+- a synchronous round trip takes ``2 * latency + jitter + bytes / bandwidth + 4 * message_cost``
+  (request and response each cost their sender and their receiver ``message_cost``; the median of
+  a uniform jitter on each leg is ``jitter / 2``);
+- with many calls in flight, the two workers' message handling is the bottleneck: each worker sends
+  one message and receives one per call, so a call takes ``2 * message_cost`` of each worker's time.
+
+``jitter`` comes from the spread (90th minus 10th percentile) of the smallest round trip: for the sum of
+two uniform delays that spread is ``1.1056 * jitter``. The unknowns are fitted by weighted least
+squares on relative error (a 100 us round trip counts as much as a 20 ms one), none below zero. What
+the model cannot express shows in the residuals: handler compute, per-byte CPU work, load from other
+processes.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ._network import NetworkModel
+
+__all__ = [
+    "DEFAULT_SIZES",
+    "SPREAD_PER_JITTER",
+    "CalibrationError",
+    "NetworkFit",
+    "Pipelined",
+    "Residual",
+    "RoundTrip",
+    "fit_network_model",
+    "measure",
+    "predict",
+]
+
+KiB, MiB = 1024, 1024 * 1024
+#: tensor sizes :func:`measure` sends by default (0: a call with a small integer argument)
+DEFAULT_SIZES: tuple[int, ...] = (0, KiB, 16 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB)
+
+#: the 90th minus the 10th percentile of the sum of two uniform [0, j) delays, in units of j
+SPREAD_PER_JITTER = 2.0 * (1.0 - math.sqrt(0.2))
+
+
+class CalibrationError(ValueError):
+    """The measurements cannot determine a model (too few distinct sizes, a value not positive)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundTrip:
+    """A measured synchronous call (``rpc_sync``): ``seconds`` from sending the request to having the
+    reply, typically the median of many calls.
+
+    Args:
+        request_bytes: the request message's bytes as the simulator counts them (pickled payload plus
+            tensor data; :attr:`twinrpc.simulator.MessageInfo.nbytes` of its ``send`` trace event).
+        response_bytes: the reply's bytes, counted the same way.
+        seconds: the round-trip time.
+        spread: 90th minus 10th percentile of the round-trip times (0: unknown); the smallest round
+            trip's spread sets ``jitter``.
+    """
+
+    request_bytes: int
+    response_bytes: int
+    seconds: float
+    spread: float = 0.0
+
+    @classmethod
+    def from_samples(cls, request_bytes: int, response_bytes: int, samples: Sequence[float]) -> RoundTrip:
+        """The median and the 10-90 percentile spread of ``samples`` (seconds, one per call)."""
+        if not samples:
+            raise CalibrationError(f"RoundTrip.from_samples({request_bytes} B): no samples")
+        xs = sorted(samples)
+
+        def pct(q: float) -> float:
+            pos = q * (len(xs) - 1)
+            lo = math.floor(pos)
+            hi = min(lo + 1, len(xs) - 1)
+            return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+        return cls(request_bytes, response_bytes, pct(0.5), pct(0.9) - pct(0.1))
+
+    @property
+    def nbytes(self) -> int:
+        return self.request_bytes + self.response_bytes
+
+    def label(self) -> str:
+        return f"round trip {self.request_bytes:,} B + {self.response_bytes:,} B"
+
+
+@dataclass(frozen=True, slots=True)
+class Pipelined:
+    """Measured calls with ``in_flight`` small calls outstanding at once (a sliding window):
+    ``seconds_per_call`` is the elapsed time divided by the number of calls."""
+
+    seconds_per_call: float
+    in_flight: int = 64
+
+    def label(self) -> str:
+        return f"pipelined, {self.in_flight} in flight (per call)"
+
+
+@dataclass(frozen=True, slots=True)
+class Residual:
+    """One measurement against the fitted model's prediction."""
+
+    label: str
+    measured: float
+    predicted: float
+
+    @property
+    def relative(self) -> float:
+        """``(predicted - measured) / measured``."""
+        return (self.predicted - self.measured) / self.measured
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkFit:
+    """The fitted model and how well it reproduces each measurement."""
+
+    model: NetworkModel
+    residuals: tuple[Residual, ...]
+
+    @property
+    def rms_relative_error(self) -> float:
+        """Root mean square of the residuals' relative errors."""
+        return math.sqrt(sum(r.relative**2 for r in self.residuals) / len(self.residuals))
+
+    def describe(self) -> str:
+        """The parameters and a table of residuals, for people."""
+        m = self.model
+        lines = [
+            f"latency {m.latency * 1e6:.1f} us, jitter {m.jitter * 1e6:.1f} us, "
+            f"bandwidth {m.bandwidth / 1e9:.3f} GB/s, message_cost {m.message_cost * 1e6:.1f} us",
+            f"  {'measurement':<44}{'measured':>12}{'model':>12}{'error':>9}",
+        ]
+        for r in self.residuals:
+            lines.append(
+                f"  {r.label:<44}{r.measured * 1e6:>10.1f}us{r.predicted * 1e6:>10.1f}us{r.relative:>+9.1%}"
+            )
+        lines.append(f"  rms relative error {self.rms_relative_error:.1%}")
+        return "\n".join(lines)
+
+
+def predict(model: NetworkModel, sample: RoundTrip | Pipelined) -> float:
+    """What the simulator takes for ``sample`` under ``model`` (two workers, nothing else running)."""
+    cost = model.message_cost
+    if isinstance(sample, RoundTrip):
+        return 2 * model.latency + model.jitter + sample.nbytes / model.bandwidth + 4 * cost
+    round_trip = 2 * model.latency + model.jitter + 4 * cost
+    return max(2 * cost, round_trip / sample.in_flight)
+
+
+def fit_network_model(
+    round_trips: Sequence[RoundTrip],
+    pipelined: Sequence[Pipelined] = (),
+    *,
+    base: NetworkModel | None = None,
+) -> NetworkFit:
+    """Fit ``latency``, ``jitter``, ``bandwidth`` and ``message_cost`` to measurements.
+
+    Args:
+        round_trips: synchronous calls of at least two different sizes (the sizes set the bandwidth).
+        pipelined: calls with many in flight; they set ``message_cost`` (without them it stays 0 and
+            all per-call overhead is latency: a busy worker would not slow down).
+        base: the other fields (``loopback_latency``, ``failure_detection``, ``heartbeat_timeout``)
+            are taken from it (default: :class:`~twinrpc.simulator.NetworkModel`'s defaults).
+
+    Raises:
+        CalibrationError: fewer than two distinct round-trip sizes, or a time that is not positive.
+    """
+    base = base or NetworkModel()
+    round_trips = list(round_trips)
+    pipelined = list(pipelined)
+    measured: list[RoundTrip | Pipelined] = [*round_trips, *pipelined]
+    for s in measured:
+        t = s.seconds if isinstance(s, RoundTrip) else s.seconds_per_call
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+            raise CalibrationError(f"{s.label()}: the time must be a positive number of seconds, got {t!r}")
+    if len({s.nbytes for s in round_trips}) < 2:
+        raise CalibrationError(
+            "fit_network_model needs round trips of at least two different sizes to tell latency from "
+            f"bandwidth; got sizes {sorted({s.nbytes for s in round_trips})}"
+        )
+    smallest = min(round_trips, key=lambda s: (s.nbytes, s.seconds))
+    jitter = max(0.0, smallest.spread) / SPREAD_PER_JITTER
+
+    # Unknowns x = (fixed = 2 * latency + jitter, 1 / bandwidth, message_cost), all >= 0.
+    rows: list[tuple[list[float], float]] = [([1.0, float(s.nbytes), 4.0], s.seconds) for s in round_trips]
+    rows += [([0.0, 0.0, 2.0], s.seconds_per_call) for s in pipelined]
+    free = [0, 1, 2] if pipelined else [0, 1]
+    fixed, inv_bw, cost = _nonnegative_least_squares(rows, free)
+    if inv_bw <= 0:
+        raise CalibrationError(
+            "the round trips do not grow with their size (fitted bandwidth is infinite): measure larger "
+            "messages, e.g. 1 MiB and 16 MiB tensors"
+        )
+    jitter = min(jitter, fixed)  # the spread cannot exceed the fixed part: the rest is latency
+    model = replace(
+        base,
+        latency=(fixed - jitter) / 2,
+        jitter=jitter,
+        bandwidth=1.0 / inv_bw,
+        message_cost=cost,
+    )
+    residuals = tuple(Residual(s.label(), s.seconds, predict(model, s)) for s in round_trips) + tuple(
+        Residual(s.label(), s.seconds_per_call, predict(model, s)) for s in pipelined
+    )
+    return NetworkFit(model, residuals)
+
+
+def _nonnegative_least_squares(rows: list[tuple[list[float], float]], free: list[int]) -> list[float]:
+    """Minimise the sum of ((a . x - y) / y)^2 over x >= 0, x[i] = 0 outside ``free``.
+
+    Three unknowns at most: try every subset of them held at zero, solve the rest exactly and keep the
+    best solution that has no negative component (what an active-set NNLS would find)."""
+    best: tuple[float, list[float]] | None = None
+    for k in range(len(free), 0, -1):
+        for subset in itertools.combinations(free, k):
+            x = _weighted_solve(rows, list(subset))
+            if x is None or any(v < 0 for v in x):
+                continue
+            err = sum(((sum(a * v for a, v in zip(row, x, strict=True)) - y) / y) ** 2 for row, y in rows)
+            if best is None or err < best[0]:
+                best = (err, x)
+    if best is None:
+        raise CalibrationError("the measurements admit no model with non-negative parameters")
+    return best[1]
+
+
+def _weighted_solve(rows: list[tuple[list[float], float]], cols: list[int]) -> list[float] | None:
+    """Weighted least squares on the columns ``cols`` (others zero), via the normal equations on
+    column-scaled data (the columns differ by 10 orders of magnitude: bytes vs seconds)."""
+    n = len(cols)
+    scale = [max(abs(row[c]) for row, _ in rows) or 1.0 for c in cols]
+    ata = [[0.0] * n for _ in range(n)]
+    atb = [0.0] * n
+    for row, y in rows:
+        a = [row[c] / scale[i] / y for i, c in enumerate(cols)]  # weight 1/y: relative error
+        for i in range(n):
+            atb[i] += a[i]  # (y / y)
+            for j in range(n):
+                ata[i][j] += a[i] * a[j]
+    sol = _solve(ata, atb)
+    if sol is None:
+        return None
+    x = [0.0, 0.0, 0.0]
+    for i, c in enumerate(cols):
+        x[c] = sol[i] / scale[i]
+    return x
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None for a singular system."""
+    n = len(b)
+    m = [[*row, b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+# -- measuring (the same program in either world) ------------------------------------------------------
+def _echo(x: Any) -> Any:
+    return x
+
+
+def _message_bytes(obj: Any) -> int:
+    """Bytes of a message carrying ``obj``, as the simulator counts them (payload + tensor data)."""
+    from twinrpc import _serialize
+
+    payload, tensors = _serialize.dumps(obj)
+    return len(payload) + sum(int(t.numel()) for t in tensors)
+
+
+def measure(
+    peer: str | int,
+    *,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    calls: int = 200,
+    max_bytes_per_size: int = 256 * MiB,
+    in_flight: int = 64,
+    pipelined_calls: int = 2000,
+) -> list[RoundTrip | Pipelined]:
+    """Measure round trips to ``peer`` from the calling worker (after ``init_rpc``), in whatever world
+    it runs: wall-clock time in the real world, virtual time in a simulation.
+
+    For each size, ``rpc_sync`` of a function returning its argument (a float32 tensor of that many
+    bytes; size 0: a small integer), up to ``calls`` times and at most ``max_bytes_per_size`` bytes
+    each way (at least 5 calls), after two unrecorded warm-up calls; then ``pipelined_calls`` small
+    ``rpc_async`` calls with ``in_flight`` outstanding. Byte counts are what the simulator would
+    charge for these messages.
+
+    Returns:
+        One :class:`RoundTrip` per size, then one :class:`Pipelined`: the input of
+        :func:`fit_network_model`.
+    """
+    import torch
+
+    import twinrpc.rpc as rpc
+
+    from ._simulation import now
+
+    out: list[RoundTrip | Pipelined] = []
+    for size in sizes:
+        arg: Any = 1 if size == 0 else torch.ones(size // 4, dtype=torch.float32)
+        request = _message_bytes((_echo, (arg,), {}))
+        response = _message_bytes(arg)
+        n = max(5, min(calls, max_bytes_per_size // max(size, 1)))
+        for _ in range(2):
+            rpc.rpc_sync(peer, _echo, args=(arg,))
+        samples = []
+        for _ in range(n):
+            t0 = now()
+            rpc.rpc_sync(peer, _echo, args=(arg,))
+            samples.append(now() - t0)
+        out.append(RoundTrip.from_samples(request, response, samples))
+    window: collections.deque[Any] = collections.deque()
+    t0 = now()
+    for _ in range(pipelined_calls):
+        if len(window) >= in_flight:
+            window.popleft().wait()
+        window.append(rpc.rpc_async(peer, _echo, args=(1,)))
+    for fut in window:
+        fut.wait()
+    out.append(Pipelined((now() - t0) / pipelined_calls, in_flight))
+    return out
