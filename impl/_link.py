@@ -30,6 +30,7 @@ import logging
 import queue
 import threading
 import time
+from _thread import allocate_lock
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -56,6 +57,10 @@ _KILL_TAG = 2  # a receive posted on it never completes: waiting on it with a ti
 #: header receives kept posted ahead: a gloo send waits until the peer has posted the matching
 #: receive, so with one posted header a stream of messages pays a notify round trip per message
 _RING = 16
+#: threads per link in the receive loop: while one handles a message, another is already blocked in
+#: gloo on the next header, so a receiver that goes off to run a request (or to make a blocking send)
+#: wakes nobody; it rejoins when done. Messages are still dispatched one at a time, in order.
+_RECEIVERS = 2
 _CLOSE_FLUSH = 10.0  # seconds to let the outbox drain before the close frame
 #: bytes per second a peer is allowed to be slow at while sending a large frame (heartbeat allowance)
 _MIN_FRAME_RATE = 10e6
@@ -96,7 +101,18 @@ class PeerLink:
         self._send_header, self._send_view = new_header_tensor()
         self._ring = [new_header_tensor() for _ in range(_RING)]
         self._ring_works: list[Any] = []
-        self._ring_pos = 0
+        # -- the receive loop's threads (see _RECEIVERS), under _rx_lock --------------------------
+        self._rx_lock = threading.Lock()
+        #: next header slot (absolute index; ring buffer slot % _RING) a receiver thread waits on
+        self._claimed = 0
+        #: next header slot to dispatch (decode, receive its data frames, deliver): in order
+        self._turn = 0
+        #: slot -> lock the receiver that got that slot's frame early waits on for its turn
+        self._gates: dict[int, Any] = {}
+        #: threads in the receive loop (THREAD_ROLE.link is this link)
+        self._receivers = 0
+        #: receiving has ended for good (close frame, IO error): receivers leave, none rejoin
+        self._ended = False
         # -- credit: header receives the peer has posted that no header of ours has used yet ------
         #: header frames we have sent (under the send lock)
         self._headers_sent = 0
@@ -119,9 +135,12 @@ class PeerLink:
         self.peer_name = f"rank {peer}"
         #: monotonic time of the last frame received from the peer (None: nothing heard yet)
         self.heard: float | None = None
-        #: (since, allowance) while the receiver waits in a receive: a silent peer is only suspect
-        #: while we wait for it, never while our own receiver is busy handling a message
-        self._waiting: tuple[float, float] | None = None
+        #: a silent peer is only suspect while we wait for it, never while our own receivers are
+        #: busy handling messages: threads blocked in gloo on a header, since when (first of them)
+        self._header_waiters = 0
+        self._header_since = 0.0
+        #: (since, allowance) while the dispatching receiver waits for a payload or tensor frame
+        self._data_wait: tuple[float, float] | None = None
         #: (since, allowance) while a thread waits in gloo for one of our frames to be taken by the peer
         self._sending: tuple[float, float] | None = None
         self._send_timeout = send_timeout
@@ -144,6 +163,7 @@ class PeerLink:
         """Start receiving. ``run_elsewhere(fn)`` runs ``fn`` on another (idle) thread: with it, a
         receiver can hand its role over (see hand_off) instead of making a request wait for a thread."""
         self._run_elsewhere = run_elsewhere
+        self._receivers = 1
         try:
             self._kill_work = self.pg.recv([self._kill_buf], self._peer_rank_in_pg, _KILL_TAG)
         except RuntimeError:
@@ -151,14 +171,25 @@ class PeerLink:
         self._receiver.start()
 
     def hand_off(self) -> bool:
-        """Called on this link's receiver thread: another thread takes over receiving (at once, while
-        this one finishes handling its message); this thread becomes an ordinary thread that may
-        block, run a request or send. Returns False (nothing changed) where that cannot be done."""
+        """Called on this link's receiver thread, while it handles a message (all of whose frames it
+        has received): the next message may be dispatched at once, by the receiver already waiting
+        for it (a new one is started only if none is left), and this thread becomes an ordinary
+        thread that may block, run a request or send; it rejoins the receive loop when done. Returns
+        False (nothing changed) where that cannot be done."""
         if THREAD_ROLE.link is not self or self._run_elsewhere is None:
             return False
         THREAD_ROLE.link = None
         THREAD_ROLE.no_blocking_send = False
-        self._run_elsewhere(self._receive_more)
+        with self._rx_lock:
+            self._receivers -= 1
+            start = self._receivers == 0 and not self._ended
+            if start:
+                self._receivers += 1
+            gate = self._pass_turn_locked()
+        if gate is not None:
+            gate.release()
+        if start:
+            self._run_elsewhere(self._receive_more)
         return True
 
     # -- sending -----------------------------------------------------------------------------------
@@ -296,9 +327,10 @@ class PeerLink:
             return
         try:
             encode_close(self._send_view, self.me, graceful)
-            self._headers_sent += 1
-            work = self.pg.send([self._send_header], self._peer_rank_in_pg, _TAG)
-            work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
+            for _ in range(_RECEIVERS):  # one for each of the peer's receivers (each ends one)
+                self._headers_sent += 1
+                work = self.pg.send([self._send_header], self._peer_rank_in_pg, _TAG)
+                work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
         except RuntimeError as exc:
             _log.debug("twinrpc: close frame to %d failed: %s", self.peer, exc)
         finally:
@@ -307,11 +339,11 @@ class PeerLink:
     # -- receiving ---------------------------------------------------------------------------------
     def _recv(self, t: torch.Tensor) -> None:
         """Receive one frame into ``t``, recording for the heartbeat that we wait for the peer."""
-        self._waiting = (time.monotonic(), t.numel() / _MIN_FRAME_RATE)
+        self._data_wait = (time.monotonic(), t.numel() / _MIN_FRAME_RATE)
         try:
             self.pg.recv([t], self._peer_rank_in_pg, _DATA_TAG).wait()
         finally:
-            self._waiting = None
+            self._data_wait = None
         self.heard = time.monotonic()
 
     def _post_header(self, i: int) -> None:
@@ -321,17 +353,50 @@ class PeerLink:
         t.zero_()
         self._ring_works[i] = self.pg.recv([t], self._peer_rank_in_pg, _TAG)
 
-    def _next_header(self) -> Header:
-        """Wait for the next header frame (receives are kept posted ahead, see _RING); decode it and
-        post that buffer's receive again."""
-        i = self._ring_pos
-        self._waiting = (time.monotonic(), HEADER_BYTES / _MIN_FRAME_RATE)
+    def _pass_turn_locked(self) -> Any:
+        """The dispatching receiver is done with its slot: the next one may go (returns the lock its
+        receiver waits on, if it waits, to release outside _rx_lock)."""
+        self._turn += 1
+        return self._gates.pop(self._turn, None)
+
+    def _pass_turn(self) -> None:
+        with self._rx_lock:
+            gate = self._pass_turn_locked()
+        if gate is not None:
+            gate.release()
+
+    def _next_header(self) -> Header | None:
+        """Claim the next header slot, wait in gloo for its frame (receives are kept posted ahead,
+        see _RING), then for its turn; decode it and post that buffer's receive again. None:
+        receiving ended meanwhile."""
+        with self._rx_lock:
+            if self._ended:
+                return None
+            slot = self._claimed
+            self._claimed += 1
+            work = self._ring_works[slot % _RING]
+            if not self._header_waiters:
+                self._header_since = time.monotonic()
+            self._header_waiters += 1
         try:
-            self._ring_works[i].wait()
+            work.wait()
         finally:
-            self._waiting = None
+            with self._rx_lock:
+                self._header_waiters -= 1
         self.heard = time.monotonic()
-        self._ring_pos = (i + 1) % _RING
+        with self._rx_lock:
+            if self._ended:
+                return None
+            gate = None
+            if self._turn != slot:  # the previous message is still being dispatched
+                gate = allocate_lock()
+                gate.acquire()
+                self._gates[slot] = gate
+        if gate is not None:
+            gate.acquire()  # released by the receiver passing the turn to this slot (or by the end)
+            if self._ended:
+                return None
+        i = slot % _RING
         try:
             header = Header(self._ring[i][1], self.peer, self.me, self._ring[i][0])
         except FrameError:
@@ -352,37 +417,78 @@ class PeerLink:
         except RuntimeError as exc:
             if not self.closing:
                 self._fail(exc)
-            self._receive_done.set()
+            self._leave(ended=True)
             return
+        if self._run_elsewhere is not None:
+            with self._rx_lock:
+                more = self._receivers < _RECEIVERS and not self._ended
+                if more:
+                    self._receivers += 1
+            if more:
+                self._run_elsewhere(self._receive_more)
         self._receive_more()
 
     def _receive_more(self) -> None:
-        """Receive until the link ends, or until this thread hands its role over (hand_off)."""
-        THREAD_ROLE.no_blocking_send = True
-        THREAD_ROLE.link = self
-        try:
-            handed_off = self._receive_messages()
-        finally:
-            if THREAD_ROLE.link is self:
-                THREAD_ROLE.link = None
-                THREAD_ROLE.no_blocking_send = False
-        if not handed_off:
+        """Receive (this thread is counted in _receivers) until the link ends; after handing the
+        role off (to run a request or make a blocking send), rejoin if the link is short of
+        receivers, else return (to the pool)."""
+        while True:
+            THREAD_ROLE.no_blocking_send = True
+            THREAD_ROLE.link = self
+            try:
+                handed_off = self._receive_messages()
+            except BaseException:
+                self._leave(ended=True)
+                raise
+            finally:
+                if THREAD_ROLE.link is self:
+                    THREAD_ROLE.link = None
+                    THREAD_ROLE.no_blocking_send = False
+            if not handed_off:
+                self._leave(ended=True)
+                return
+            with self._rx_lock:
+                rejoin = self._receivers < _RECEIVERS and not self._ended
+                if rejoin:
+                    self._receivers += 1
+            if not rejoin:
+                return
+
+    def _leave(self, ended: bool) -> None:
+        """This thread leaves the receive loop; ``ended``: receiving has ended for good."""
+        with self._rx_lock:
+            self._receivers -= 1
+            if ended:
+                self._ended = True
+            gates: list[Any] = []
+            if self._ended:
+                gates, self._gates = list(self._gates.values()), {}
+            done = self._ended and self._receivers <= 0
+        for gate in gates:
+            gate.release()
+        if done:
             self._receive_done.set()
 
     def _receive_messages(self) -> bool:
+        """Dispatch messages in turn; True: this thread handed its role off, False: receiving ended."""
         while True:
             try:
                 header = self._next_header()
+                if header is None:
+                    return False
                 if self.failed is not None:
                     return False  # declared dead (heartbeat): nothing it still sends is trusted
-                if header.closing:
+                if header.closing:  # the peer sends one per receiver of ours: each ends one
+                    first = not self.closed_by_peer
                     self.closed_by_peer = True
-                    if not self.closing:
+                    if first and not self.closing:
                         left = RuntimeError("the peer has shut down RPC")
                         left.graceful_exit = header.graceful  # type: ignore[attr-defined]
                         self._on_failure(self.peer, left)
+                    self._pass_turn()
                     return False
                 if header.kind is Kind.HEARTBEAT:
+                    self._pass_turn()
                     continue
                 payload = header.inline_payload
                 if payload is None:
@@ -406,6 +512,7 @@ class PeerLink:
                     self.peer_name,
                     exc,
                 )
+                self._pass_turn()
                 continue
             except RuntimeError as exc:
                 if not self.closing:
@@ -416,7 +523,8 @@ class PeerLink:
             except Exception:
                 _log.exception("twinrpc: handling a message from %s failed", self.peer_name)
             if THREAD_ROLE.link is not self:
-                return True  # handed off while handling it: another thread receives now
+                return True  # handed off while handling it (the turn went with it)
+            self._pass_turn()
 
     # -- liveness ----------------------------------------------------------------------------------
     def check_alive(self, now: float, threshold: float) -> None:
@@ -428,7 +536,9 @@ class PeerLink:
         Only a peer heard at least once is judged, so a peer still setting up its world is never
         mistaken for a dead one. Runs on the world's timer thread; never blocks for long.
         """
-        waiting, sending, heard = self._waiting, self._sending, self.heard
+        waiting, sending, heard = self._data_wait, self._sending, self.heard
+        if waiting is None and self._header_waiters:
+            waiting = (self._header_since, HEADER_BYTES / _MIN_FRAME_RATE)
         if heard is None or self.failed is not None or self.closing or self.closed_by_peer:
             return
         # A receiver waiting is the better judge: the peer's heartbeats land right there. (While it is
