@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 #: the modules (relative to this package) that provide a subcommand each, in the order help lists them
-COMMAND_MODULES: tuple[str, ...] = ("_launch", "_replay_cli", "_trace_cli")
+COMMAND_MODULES: tuple[str, ...] = ("_launch", "_explore_cli", "_replay_cli", "_trace_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

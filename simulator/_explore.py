@@ -129,15 +129,17 @@ class _Outcome:
     then: BaseException | None = None
     #: who raised ``error`` when no worker did: "the simulation", "the check", "the test"
     source: str = "the simulation"
+    #: how long the run took in virtual seconds (None: unknown)
+    duration: float | None = None
 
     def where(self) -> str:
         if self.error is None:
             return "passed"
         who = self.source if self.rank is None else f"worker {self.rank}"
         when = "" if self.time is None else f" at t={self.time:.6f} s"
-        text = f"{type(self.error).__qualname__} raised by {who}{when}"
+        text = f"{_short_type(self.error)} raised by {who}{when}"
         if self.then is not None:
-            text += f"; then {type(self.then).__qualname__}: {_first_line(str(self.then))}"
+            text += f"; then {_short_type(self.then)}: {_first_line(str(self.then))}"
         return text
 
 
@@ -181,22 +183,22 @@ def _run(
     except Exception as exc:  # deadlock, monitor violation, a protocol task failed, max_time
         if raised:
             rank, when, first = raised[0]
-            return _Outcome(None, first, rank, when, then=exc)
+            return _Outcome(None, first, rank, when, then=exc, duration=sim.now)
         at = getattr(exc, "time", None)
-        return _Outcome(None, exc, None, at if isinstance(at, float) else sim.now)
+        return _Outcome(None, exc, None, at if isinstance(at, float) else sim.now, duration=sim.now)
     if raised:
         rank, when, first = raised[0]
-        return _Outcome(result, first, rank, when)
+        return _Outcome(result, first, rank, when, duration=result.virtual_time)
     if check is not None:
         try:
             verdict = check(result)
         except Exception as exc:
-            return _Outcome(result, exc, source="the check")
+            return _Outcome(result, exc, source="the check", duration=result.virtual_time)
         if verdict is False:
             name = getattr(check, "__qualname__", repr(check))
             error = AssertionError(f"check {name}(result) returned False")
-            return _Outcome(result, error, source="the check")
-    return _Outcome(result)
+            return _Outcome(result, error, source="the check", duration=result.virtual_time)
+    return _Outcome(result, duration=result.virtual_time)
 
 
 def replay(
@@ -289,8 +291,16 @@ def message_pattern(message: str) -> str:
 
 
 def _type_name(exc: BaseException) -> str:
-    # by name, not identity: a program run with per-worker module copies raises per-worker classes
+    # by name, not identity: a program run with per-worker module copies raises per-worker classes;
+    # an error known only by its printed traceback (a simulated process's) carries its type's name
+    named = getattr(exc, "type_name", None)
+    if isinstance(named, str):
+        return named
     return f"{type(exc).__module__}.{type(exc).__qualname__}"
+
+
+def _short_type(exc: BaseException) -> str:
+    return _type_name(exc).rpartition(".")[2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,6 +483,9 @@ class _Search:
     calibrate: bool = False
     #: whether a failure of that first run counts (not when the user chose which seeds to explore)
     baseline_counts: bool = True
+    #: after a failure, remove faults one at a time while it still fails the same way (for plans
+    #: hypothesis cannot shrink: swarm plans, drawn whole from a seed)
+    minimize: bool = False
 
     def __post_init__(self) -> None:
         #: the program's virtual duration, measured by the calibration run
@@ -543,14 +556,54 @@ class _Search:
         case = Case(0)
         self.calls += 1
         outcome = self.body(lambda world_size: case)
-        if outcome.result is not None and outcome.result.virtual_time > 0:
-            self.horizon = round_up(outcome.result.virtual_time)
+        if outcome.error is None and outcome.duration is not None and outcome.duration > 0:
+            self.horizon = round_up(outcome.duration)
         found = outcome.error is not None and self.baseline_counts and self._judge(case, outcome)
         self._verdicts[case_key(case)] = found
         return found
 
+    def _try(self, case: Case) -> _Outcome | None:
+        """Run ``case`` (within the shrink budget); its outcome if it fails the same way."""
+        assert self.found_at is not None and self.signature is not None
+        key = case_key(case)
+        if self._verdicts.get(key) is False or self.calls - self.found_at >= self.max_shrink_runs:
+            return None
+        self.calls += 1
+        outcome = self.body(lambda world_size: case)
+        found = outcome.error is not None and self._judge(case, outcome)
+        self._verdicts[key] = found
+        return outcome if found else None
+
+    def _remove_faults(self) -> None:
+        """Greedy delta debugging: drop each fault (and positional action) while the failure stays."""
+        assert self.best is not None
+        case = self.best[0]
+        progress = True
+        while progress:
+            progress = False
+            plan = case.faults
+            candidates = [
+                FaultPlan(plan.faults[:i] + plan.faults[i + 1 :], plan.actions, plan.gc_delay)
+                for i in range(len(plan.faults))
+            ]
+            if plan.actions:
+                candidates.append(FaultPlan(plan.faults, (), plan.gc_delay))
+            if plan.gc_delay != FaultPlan().gc_delay:
+                candidates.append(FaultPlan(plan.faults, plan.actions))
+            for candidate in candidates:
+                smaller = Case(case.seed, candidate, case.network)
+                if self._try(smaller) is not None:
+                    case, progress = smaller, True
+                    break
+
     def run(self) -> bool:
         """Explore; True when a failure was found (then :attr:`first` and :attr:`best` say which)."""
+        found = self._explore()
+        if found and self.minimize:
+            self._remove_faults()
+        return found
+
+    def _explore(self) -> bool:
         if self.calibrate and self._baseline():
             return True  # seed 0 without faults fails: nothing is smaller
         from hypothesis import HealthCheck, Phase, find, settings
@@ -599,13 +652,24 @@ def cases(
     network: SearchStrategy[NetworkModel] | None = None,
     seeds: SearchStrategy[int] | None = None,
     horizon: float | None = None,
+    swarm: bool = False,
 ) -> SearchStrategy[Case]:
     """The strategy of cases :func:`explore` draws: a seed from ``seeds`` (``None``: any 32-bit
     seed), a plan from ``faults`` (a strategy, or a function of the world size returning one;
     ``None``: :func:`default_faults` over ``horizon``) and a network model from ``network``
-    (``None``: the default model, not explored)."""
+    (``None``: the default model, not explored). With ``swarm``, the plan is the seed's swarm plan
+    (:class:`~twinrpc.simulator.Swarm` over ``horizon``): the seed alone draws the faults too."""
     from hypothesis import strategies as st
 
+    if swarm:
+        from ._swarm import Swarm
+
+        maker = Swarm() if horizon is None else Swarm(duration=horizon)
+        return st.builds(
+            lambda seed, net: Case(seed, maker.plan(seed, world_size), net),
+            st.integers(0, SEED_RANGE - 1) if seeds is None else seeds,
+            st.none() if network is None else network,
+        )
     if faults is None:
         plans = default_faults(world_size, horizon)
     elif callable(faults) and not isinstance(faults, st.SearchStrategy):
@@ -641,6 +705,7 @@ def explore(
     faults: SearchStrategy[FaultPlan] | Callable[[int], SearchStrategy[FaultPlan]] | None = None,
     network: SearchStrategy[NetworkModel] | None = None,
     seeds: SearchStrategy[int] | None = None,
+    swarm: bool = False,
     seed: int | None = None,
     check: Callable[[RunResult], object] | None = None,
     match: str | None = None,
@@ -671,6 +736,9 @@ def explore(
         network: a strategy of :class:`NetworkModel`; ``None``: the default model.
         seeds: a strategy of simulation seeds; ``None``: any 32-bit seed. ``st.just(0)`` explores
             fault plans under one seed (every failure is then explained by its faults alone).
+        swarm: swarm testing: each run's faults are its seed's :class:`Swarm` plan (which kinds are
+            on, their rates, windows and victims all drawn from the seed), over the program's
+            measured length; a failure is then minimized by removing faults one at a time.
         seed: the exploration's seed; the same seed tries the same cases in the same order
             (``None``: 0). No example database is read or written.
         check: judges each passing run's :class:`RunResult`.
@@ -686,6 +754,8 @@ def explore(
     """
     if world_size < 1:
         raise ValueError(f"explore(world_size={world_size}): at least one worker")
+    if swarm and faults is not None:
+        raise ValueError("explore(swarm=True) draws its plans from the seeds: do not pass faults= too")
     if runs < 1:
         raise ValueError(f"explore(runs={runs}): at least one run")
     if not callable(program):
@@ -699,14 +769,15 @@ def explore(
 
     search = _Search(
         body,
-        lambda n, horizon: cases(n, faults, network, seeds, horizon),
+        lambda n, horizon: cases(n, faults, network, seeds, horizon, swarm),
         runs=runs,
         seed=seed,
-        shrink=shrink,
+        shrink=shrink and not swarm,
         max_shrink_runs=max_shrink_runs,
         match=match,
         calibrate=faults is None,
         baseline_counts=seeds is None,
+        minimize=shrink and swarm,
     )
     if not search.run():
         return Exploration(search.calls, seed)

@@ -92,6 +92,9 @@ class LaunchResult:
     trace: Trace
     #: the simulation's own failure (a hang, max_time passed), if any
     error: SimulationError | None = None
+    #: the uncaught exceptions of the run's processes (children included) in the order they exited:
+    #: (virtual time, rank, pid, the traceback as Python prints it); what ``explore`` judges runs by
+    tracebacks: tuple[tuple[float, int, int, str], ...] = ()
 
 
 def substitute(args: Sequence[str], rank: int, local_rank: int, world_size: int) -> list[str]:
@@ -219,7 +222,10 @@ def launch(
             _report_failure(options, launcher, exitcodes, error_files, error, err)
     if options.trace is not None:
         sim.trace.save(options.trace)
-    return LaunchResult(exitcodes, 1 if failed else 0, sim.now, sim.trace, error)
+    tracebacks = tuple(
+        sorted((p.exit_time or 0.0, p.rank, p.pid, p.error) for p in launcher.processes if p.error)
+    )
+    return LaunchResult(exitcodes, 1 if failed else 0, sim.now, sim.trace, error, tracebacks)
 
 
 @contextmanager

@@ -125,6 +125,17 @@ def test_seeds_only_exploration_takes_a_strategy_of_plans(planted: Any) -> None:
     assert result.failure is None  # the planted bug needs a fault; seeds alone do not find it
 
 
+def test_swarm_exploration_draws_whole_plans_from_seeds_and_minimizes_them(planted: Any) -> None:
+    failure = explore(planted.program, 3, runs=200, swarm=True, raise_on_failure=False).failure
+    assert failure is not None and "lost an update" in str(failure.minimal_error)
+    assert fault_count(failure.faults) <= 3
+    assert fault_count(failure.faults) < fault_count(failure.original.faults)
+    with pytest.raises(AssertionError, match=failure.pattern):
+        replay(planted.program, 3, seed=failure.seed, faults=failure.faults)
+    with pytest.raises(ValueError, match="swarm=True"):
+        explore(planted.program, 3, swarm=True, faults=st.just(FaultPlan()))
+
+
 def test_a_failing_check_is_a_failure(planted: Any) -> None:
     planted.ATOMIC = True
     with pytest.raises(Failure) as info:

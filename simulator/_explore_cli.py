@@ -1,0 +1,293 @@
+"""``python -m twinrpc.simulator explore``: explore an unchanged program over seeds and fault plans.
+
+::
+
+    python -m twinrpc.simulator explore --nproc-per-node 3 [--runs 200] [--swarm] [--seed S]
+        [--network FILE] [--max-time T] [--shrink-runs N] [--out DIR] prog.py ARGS...
+
+Each run is what ``python -m twinrpc.simulator run`` does (:mod:`twinrpc.simulator._launch`), under a
+seed and a fault plan drawn as :func:`twinrpc.simulator.explore` draws them (``--swarm``: the seed
+draws the faults too). A run fails when any of its processes, children included, ends with an
+uncaught exception, when a worker exits non-zero, or when the simulation hangs; the first exception
+to happen is the failure, and hypothesis shrinks the run to the smallest one that fails the same way.
+The minimal plan is written to ``DIR/faults.json``, a regression test to ``DIR/test_<program>_regression.py``,
+and the ``run`` command that replays the minimal run is printed. Exit status 0 when every run passed,
+1 when one failed, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ._errors import SimulationDeadlock
+from ._explore import Case, Failure, _Outcome, _Search, cases, regression_header
+from ._launch import LaunchError, LaunchOptions, launch, load_network
+
+
+class ProgramError(Exception):
+    """An uncaught exception of a simulated process, known by its printed traceback: its type's name
+    and message are what "the same failure" compares."""
+
+    def __init__(self, type_name: str, message: str, traceback_text: str) -> None:
+        super().__init__(message)
+        self.type_name = type_name
+        self.traceback_text = traceback_text
+
+
+def parse_traceback(text: str) -> tuple[str, str]:
+    """(exception type name, message) of the last exception a printed traceback shows."""
+    lines = text.rstrip("\n").splitlines()
+    start = 0
+    for i, line in enumerate(lines):
+        if line.startswith("  File "):
+            start = i + 1
+    while start < len(lines) and (lines[start].startswith(" ") or not lines[start].strip()):
+        start += 1  # the last frame's source line and carets
+    tail = lines[start:] or lines[-1:] or [""]
+    head, sep, rest = tail[0].partition(": ")
+    name = head.strip() if sep or ":" not in head else head.rstrip(":")
+    message = "\n".join([rest, *tail[1:]]) if sep else "\n".join(tail[1:])
+    if "." not in name:
+        name = f"builtins.{name}"
+    return name, message.strip()
+
+
+def _outcome(options: LaunchOptions, case: Case, workdir: Path) -> _Outcome:
+    plan_file = workdir / "faults.json"
+    plan_file.write_text(case.faults.to_json(), encoding="utf-8")
+    opts = dataclasses.replace(options, seed=case.seed, faults=str(plan_file))
+    if case.network is not None:
+        net_file = workdir / "network.json"
+        net_file.write_text(json.dumps(dataclasses.asdict(case.network)), encoding="utf-8")
+        opts = dataclasses.replace(opts, network=str(net_file))
+    sink = io.StringIO()
+    result = launch(opts, stdout=sink, stderr=sink)
+    if result.tracebacks:
+        when, rank, _pid, text = result.tracebacks[0]
+        name, message = parse_traceback(text)
+        then: BaseException | None = result.error
+        if then is None and len(result.tracebacks) > 1:
+            later = result.tracebacks[1]
+            then = ProgramError(*parse_traceback(later[3]), later[3])
+        return _Outcome(
+            None, ProgramError(name, message, text), rank, when, then=then, duration=result.virtual_time
+        )
+    if result.error is not None:
+        return _Outcome(None, result.error, None, result.virtual_time, duration=result.virtual_time)
+    if result.status != 0:
+        codes = ", ".join(f"rank {r}: {c}" for r, c in enumerate(result.exitcodes) if c != 0)
+        return _Outcome(
+            None, ProgramError("builtins.SystemExit", f"exit codes {codes}", ""), duration=result.virtual_time
+        )
+    return _Outcome(None, duration=result.virtual_time)
+
+
+def run_command_line(options: LaunchOptions, case: Case, plan_path: str, network_path: str | None) -> str:
+    """The ``run`` command that replays ``case`` (its plan written to ``plan_path``)."""
+    cmd = ["python", "-m", "twinrpc.simulator", "run", "--nproc-per-node", str(options.nproc_per_node)]
+    cmd += ["--seed", str(case.seed), "--faults", plan_path]
+    if network_path is not None:
+        cmd += ["--network", network_path]
+    if options.max_time is not None:
+        cmd += ["--max-time", repr(options.max_time)]
+    return shlex.join([*cmd, options.program, *options.args])
+
+
+def export_program_test(
+    failure: Failure, options: LaunchOptions, out_dir: Path, name: str, expect: str
+) -> str:
+    """A pytest file that runs the program under the minimal case with ``run`` in a fresh interpreter,
+    and asserts it passes (or, ``expect="fail"``, that it fails the known way)."""
+    program = os.path.relpath(os.path.abspath(options.program), os.path.abspath(out_dir))
+    network = None if failure.network is None else dataclasses.asdict(failure.network)
+    args = [
+        "--nproc-per-node",
+        str(options.nproc_per_node),
+        "--seed",
+        str(failure.seed),
+    ]
+    if options.max_time is not None:
+        args += ["--max-time", repr(options.max_time)]
+    body = [
+        "plan = tmp_path / 'faults.json'",
+        "plan.write_text(json.dumps(FAULTS), encoding='utf-8')",
+        "extra = []",
+        "if NETWORK is not None:",
+        "    (tmp_path / 'network.json').write_text(json.dumps(NETWORK), encoding='utf-8')",
+        "    extra = ['--network', str(tmp_path / 'network.json')]",
+        "run = subprocess.run(",
+        "    [sys.executable, '-m', 'twinrpc.simulator', 'run', *RUN_ARGS, '--faults', str(plan), *extra,",
+        "     str(PROGRAM), *PROGRAM_ARGS],",
+        "    cwd=PROGRAM.parent, capture_output=True, text=True, timeout=600,",
+        ")",
+    ]
+    if expect == "pass":
+        doc = "The run that failed now passes: no process ends with an exception, every rank exits 0."
+        body += [
+            "assert run.returncode == 0 and 'Traceback (most recent call last)' not in run.stderr, (",
+            "    run.stdout + run.stderr",
+            ")",
+        ]
+    else:
+        doc = "The run still fails the known way (remove this test, or switch it to passing, once fixed)."
+        type_name = failure.exception_type.rpartition(".")[2]
+        body += [
+            f"assert {type_name + ': '!r} in run.stderr, run.stdout + run.stderr",
+            "assert re.search(PATTERN, run.stderr), run.stdout + run.stderr",
+        ]
+    return "\n".join(
+        [
+            *regression_header(failure),
+            "",
+            "from __future__ import annotations",
+            "",
+            "import json",
+            "import re",
+            "import subprocess",
+            "import sys",
+            "from pathlib import Path",
+            "",
+            f"PROGRAM = Path(__file__).parent / {program!r}",
+            f"PROGRAM_ARGS = {list(options.args)!r}",
+            f"RUN_ARGS = {args!r}",
+            f"FAULTS = {failure.faults_data!r}",
+            f"NETWORK = {network!r}",
+            f"PATTERN = {failure.pattern!r}",
+            "",
+            "",
+            f"def {name}(tmp_path: Path) -> None:",
+            f'    """{doc}"""',
+            *(f"    {line}" for line in body),
+            "",
+        ]
+    )
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``explore`` subcommand."""
+    p = subparsers.add_parser(
+        "explore",
+        help="run a program over many seeds and fault plans; shrink the first failure",
+        description=(
+            "Run PROGRAM as N simulated workers (as 'run' does) under seeds and fault plans drawn by "
+            "hypothesis; shrink the first failing run, write its plan and a regression test, and print "
+            "the command that replays it."
+        ),
+    )
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N")
+    p.add_argument("--runs", type=int, default=200, metavar="R", help="runs before giving up (default 200)")
+    p.add_argument(
+        "--swarm", action="store_true", help="each run's seed draws its faults too (swarm testing)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="the exploration's seed: same seed, same runs (default 0)"
+    )
+    p.add_argument("--network", metavar="FILE", help="a NetworkModel as JSON or TOML, for every run")
+    p.add_argument(
+        "--max-time", type=float, metavar="T", help="fail a run once virtual time passes T seconds"
+    )
+    p.add_argument(
+        "--shrink-runs", type=int, default=200, metavar="N", help="at most N runs to shrink (default 200)"
+    )
+    p.add_argument(
+        "--out", default="explore-out", metavar="DIR", help="where the plan and test go (explore-out)"
+    )
+    p.add_argument("program", metavar="PROGRAM")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
+    p.set_defaults(func=explore_command)
+
+
+def explore_command(args: argparse.Namespace) -> int:
+    """``explore``'s entry point: the exit status."""
+    err = sys.stderr
+    if args.nproc_per_node < 1 or args.runs < 1 or args.shrink_runs < 0:
+        print("explore: --nproc-per-node and --runs must be at least 1, --shrink-runs at least 0", file=err)
+        return 2
+    options = LaunchOptions(
+        program=args.program,
+        args=tuple(args.args),
+        nproc_per_node=args.nproc_per_node,
+        max_time=args.max_time,
+    )
+    try:
+        network = load_network(args.network) if args.network else None
+        if not Path(args.program).is_file():
+            raise LaunchError(f"can't open file {args.program!r}: no such file")
+    except (LaunchError, ValueError) as exc:
+        print(f"python -m twinrpc.simulator explore: {exc}", file=err)
+        return 2
+    n = args.nproc_per_node
+    with tempfile.TemporaryDirectory(prefix="twinrpc-explore-") as tmp:
+        workdir = Path(tmp)
+
+        def body(draw: Any) -> _Outcome:
+            case = draw(n)
+            if network is not None and case.network is None:
+                case = Case(case.seed, case.faults, network)
+            return _outcome(options, case, workdir)
+
+        search = _Search(
+            body,
+            lambda world, horizon: cases(world, None, None, None, horizon, args.swarm),
+            runs=args.runs,
+            seed=args.seed,
+            shrink=not args.swarm,
+            max_shrink_runs=args.shrink_runs,
+            calibrate=True,
+            minimize=args.swarm,
+        )
+        try:
+            found = search.run()
+        except LaunchError as exc:
+            print(f"python -m twinrpc.simulator explore: {exc}", file=err)
+            return 2
+    if not found:
+        print(f"explore: {search.calls} runs of {args.program} passed (exploration seed {args.seed})")
+        return 0
+    assert search.first is not None and search.best is not None and search.signature is not None
+    assert search.found_at is not None
+    original, first = search.first
+    case, minimal = search.best
+    if network is not None and case.network == network:
+        case = Case(case.seed, case.faults, None)  # --network gives it on the command line
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan_path = out_dir / "faults.json"
+    plan_path.write_text(case.faults.to_json() + "\n", encoding="utf-8")
+    command = run_command_line(options, case, str(plan_path), args.network)
+    assert first.error is not None
+    failure = Failure(
+        case=case,
+        original=original,
+        error=first.error,
+        minimal=minimal,
+        signature=search.signature,
+        runs=search.found_at,
+        shrink_runs=search.calls - search.found_at,
+        world_size=n,
+        program=None,
+        args=(),
+        check=None,
+        command=lambda c: command,
+        exporter=lambda f, name, expect: export_program_test(f, options, out_dir, name, expect),
+    )
+    stem = "".join(ch if ch.isalnum() else "_" for ch in Path(args.program).stem)
+    test_path = out_dir / f"test_{stem}_regression.py"
+    test_path.write_text(failure.to_pytest(f"test_{stem}_regression"), encoding="utf-8")
+    print(failure.describe())
+    error = minimal.error
+    if isinstance(error, ProgramError) and error.traceback_text:
+        print("  traceback of the minimal run:\n" + error.traceback_text.rstrip())
+    elif isinstance(error, SimulationDeadlock):
+        print(f"  the simulation hung:\n{error}")
+    print(f"  minimal plan written to {plan_path}; regression test written to {test_path}")
+    return 1
