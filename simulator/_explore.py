@@ -604,6 +604,7 @@ class _Search:
         return found
 
     def _explore(self) -> bool:
+        _require_hypothesis()
         if self.calibrate and self._baseline():
             return True  # seed 0 without faults fails: nothing is smaller
         from hypothesis import HealthCheck, Phase, find, settings
@@ -625,6 +626,17 @@ class _Search:
         except NoSuchExample:
             return False
         return self.first is not None
+
+
+def _require_hypothesis() -> None:
+    """Exploration searches with hypothesis, a test dependency: say so plainly when it is missing."""
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            "twinrpc.simulator.explore searches with hypothesis, which is not installed: "
+            "pip install 'twinrpc[test]' (or pip install hypothesis)"
+        ) from exc
 
 
 def round_up(seconds: float) -> float:
