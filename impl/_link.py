@@ -564,11 +564,18 @@ class PeerLink:
             self.heard = now
 
     def send_heartbeat(self) -> None:
-        """Queue one heartbeat frame on the outbox (never blocks); skipped while the outbox is busy,
-        since whatever it is sending tells the peer we are alive just as well."""
+        """Send one heartbeat frame if that cannot block, else queue it on the outbox (never blocks);
+        skipped while the outbox is busy, since whatever it is sending tells the peer we are alive
+        just as well."""
         if self.failed is not None or self.closing or self.closed_by_peer or not self._outbox.empty():
             return
-        self.send_later(Message(Kind.HEARTBEAT, 0, self.me, self.peer, b""), _ignore_heartbeat_error)
+        beat = Message(Kind.HEARTBEAT, 0, self.me, self.peer, b"")
+        try:
+            if self.try_send_now(beat):  # usually: no outbox thread to wake
+                return
+        except Exception:
+            return  # the link failed: nothing to report for a heartbeat
+        self.send_later(beat, _ignore_heartbeat_error)
 
     def _fail(self, exc: BaseException) -> None:
         if self.failed is None and not self.closing:

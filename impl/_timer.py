@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -12,25 +13,38 @@ from collections.abc import Callable
 from twinrpc._world import TimerHandle
 
 _log = logging.getLogger("twinrpc.impl")
+#: a timer may fire this much after its deadline (1% of its delay, at most _SLACK_MAX seconds), so
+#: that nearby deadlines share one wake-up of the timer thread
+_SLACK_FRACTION = 0.01
+_SLACK_MAX = 0.01
 
 
 class TimerThread:
-    """Runs ``fn()`` on the timer thread at its deadline. Callbacks must be short and must not block."""
+    """Runs ``fn()`` on the timer thread at its deadline. Callbacks must be short and must not block.
+
+    Most timers are cancelled long before they are due (every RPC's timeout, every RRef control
+    message's resend): cancelled ones at the head of the queue are dropped without waiting for their
+    deadline, so they cost the thread no wake-up of its own.
+    """
 
     def __init__(self, name: str) -> None:
-        self._heap: list[tuple[float, int, TimerHandle, Callable[[], object]]] = []
+        self._heap: list[tuple[float, int, TimerHandle, Callable[[], object], float]] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._stopped = False
+        #: when the thread will next wake by itself (inf: only when notified)
+        self._wake_at = math.inf
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def call_later(self, delay: float, fn: Callable[[], object]) -> TimerHandle:
         handle = TimerHandle()
         deadline = time.monotonic() + delay
+        latest = deadline + min(delay * _SLACK_FRACTION, _SLACK_MAX)
         with self._cond:
-            heapq.heappush(self._heap, (deadline, next(self._seq), handle, fn))
-            if self._heap[0][2] is handle:
+            heapq.heappush(self._heap, (deadline, next(self._seq), handle, fn, latest))
+            if latest < self._wake_at:
+                self._wake_at = latest
                 self._cond.notify()
         return handle
 
@@ -43,20 +57,25 @@ class TimerThread:
         from ._link import THREAD_ROLE
 
         THREAD_ROLE.no_blocking_send = True  # a timer blocked in a send would delay every timeout
+        heap = self._heap
         while True:
             with self._cond:
                 while not self._stopped:
-                    if not self._heap:
+                    while heap and heap[0][2].cancelled:
+                        heapq.heappop(heap)
+                    if not heap:
+                        self._wake_at = math.inf
                         self._cond.wait()
                         continue
-                    deadline = self._heap[0][0]
                     now = time.monotonic()
-                    if deadline <= now:
+                    if heap[0][0] <= now:
                         break
-                    self._cond.wait(deadline - now)
+                    self._wake_at = heap[0][4]
+                    self._cond.wait(self._wake_at - now)
                 if self._stopped:
                     return
-                _, _, handle, fn = heapq.heappop(self._heap)
+                self._wake_at = -math.inf  # awake: no call_later needs to notify
+                _, _, handle, fn, _ = heapq.heappop(heap)
             if handle.cancelled:
                 continue
             try:
