@@ -8,3 +8,7 @@ simulator (:mod:`twinrpc.simulator`) or, unchanged, in the real multiprocess glo
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+# Imported first thing, so that a program that imports twinrpc and then forks has the fork's
+# surviving thread recorded (see _fork: it must not run the backward pass's kernels itself).
+from . import _fork  # noqa: F401

@@ -40,6 +40,7 @@ from ._dist_autograd import (
     SendRpcBackward,
     context_not_found,
 )
+from ._fork import on_fork_survivor
 from ._future import Future
 from ._message import Kind, Message
 
@@ -435,7 +436,14 @@ def run_backward(container: DistAutogradContainer, context_id: int, roots: Any, 
     if observer is not None:
         observer.autograd_event(container.rank, "backward-started", context_id, f"pass {gp.pass_id}")
     outcome = "failed"
-    gp.feed(_ROOT, [torch.ones_like(r) for r in roots])
+    seeds: list[torch.Tensor | None] = [torch.ones_like(r) for r in roots]
+    if on_fork_survivor():
+        # This thread forked from a parent that may have used OpenMP: its kernels could wait forever
+        # for helper threads the fork did not copy (twinrpc._fork). Upstream runs every backward on its
+        # engine's threads; run this one on a world task.
+        container.agent.world.spawn(gp.feed, _ROOT, seeds)
+    else:
+        gp.feed(_ROOT, seeds)
     try:
         gp.done.wait()
         outcome = "done"
