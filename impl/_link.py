@@ -107,8 +107,14 @@ class PeerLink:
         self._claimed = 0
         #: next header slot to dispatch (decode, receive its data frames, deliver): in order
         self._turn = 0
-        #: slot -> lock the receiver that got that slot's frame early waits on for its turn
-        self._gates: dict[int, Any] = {}
+        #: a receiver is dispatching slot _turn
+        self._busy = False
+        #: slots whose frame has arrived, not yet dispatched (their receiver parked as a spare)
+        self._ready: set[int] = set()
+        #: slots a receiver waits on in gloo
+        self._native: set[int] = set()
+        #: locks of parked spare receivers (woken only when no receiver waits for slot _turn)
+        self._spares: list[Any] = []
         #: threads in the receive loop (THREAD_ROLE.link is this link)
         self._receivers = 0
         #: receiving has ended for good (close frame, IO error): receivers leave, none rejoin
@@ -182,12 +188,19 @@ class PeerLink:
         THREAD_ROLE.no_blocking_send = False
         with self._rx_lock:
             self._receivers -= 1
-            start = self._receivers == 0 and not self._ended
-            if start:
-                self._receivers += 1
-            gate = self._pass_turn_locked()
-        if gate is not None:
-            gate.release()
+            self._turn += 1
+            self._busy = False
+            spare, start = None, False
+            if not self._ended and (self._turn in self._ready or self._turn not in self._native):
+                # nobody waits for the next slot (or its frame is here already): wake a spare, or
+                # start a receiver if there is none
+                if self._spares:
+                    spare = self._spares.pop()
+                else:
+                    start = True
+                    self._receivers += 1
+        if spare is not None:
+            spare.release()
         if start:
             self._run_elsewhere(self._receive_more)
         return True
@@ -353,49 +366,52 @@ class PeerLink:
         t.zero_()
         self._ring_works[i] = self.pg.recv([t], self._peer_rank_in_pg, _TAG)
 
-    def _pass_turn_locked(self) -> Any:
-        """The dispatching receiver is done with its slot: the next one may go (returns the lock its
-        receiver waits on, if it waits, to release outside _rx_lock)."""
-        self._turn += 1
-        return self._gates.pop(self._turn, None)
-
     def _pass_turn(self) -> None:
+        """The dispatching receiver is done with slot _turn (it goes on to the next, see
+        _next_header, which takes a frame that is already here without waiting)."""
         with self._rx_lock:
-            gate = self._pass_turn_locked()
-        if gate is not None:
-            gate.release()
+            self._turn += 1
+            self._busy = False
 
     def _next_header(self) -> Header | None:
-        """Claim the next header slot, wait in gloo for its frame (receives are kept posted ahead,
-        see _RING), then for its turn; decode it and post that buffer's receive again. None:
-        receiving ended meanwhile."""
-        with self._rx_lock:
-            if self._ended:
-                return None
-            slot = self._claimed
-            self._claimed += 1
-            work = self._ring_works[slot % _RING]
-            if not self._header_waiters:
-                self._header_since = time.monotonic()
-            self._header_waiters += 1
-        try:
-            work.wait()
-        finally:
+        """Become the dispatcher of the next slot: take it at once if its frame is here, else claim
+        a slot and wait in gloo for its frame (receives are kept posted ahead, see _RING); a frame
+        that arrives before its turn is left for the dispatcher and this thread parks as a spare.
+        Decode the header and post that buffer's receive again. None: receiving ended meanwhile."""
+        while True:
             with self._rx_lock:
-                self._header_waiters -= 1
-        self.heard = time.monotonic()
-        with self._rx_lock:
-            if self._ended:
-                return None
-            gate = None
-            if self._turn != slot:  # the previous message is still being dispatched
+                if self._ended:
+                    return None
+                if not self._busy and self._turn in self._ready:
+                    slot = self._turn
+                    self._ready.discard(slot)
+                    self._busy = True
+                    break
+                slot = self._claimed
+                self._claimed += 1
+                work = self._ring_works[slot % _RING]
+                self._native.add(slot)
+                if not self._header_waiters:
+                    self._header_since = time.monotonic()
+                self._header_waiters += 1
+            try:
+                work.wait()
+            finally:
+                with self._rx_lock:
+                    self._header_waiters -= 1
+                    self._native.discard(slot)
+            self.heard = time.monotonic()
+            with self._rx_lock:
+                if self._ended:
+                    return None
+                if not self._busy and self._turn == slot:
+                    self._busy = True
+                    break
+                self._ready.add(slot)  # early: the dispatcher takes it when its turn comes
                 gate = allocate_lock()
                 gate.acquire()
-                self._gates[slot] = gate
-        if gate is not None:
-            gate.acquire()  # released by the receiver passing the turn to this slot (or by the end)
-            if self._ended:
-                return None
+                self._spares.append(gate)
+            gate.acquire()  # woken when no receiver waits for the next slot (or at the end)
         i = slot % _RING
         try:
             header = Header(self._ring[i][1], self.peer, self.me, self._ring[i][0])
@@ -462,7 +478,7 @@ class PeerLink:
                 self._ended = True
             gates: list[Any] = []
             if self._ended:
-                gates, self._gates = list(self._gates.values()), {}
+                gates, self._spares = self._spares, []
             done = self._ended and self._receivers <= 0
         for gate in gates:
             gate.release()
