@@ -14,6 +14,7 @@ Faults are verbs and plain data: ``sim.drop("response", src=1, dst=0)``, ``sim.p
 
 from __future__ import annotations
 
+from ._current import current
 from ._determinism import NondeterminismError, check_determinism
 from ._errors import FaultPlanError, SimulationDeadlock, SimulationError
 from ._explore import Exploration, Failure, explore, replay
@@ -74,6 +75,7 @@ __all__ = [
     "TraceFormatError",
     "WorkerOutcome",
     "check_determinism",
+    "current",
     "diff_traces",
     "explore",
     "load_faults",

@@ -3,7 +3,7 @@
 ::
 
     python -m twinrpc.simulator run --nproc-per-node 3 [--seed S] [--network FILE] [--faults FILE]
-        [--trace OUT] [--max-time T] prog.py ARGS...
+        [--trace OUT] [--max-time T] [--check-determinism] prog.py ARGS...
 
 Each worker is a simulated process (:mod:`twinrpc.simulator._program`) that runs ``prog.py`` as
 ``__main__`` with torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...),
@@ -326,6 +326,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--faults", metavar="FILE", help="a FaultPlan as JSON or TOML")
     p.add_argument("--trace", metavar="OUT", help="write the run's trace to OUT")
     p.add_argument("--max-time", type=float, metavar="T", help="fail once virtual time passes T seconds")
+    p.add_argument(
+        "--check-determinism",
+        action="store_true",
+        help="run twice with the same seed; print the first difference and exit 1 if the runs differ",
+    )
     p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="MASTER_ADDR the workers see")
     p.add_argument(
         "--master-port", "--master_port", type=int, default=29500, help="MASTER_PORT the workers see"
@@ -364,6 +369,10 @@ def run_command(args: argparse.Namespace) -> int:
         local_ranks_filter=args.local_ranks_filter,
     )
     try:
+        if args.check_determinism:
+            from ._launch_determinism import launch_twice
+
+            return launch_twice(options)
         return launch(options).status
     except LaunchError as exc:
         print(f"python -m twinrpc.simulator run: error: {exc}", file=sys.stderr)

@@ -17,6 +17,7 @@ from twinrpc._message import Message
 from twinrpc._serialize import copy_storages
 from twinrpc._world import TimerHandle
 
+from ._current import CURRENT_SIMULATION
 from ._scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ class SimWorker:
         self.context = contextvars.Context()
         self.context.run(CURRENT_SLOT.set, self.slot)
         self.context.run(CURRENT_BLOCKER.set, sim.blocker)
+        self.context.run(CURRENT_SIMULATION.set, sim)
         self.world: SimWorld | None = None
         self.crashed = False
 

@@ -115,6 +115,11 @@ def test_torchrun_program():
     assert "worker1: worker0 runs on" in out and "returned [2.0, 2.0]" in out
 
 
+def test_pause_a_peer_from_the_program_under_the_simulator_command():
+    out = _run("-m", "twinrpc.simulator", "run", "--nproc-per-node", "2", "docs/examples/pause_a_peer.py")
+    assert "[rank0]:worker1 answered after 5.0 s" in out
+
+
 def test_slow_network_backend_runs_the_conformance_suite():
     # slow_network_backend.py: a sample of the suite (the whole suite on the sim backend is CI's job)
     out = _run(

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed
+import twinrpc.simulator
 from twinrpc.simulator import Simulation, SimulationWarning
 from twinrpc.simulator._cli import main
 
@@ -502,6 +503,145 @@ def test_the_same_seed_replays_the_same_output_and_trace(
         runs.append((out, trace.read_bytes()))
     assert runs[0] == runs[1]
     assert runs[0][1].count(b"\n") > 50
+
+
+_CHOSEN_PAUSES = """
+    import os, random, sys, time
+    import torch.distributed.rpc as rpc
+
+    def echo(x):
+        return x
+
+    rank = int(os.environ["RANK"])
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2)
+    if rank == 0:
+        for _ in range(3):
+            if sys.argv[1] == "urandom":  # entropy the command cannot seed
+                pause = int.from_bytes(os.urandom(8), "little") / 2**64
+            else:  # Python's generator, seeded from --seed by the command
+                pause = random.random()
+            time.sleep(pause)
+            rpc.rpc_sync("w1", echo, args=(pause,))
+        print("rank 0 done")
+    rpc.shutdown()
+    """
+
+
+def test_check_determinism_runs_twice_and_passes_a_program_whose_randomness_the_seed_fixes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prog = _program(tmp_path, _CHOSEN_PAUSES)
+    trace = tmp_path / "trace.jsonl"
+    status, out, err = _run(
+        capsys, "--nproc-per-node", "2", "--check-determinism", "--trace", str(trace), str(prog), "seeded"
+    )
+    assert status == 0, err
+    assert out.splitlines() == ["[rank0]:rank 0 done"]  # the second run's output is not shown
+    events = trace.read_bytes().count(b"\n") - 1  # the header line, then one line per event
+    assert f"deterministic: two runs with seed 0 recorded the same {events} trace events" in err
+
+
+def test_check_determinism_prints_the_first_divergence_of_a_program_reading_os_urandom(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prog = _program(tmp_path, _CHOSEN_PAUSES)
+    status, out, err = _run(capsys, "--nproc-per-node", "2", "--check-determinism", str(prog), "urandom")
+    assert status == 1
+    assert out.splitlines() == ["[rank0]:rank 0 done"]  # the program itself succeeded
+    assert "the run is not deterministic: two runs with seed 0 differ" in err
+    assert "os.urandom" in err
+    # The first difference is where rank 0 wakes from its first sleep, at a different time in each run.
+    m = re.search(
+        r"run 1: #(\d+) ([0-9.]+) w0 switch main\[0\].*\n  run 2: #\1 ([0-9.]+) w0 switch main", err
+    )
+    assert m is not None, err
+    assert m.group(2) != m.group(3)
+    assert "context in run 1:" in err and "context in run 2:" in err
+
+
+def test_check_determinism_reports_a_failing_run_with_its_own_status_when_it_fails_the_same_way(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prog = _program(tmp_path, "import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    status, _, err = _run(capsys, "--nproc-per-node", "2", "--check-determinism", str(prog))
+    assert status == 1
+    assert err.count("ChildFailedError") == 1  # the first run's report only
+    assert "deterministic: two runs with seed 0" in err
+
+
+# -- the running simulation -----------------------------------------------------------------------------
+_FAULTS_ON_ITS_OWN_RUN = """
+    import os, sys, time
+    import torch.distributed.rpc as rpc
+    import twinrpc.simulator
+
+    def echo(x):
+        return x
+
+    rank = int(os.environ["RANK"])
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2)
+    if rank == 0:
+        sim = twinrpc.simulator.current()
+        print(f"{type(sim).__name__} of {sim.world_size} workers")
+        if sys.argv[1] == "pause":
+            sim.pause(1, 5.0)
+            start = time.time()
+            rpc.rpc_sync("w1", echo, args=(1,))
+            print(f"w1 answered after {time.time() - start:.1f} s")
+        else:
+            sim.crash(1)
+            try:
+                rpc.rpc_sync("w1", echo, args=(1,))
+            except RuntimeError as exc:
+                print(f"w1 failed: {type(exc).__name__}")
+            rpc.shutdown(graceful=False)
+            sys.exit(0)
+    rpc.shutdown()
+    """
+
+
+def test_a_program_under_run_pauses_a_peer_through_the_current_simulation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prog = _program(tmp_path, _FAULTS_ON_ITS_OWN_RUN)
+    status, out, err = _run(capsys, "--nproc-per-node", "2", str(prog), "pause")
+    assert status == 0, err
+    assert _lines(out, 0) == ["Simulation of 2 workers", "w1 answered after 5.0 s"]
+
+
+def test_a_program_under_run_crashes_a_peer_through_the_current_simulation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prog = _program(tmp_path, _FAULTS_ON_ITS_OWN_RUN)
+    status, out, err = _run(capsys, "--nproc-per-node", "2", str(prog), "crash")
+    assert status == 1  # rank 1 was killed
+    assert _lines(out, 0) == ["Simulation of 2 workers", "w1 failed: WorkerUnavailableError"]
+    assert re.search(r"rank\s+: 1 .*\n\s+exitcode\s+: -9 .*\(SIGKILL\)", err), err
+
+
+_SEEN: list[object] = []
+
+
+def _note_current_simulation() -> bool:
+    _SEEN.append(twinrpc.simulator.current())
+    return True
+
+
+def test_current_is_the_simulation_in_any_of_its_tasks_and_none_outside() -> None:
+    seen = _SEEN
+    seen.clear()
+
+    def program(rank: int) -> None:
+        seen.append(twinrpc.simulator.current())
+        twinrpc.rpc.init_rpc(f"w{rank}", rank=rank, world_size=2)
+        assert twinrpc.rpc.rpc_sync(f"w{1 - rank}", _note_current_simulation)  # in an RPC handler
+        twinrpc.rpc.shutdown()
+
+    assert twinrpc.simulator.current() is None
+    sim = Simulation(2, seed=3)
+    sim.run(program).values()
+    assert seen == [sim] * 4  # both programs and both handlers
+    assert twinrpc.simulator.current() is None
 
 
 # -- bad input -----------------------------------------------------------------------------------------------
