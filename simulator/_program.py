@@ -272,7 +272,7 @@ def encode_environ(base: dict[Any, Any], updates: dict[str, str]) -> dict[Any, A
     """A copy of ``os.environ``'s storage ``base`` with ``updates`` applied (encoded as it encodes)."""
     env = dict(base)
     for key, value in updates.items():
-        env[os.environ.encodekey(key)] = os.environ.encodevalue(value)  # type: ignore[attr-defined]
+        env[os.environ.encodekey(key)] = os.environ.encodevalue(value)
     return env
 
 

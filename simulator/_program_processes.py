@@ -159,7 +159,8 @@ class ProcessLauncher:
 
     def _image_of(self, task: Task) -> ProcessImage | None:
         if task.g is not None and task.g.gr_context is not None:
-            return task.g.gr_context.get(IMAGE)
+            image: ProcessImage | None = task.g.gr_context.get(IMAGE)
+            return image
         return self._task_image.get(task.id)
 
     def main_image(self, rank: int) -> ProcessImage:
@@ -284,7 +285,7 @@ class ProcessLauncher:
 def _default_start_method() -> str:
     method = multiprocessing.get_start_method(allow_none=True)
     if method is None:
-        method = multiprocessing.context._default_context._default_context._name  # type: ignore[attr-defined]
+        method = multiprocessing.context._default_context._default_context._name
     return str(method)
 
 

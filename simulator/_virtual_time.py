@@ -144,7 +144,7 @@ def _sim_clock() -> float | None:
     """The virtual clock if the caller is a simulated task of a running simulation, else None."""
     blocker = CURRENT_BLOCKER.get()
     if blocker.__class__ is SimBlocker and _state.depth:
-        return blocker.sched.now  # type: ignore[union-attr]
+        return blocker.sched.now
     return None
 
 
@@ -233,7 +233,7 @@ def sleep(secs: float, /) -> None:
         raise ValueError("sleep length must be non-negative")
     if math.isinf(seconds):
         raise OverflowError("timestamp too large to convert to C _PyTime_t")
-    sched = blocker.sched  # type: ignore[union-attr]
+    sched = blocker.sched
     fut: Future[None] = Future()
     fut.label = f"time.sleep({secs!r})"
     sched.call_later(seconds, lambda: fut.set_result(None))
