@@ -58,7 +58,9 @@ class RRefMonitor:
         self.violations: list[MonitorViolation] = []
         self.events = 0
         self._users: dict[GloballyUniqueId, dict[GloballyUniqueId, int]] = {}  # rref -> fork -> rank
-        self._known: set[_Key] = set()  # forks an owner has registered or received
+        # rref -> forks its owner has registered or received (indexed by rref: an owner dropping its
+        # value forgets them in O(its forks), not O(every fork of the run))
+        self._known: dict[GloballyUniqueId, set[GloballyUniqueId]] = {}
         self._children: dict[_Key, set[GloballyUniqueId]] = {}  # parent -> children not yet known
         self._parent_of: dict[_Key, _Key] = {}  # child -> parent, while the child is not yet known
         self._in_flight: dict[GloballyUniqueId, set[GloballyUniqueId]] = {}  # rref -> forked children
@@ -159,7 +161,7 @@ class RRefMonitor:
     def fork_known(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         self.events += 1
         key = (rref_id, fork_id)
-        self._known.add(key)
+        self._known.setdefault(rref_id, set()).add(fork_id)
         parent = self._parent_of.pop(key, None)
         if parent is not None:
             siblings = self._children.get(parent)
@@ -173,7 +175,11 @@ class RRefMonitor:
         self.events += 1
         key = (rref_id, fork_id)
         self._deleting.pop(key, None)
-        self._known.discard(key)
+        known = self._known.get(rref_id)
+        if known is not None:
+            known.discard(fork_id)
+            if not known:
+                del self._known[rref_id]
 
     def owner_registered(self, rank: int, state: OwnerState) -> None:
         self.events += 1
@@ -200,7 +206,7 @@ class RRefMonitor:
                 "still in flight",
             )
         self._freed[rid] = rank
-        self._known = {k for k in self._known if k[0] != rid}
+        self._known.pop(rid, None)
 
     def closed(self, rank: int, graceful: bool) -> None:
         self.events += 1

@@ -1,0 +1,58 @@
+"""256 simulated workers: a parameter-server job with distributed autograd and DistributedOptimizer.
+
+The job is benchmarks/bench_sim_scale.py's (it prints the speed figures); here it must be right: every
+worker exits ok, every trainer saw exactly its gradient on every server, every server ends with the
+exact parameters (the loss is linear in them, so the result does not depend on the order the steps
+landed in), and the RRef monitors (on by default) saw no violation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from twinrpc.simulator import NetworkModel
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_sim_scale.py"
+
+
+@pytest.fixture(scope="module")
+def scale() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_sim_scale", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # functions travel by reference: the module must be importable
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check(scale: ModuleType, result: object, world_size: int, servers: int, steps: int) -> None:
+    outcomes = result.outcomes  # type: ignore[attr-defined]
+    assert len(outcomes) == world_size
+    assert [o.rank for o in outcomes if o.error is not None or o.crashed] == []
+    expected = scale.expected_parameter(world_size, servers, steps)
+    assert not torch.equal(expected, scale.P0)  # the job changes the parameters
+    for o in outcomes[:servers]:
+        assert torch.equal(o.value, expected), (o.rank, o.value, expected)
+    assert [o.rank for o in outcomes[servers:] if o.value is not True] == []  # gradient checks
+
+
+def test_256_workers_train_to_the_exact_parameters(scale: ModuleType) -> None:
+    result = scale.run_job(256, servers=4, steps=2, seed=1)
+    _check(scale, result, 256, 4, 2)
+    assert result.messages > 255 * 2 * 4 * 2  # a request and a reply per forward, at least
+
+
+def test_a_busy_server_makes_the_job_take_longer_in_virtual_time(scale: ModuleType) -> None:
+    """With a per-message handling cost the one server is the bottleneck: virtual time grows with the
+    number of trainers, and the results stay exact."""
+    model = NetworkModel(message_cost=20e-6)
+    small = scale.run_job(9, servers=1, steps=2, network=model, trace=False)
+    large = scale.run_job(33, servers=1, steps=2, network=model, trace=False)
+    _check(scale, small, 9, 1, 2)
+    _check(scale, large, 33, 1, 2)
+    assert large.virtual > 2.5 * small.virtual
