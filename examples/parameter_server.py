@@ -180,6 +180,8 @@ def run_training_loop(rank: int, args: argparse.Namespace, progress: Any) -> Non
     gen = torch.Generator().manual_seed(rank)
     losses: list[float] = []
     batches = (len(y_train) + args.batch_size - 1) // args.batch_size
+    if args.max_batches is not None:  # a short run (benchmarks/bench_calibration.py)
+        batches = min(batches, args.max_batches)
     bar = progress(total=args.epochs * batches, desc=f"trainer {rank}", position=rank - 1, leave=True)
     for _ in range(args.epochs):
         order = torch.randperm(len(y_train), generator=gen)
@@ -263,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.03)
+    parser.add_argument("--max-batches", type=int, default=None, help="per trainer and epoch (a short run)")
     parser.add_argument("--data-dir", default=None, help="MNIST IDX files (default: scikit-learn digits)")
     parser.add_argument("--out-dir", default="build/train")
     parser.add_argument("--seed", type=int, default=0, help="the simulation's seed")

@@ -14,6 +14,7 @@ Faults are verbs and plain data: ``sim.drop("response", src=1, dst=0)``, ``sim.p
 
 from __future__ import annotations
 
+from ._compute import ComputeModel
 from ._current import current
 from ._determinism import NondeterminismError, check_determinism
 from ._errors import FaultPlanError, SimulationDeadlock, SimulationError
@@ -46,6 +47,7 @@ __all__ = [
     "MESSAGE_CLASSES",
     "RETRIED_MESSAGES",
     "SURVIVABLE_KINDS",
+    "ComputeModel",
     "Crash",
     "Delay",
     "Deliver",

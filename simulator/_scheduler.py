@@ -22,6 +22,7 @@ from twinrpc._world import TimerHandle
 from ._errors import SimulationDeadlock, SimulationError
 
 if TYPE_CHECKING:
+    from ._compute import ComputeMeter
     from ._trace import Trace
 
 
@@ -69,6 +70,8 @@ class Scheduler:
         self._idle: list[_TaskGreenlet] = []
         #: worker -> the task starts and wake-ups held back while it is paused (Simulation.pause)
         self.paused: dict[int, list[tuple[Callable[[Any], None], Any]]] = {}
+        #: counts what tasks compute and books it on their worker (Simulation(compute=...)); None: free
+        self.meter: ComputeMeter | None = None
 
     # -- events -----------------------------------------------------------------------------------
     def schedule(self, delay: float, fn: Callable[[Any], None], arg: Any = None) -> None:
@@ -105,7 +108,10 @@ class Scheduler:
         trace = self.trace
         if trace is not None:
             trace._events.append((self.now, task.worker, "switch", (task.id, task.name)))
-        g.switch(task, fn, args)
+        if self.meter is None:
+            g.switch(task, fn, args)
+        else:
+            self._metered(task.worker, g.switch, task, fn, args)
 
     def _task_loop(self, task: Task, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         g = greenlet.getcurrent()
@@ -130,6 +136,17 @@ class Scheduler:
             task = fn = args = None  # type: ignore[assignment]  # drop references while idle
             self._idle.append(g)
             task, fn, args = hub.switch()
+
+    def _metered(self, worker: int, switch: Callable[..., Any], *args: Any) -> None:
+        """Run a task until it blocks, counting what it computes, then book that on its worker."""
+        meter = self.meter
+        assert meter is not None
+        meter.enter()
+        try:
+            switch(*args)
+        finally:
+            meter.exit()
+            meter.charge(worker)
 
     def current_task(self) -> Task | None:
         g = greenlet.getcurrent()
@@ -162,7 +179,10 @@ class Scheduler:
         trace = self.trace
         if trace is not None:
             trace._events.append((self.now, task.worker, "switch", (task.id, task.name)))
-        task.g.switch()
+        if self.meter is None:
+            task.g.switch()
+        else:
+            self._metered(task.worker, task.g.switch)
 
     def pause(self, worker: int) -> None:
         """Hold back every task start and wake-up of ``worker`` until :meth:`unpause`."""

@@ -15,6 +15,7 @@ from twinrpc._future import Future
 from twinrpc._message import REQUEST_KINDS, Message
 from twinrpc._worker_info import WorkerInfo
 
+from ._compute import ComputeMeter, ComputeModel
 from ._errors import SimulationError
 from ._fault_engine import NetworkFaults
 from ._faults import DEFAULT_GC_DELAY, Crash, Delay, Drop, Duplicate, Fault, FaultPlan, Hold, Partition, Pause
@@ -90,6 +91,8 @@ class Simulation:
             (:meth:`drop`, :meth:`partition`, :meth:`crash`, ...) add faults to a running simulation.
         monitors: check the RRef invariants online (G1, G2, no value freed while a user exists, no
             leak after graceful shutdown); a violation fails the run with ``MonitorViolation``.
+        compute: charge virtual time for the torch operators tasks run (see
+            :class:`~twinrpc.simulator.ComputeModel`); ``None``, the default: computing is free.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class Simulation:
         max_time: float | None = None,
         faults: FaultPlan | Swarm | None = None,
         monitors: bool = True,
+        compute: ComputeModel | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -114,8 +118,15 @@ class Simulation:
         self.blocker = SimBlocker(self.sched, self.crashed)
         self.trace = Trace(trace, seed=seed, world_size=world_size)
         self.workers = [SimWorker(self, r) for r in range(world_size)]
-        #: rank -> virtual time until which its message handling is booked (``network.message_cost``)
+        #: rank -> virtual time until which its message handling (``network.message_cost``) and its
+        #: computation (``compute``) are booked
         self.busy_until = [0.0] * world_size
+        #: the compute model of this run, or None (computation takes no virtual time)
+        self.compute = compute
+        if compute is not None:
+            self.sched.meter = ComputeMeter(self, compute)
+        #: workers' time is booked (message_cost or a compute model); False: the hot path skips it
+        self.booking = bool(self.network.message_cost) or compute is not None
         self._rendezvous: dict[int, dict[int, str]] = {}
         self._rendezvous_done: dict[int, Future[None]] = {}
         self._used = False
@@ -410,8 +421,9 @@ class Simulation:
 
     # -- network --------------------------------------------------------------------------------------
     def _book(self, rank: int, cost: float) -> float:
-        """Book ``cost`` seconds of ``rank``'s message handling after what is already booked; returns
-        when it ends. Deterministic: one worker handles one message at a time, first come first served."""
+        """Book ``cost`` seconds of ``rank``'s time (message handling, computation) after what is
+        already booked; returns when it ends. Deterministic: a worker does one thing at a time, first
+        come first served."""
         now = self.sched.now
         busy = self.busy_until[rank]
         end = (busy if busy > now else now) + cost
@@ -425,10 +437,12 @@ class Simulation:
             return
         if self.faults is not None and self.faults.on_arrival(msg):
             return
-        cost = self.network.message_cost
-        if cost:  # the receiver unpickles and dispatches it first, one message at a time
-            self.sched.schedule(self._book(msg.dst, cost) - self.sched.now, self._handle, msg)
-            return
+        if self.booking:  # the receiver first finishes what it is doing, then unpickles and
+            # dispatches this message: one thing at a time
+            ready = self._book(msg.dst, self.network.message_cost)
+            if ready > self.sched.now:
+                self.sched.schedule(ready - self.sched.now, self._handle, msg)
+                return
         self._handle(msg)
 
     def _handle(self, msg: Message) -> None:

@@ -119,7 +119,10 @@ class SimWorld:
         nbytes = msg.nbytes
         network = sim.network
         delay = network.delay(msg.src, msg.dst, nbytes, sim.sched.rng)
-        if network.message_cost:  # the sender pickles and frames it first, one message at a time
+        if sim.booking:  # the sender's time: what its task computed before this send, then pickling
+            meter = sim.sched.meter
+            if meter is not None:
+                meter.charge(self.rank)
             delay += sim._book(self.rank, network.message_cost) - self.sched.now
         sim.trace.sent(self.sched.now, self.rank, msg, nbytes)
         if sim.faults is None:

@@ -38,16 +38,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ._compute import ComputeModel, count_operations
 from ._network import NetworkModel
 
 __all__ = [
     "DEFAULT_SIZES",
     "SPREAD_PER_JITTER",
     "CalibrationError",
+    "ComputeFit",
+    "ComputeSample",
     "NetworkFit",
     "Pipelined",
     "Residual",
     "RoundTrip",
+    "count_operations",
+    "fit_compute_model",
     "fit_network_model",
     "measure",
     "predict",
@@ -231,7 +236,7 @@ def fit_network_model(
 def _nonnegative_least_squares(rows: list[tuple[list[float], float]], free: list[int]) -> list[float]:
     """Minimise the sum of ((a . x - y) / y)^2 over x >= 0, x[i] = 0 outside ``free``.
 
-    Three unknowns at most: try every subset of them held at zero, solve the rest exactly and keep the
+    A few unknowns at most: try every subset of them held at zero, solve the rest exactly and keep the
     best solution that has no negative component (what an active-set NNLS would find)."""
     best: tuple[float, list[float]] | None = None
     for k in range(len(free), 0, -1):
@@ -263,7 +268,7 @@ def _weighted_solve(rows: list[tuple[list[float], float]], cols: list[int]) -> l
     sol = _solve(ata, atb)
     if sol is None:
         return None
-    x = [0.0, 0.0, 0.0]
+    x = [0.0] * len(rows[0][0])
     for i, c in enumerate(cols):
         x[c] = sol[i] / scale[i]
     return x
@@ -284,6 +289,63 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
                 for c in range(col, n + 1):
                     m[r][c] -= f * m[col][c]
     return [m[i][n] / m[i][i] for i in range(n)]
+
+
+# -- computation ------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ComputeSample:
+    """A measured computation: ``seconds`` of wall time for ``ops`` torch operator calls doing ``flops``
+    floating-point operations (count them with :func:`count_operations`, time them without it)."""
+
+    ops: int
+    flops: int
+    seconds: float
+    label: str = "computation"
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeFit:
+    """The fitted compute model and how well it reproduces each measurement."""
+
+    model: ComputeModel
+    residuals: tuple[Residual, ...]
+
+    def describe(self) -> str:
+        """The parameters and a table of residuals, for people."""
+        m = self.model
+        lines = [
+            f"op_cost {m.op_cost * 1e6:.2f} us per operator, flop_cost {m.flop_cost * 1e12:.2f} ps per FLOP "
+            f"({1 / m.flop_cost / 1e9 if m.flop_cost else math.inf:.2f} GFLOP/s)",
+            f"  {'measurement':<44}{'measured':>12}{'model':>12}{'error':>9}",
+        ]
+        for r in self.residuals:
+            lines.append(
+                f"  {r.label:<44}{r.measured * 1e3:>10.2f}ms{r.predicted * 1e3:>10.2f}ms{r.relative:>+9.1%}"
+            )
+        return "\n".join(lines)
+
+
+def fit_compute_model(samples: Sequence[ComputeSample]) -> ComputeFit:
+    """Fit ``op_cost`` and ``flop_cost`` of a :class:`~twinrpc.simulator.ComputeModel` to measured
+    computations, by least squares on relative error, neither below zero. Samples with different
+    ratios of FLOPs to operators (different batch sizes, say) tell the two apart.
+
+    Raises:
+        CalibrationError: no sample, or a time that is not positive.
+    """
+    if not samples:
+        raise CalibrationError("fit_compute_model needs at least one ComputeSample")
+    for s in samples:
+        if not (isinstance(s.seconds, (int, float)) and math.isfinite(s.seconds) and s.seconds > 0):
+            raise CalibrationError(
+                f"{s.label}: the time must be a positive number of seconds, got {s.seconds!r}"
+            )
+    rows = [([float(s.ops), float(s.flops)], s.seconds) for s in samples]
+    free = [0, 1] if len({(s.ops, s.flops) for s in samples}) > 1 else [0]
+    op_cost, flop_cost = _nonnegative_least_squares(rows, free)
+    model = ComputeModel(op_cost, flop_cost)
+    residuals = tuple(Residual(s.label, s.seconds, model.cost(s.ops, s.flops)) for s in samples)
+    return ComputeFit(model, residuals)
 
 
 # -- measuring (the same program in either world) ------------------------------------------------------

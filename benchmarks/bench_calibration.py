@@ -1,0 +1,352 @@
+"""Calibrate the simulator's network model against the gloo world, and check it on the training job.
+
+In one run:
+
+1. Two twinrpc workers over gloo (real processes) measure ``rpc_sync`` round trips of a small
+   argument and of float32 tensors from 1 KiB to 16 MiB, and small calls with 64 in flight
+   (:func:`twinrpc.simulator.calibration.measure`); a raw gloo pair measures the transport's own
+   ping-pong floor for reference.
+2. :func:`~twinrpc.simulator.calibration.fit_network_model` fits ``latency``, ``jitter``,
+   ``bandwidth`` and ``message_cost`` by least squares; the parameters and the residuals are printed,
+   and the model is saved as TOML (``--out``; ``python -m twinrpc.simulator run --network FILE``).
+3. The parameter-server job (examples/parameter_server.py, 1 server + 2 trainers, ``--batches``
+   batches each) runs on gloo for real and in the simulator with the default and the calibrated
+   model; the training phase's real wall time is compared with its simulated virtual time.
+4. Computation: on its own the simulator charges nothing for it (forward and backward passes,
+   optimizer steps). A :class:`~twinrpc.simulator.ComputeModel` (a cost per torch operator and per
+   FLOP) is fitted to the job's computation timed alone in this process at three batch sizes, and
+   the job is simulated again with it. For comparison, the computation's measured time is also
+   simply added to the calibrated network row (arithmetic outside the simulator).
+
+Run: ``nox -s bench`` or ``python benchmarks/bench_calibration.py [--quick] [--out FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+
+import parameter_server as ps  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from twinrpc.simulator import ComputeModel, NetworkModel, Simulation, now  # noqa: E402
+from twinrpc.simulator.calibration import (  # noqa: E402
+    DEFAULT_SIZES,
+    ComputeSample,
+    Pipelined,
+    RoundTrip,
+    count_operations,
+    fit_compute_model,
+    fit_network_model,
+    measure,
+)
+
+import twinrpc.rpc as rpc  # noqa: E402
+
+# The job's data is loaded once per process, before the timed phase (reading it is not the job).
+ps.load_data = functools.lru_cache(maxsize=None)(ps.load_data)
+
+
+class _Quiet:
+    """A progress bar that shows nothing (the job's tqdm bars would interleave with the report)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# -- what runs on the workers (either world) -------------------------------------------------------------
+def calibration_worker(rank: int, quick: bool, options: Any = None) -> Any:
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+    out = None
+    if rank == 0:
+        if quick:
+            out = measure("worker1", calls=40, max_bytes_per_size=32 * 1024 * 1024, pipelined_calls=400)
+        else:
+            out = measure("worker1", calls=300, pipelined_calls=3000)
+    rpc.shutdown()
+    return out
+
+
+def job_args(world_size: int, batches: int) -> argparse.Namespace:
+    return argparse.Namespace(
+        world_size=world_size,
+        epochs=1,
+        batch_size=32,
+        lr=0.03,
+        data_dir=None,
+        max_batches=batches,
+        backend="bench",
+    )
+
+
+def job_worker(rank: int, args: argparse.Namespace, options: Any = None) -> tuple[float, float]:
+    """The training phase of examples/parameter_server.py; returns when it started and ended on this
+    worker (virtual seconds in a simulation, monotonic wall-clock seconds on gloo)."""
+    ps.load_data(args.data_dir)
+    name = ps.SERVER if rank == 0 else f"trainer_{rank}"
+    rpc.init_rpc(name, rank=rank, world_size=args.world_size, rpc_backend_options=options)
+    t0 = now()
+    if rank != 0:
+        ps.run_training_loop(rank, args, _Quiet)
+    t1 = now()
+    rpc.shutdown()
+    ps._servers.pop(ps.SERVER, None)
+    return t0, t1
+
+
+def job_time(spans: list[tuple[float, float]]) -> float:
+    """From the first trainer's start to the last trainer's end (rank 0 is the server)."""
+    trainers = spans[1:]
+    return max(t1 for _, t1 in trainers) - min(t0 for t0, _ in trainers)
+
+
+# -- real processes ------------------------------------------------------------------------------------
+def _child(target: str, rank: int, init_method: str, conn: Any, args: Any) -> None:
+    torch.set_num_threads(1)
+    logging.getLogger("twinrpc.impl").setLevel(logging.ERROR)
+    try:
+        if target == "raw":
+            result: Any = _raw_gloo(rank, init_method, args)
+        else:
+            options = rpc.RpcBackendOptions(init_method=init_method, rpc_timeout=120)
+            fn = calibration_worker if target == "calibrate" else job_worker
+            result = fn(rank, args, options)
+    except BaseException as exc:  # report, don't hang the parent
+        result = RuntimeError(f"{target} rank {rank}: {exc!r}")
+    conn.send(result)
+
+
+def _raw_gloo(rank: int, init_method: str, calls: int) -> Any:
+    """torch.distributed send/recv ping-pong with an explicit source: the transport's floor."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+    out: dict[int, float] = {}
+    for nbytes in (4, 16 * 1024 * 1024):
+        buf = torch.ones(nbytes, dtype=torch.uint8)
+        n = calls if nbytes < 1024 else max(5, calls // 10)
+        samples = []
+        for _ in range(n + 2):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, dst=1)
+                dist.recv(buf, src=1)
+            else:
+                dist.recv(buf, src=0)
+                dist.send(buf, dst=0)
+            samples.append(time.perf_counter() - t0)
+        out[nbytes] = statistics.median(samples[2:])
+    dist.destroy_process_group()
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_processes(target: str, world_size: int, args: Any, timeout: float = 600.0) -> list[Any]:
+    """Run ``target`` as ``world_size`` real processes; returns each rank's result."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="bench_calibration-") as tmp:
+        init = f"tcp://127.0.0.1:{_free_port()}" if target == "raw" else f"file://{tmp}/rendezvous"
+        conns, procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_child, args=(target, rank, init, child, args), daemon=True)
+            p.start()
+            conns.append(parent)
+            procs.append(p)
+        results = []
+        deadline = time.monotonic() + timeout
+        for c in conns:
+            if not c.poll(max(0.0, deadline - time.monotonic())):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"{target}: workers did not finish within {timeout:.0f} s")
+            results.append(c.recv())
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+# -- computation, on its own -------------------------------------------------------------------------------
+def local_compute(args: argparse.Namespace) -> float:
+    """Wall seconds of the job's computation without RPC: every trainer's batches through the server's
+    model (its snapshot forward), the loss, a local backward and an SGD step, in one process."""
+    x_train, y_train, _, _ = ps.load_data(args.data_dir)
+    server = ps.ParameterServer(x_train.shape[-1])
+    opt = torch.optim.SGD(server.model.parameters(), lr=args.lr, momentum=0.9)
+    trainers = args.world_size - 1
+    t0 = time.perf_counter()
+    for rank in range(1, trainers + 1):
+        mine = torch.arange(rank - 1, len(y_train), trainers)
+        x, y = x_train[mine], y_train[mine]
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(rank))
+        for b in range(args.max_batches):
+            idx = order[b * args.batch_size : (b + 1) * args.batch_size]
+            loss = F.nll_loss(server(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return time.perf_counter() - t0
+
+
+def compute_samples(args: argparse.Namespace, repeat: int) -> list[ComputeSample]:
+    """The job's computation at three batch sizes (different FLOPs per operator): operators and FLOPs
+    counted once, wall time the median of ``repeat`` uncounted runs (counting slows torch down)."""
+    samples = []
+    for batch_size in (8, 32, 128):
+        a = argparse.Namespace(**{**vars(args), "batch_size": batch_size})
+        local_compute(a)  # warm-up
+        _, ops, flops = count_operations(local_compute, a)
+        seconds = statistics.median(local_compute(a) for _ in range(repeat))
+        label = f"{args.max_batches} x {args.world_size - 1} steps, batch {batch_size}"
+        samples.append(ComputeSample(ops, flops, seconds, label))
+    return samples
+
+
+def simulate_job(
+    args: argparse.Namespace, model: NetworkModel, seed: int, compute: ComputeModel | None = None
+) -> tuple[float, float, dict[str, int]]:
+    """(virtual job time, wall seconds the simulation took, message counts) of one simulated run."""
+    sim = Simulation(args.world_size, seed=seed, network=model, compute=compute)
+    t0 = time.perf_counter()
+    result = sim.run(job_worker, args)
+    wall = time.perf_counter() - t0
+    events = result.trace.events()
+    counts = {
+        "messages": sum(1 for e in events if e.event == "send"),
+        "server": sum(1 for e in events if e.worker == 0 and e.event in ("send", "deliver")),
+    }
+    return job_time(result.values()), wall, counts
+
+
+# -- report ------------------------------------------------------------------------------------------------
+def _us(x: float) -> str:
+    return f"{x * 1e6:,.1f} us"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
+    parser.add_argument("--batches", type=int, default=25, help="batches per trainer in the job")
+    parser.add_argument("--trainers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="build/bench/network-calibrated.toml")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    print(
+        f"calibration: the simulator's network model fitted to the gloo world on this machine ({os.cpu_count()} CPUs)"
+    )
+
+    # 1. measure
+    samples = run_processes("calibrate", 2, args.quick)[0]
+    floor = run_processes("raw", 2, 60 if args.quick else 300)[0]
+    trips = [s for s in samples if isinstance(s, RoundTrip)]
+    pipes = [s for s in samples if isinstance(s, Pipelined)]
+    print("  measured on gloo (two twinrpc processes; median of each size):")
+    for size, s in zip(DEFAULT_SIZES, trips, strict=True):
+        what = "small argument" if size == 0 else f"{size // 1024:,} KiB tensor"
+        print(f"    rpc_sync {what:<20} {_us(s.seconds):>14}  (10-90% spread {_us(s.spread)})")
+    for p in pipes:
+        print(f"    rpc_async, {p.in_flight} in flight    {_us(p.seconds_per_call):>14} per call")
+    print(
+        f"    raw gloo ping-pong (reference): 4 B {_us(floor[4])}, 16 MiB {floor[16 * 1024 * 1024] * 1e3:.2f} ms"
+    )
+
+    # 2. fit
+    fit = fit_network_model(trips, pipes)
+    model = fit.model
+    print("  fitted (weighted least squares on relative error; residual = model vs measured):")
+    print("    " + fit.describe().replace("\n", "\n    "))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model.dump(out)
+    print(f"  saved: {out}  (python -m twinrpc.simulator run --network {out} ...)")
+    small_rtt = trips[0].seconds
+    print(
+        f"  of a small round trip ({_us(small_rtt)}), the model puts {_us(4 * model.message_cost)} in message "
+        f"handling (4 x message_cost: pickling, framing, dispatch at both ends) and "
+        f"{_us(2 * model.latency + model.jitter)} on the links; raw gloo's round trip is {_us(floor[4])}"
+    )
+
+    # 3. the training job
+    jargs = job_args(args.trainers + 1, args.batches)
+    print(
+        f"  parameter-server job (examples/parameter_server.py): 1 server + {args.trainers} trainers, "
+        f"{args.batches} batches of {jargs.batch_size} each; training phase only"
+    )
+    real = job_time(run_processes("job", jargs.world_size, jargs))
+    compute_fit = fit_compute_model(compute_samples(jargs, 2 if args.quick else 5))
+    print("  compute model fitted to the job's computation timed alone (one process, local autograd):")
+    print("    " + compute_fit.describe().replace("\n", "\n    "))
+    calibrated, sim_wall, counts = simulate_job(jargs, model, args.seed)
+    default, _, _ = simulate_job(jargs, NetworkModel(), args.seed)
+    with_compute, compute_wall, _ = simulate_job(jargs, model, args.seed, compute_fit.model)
+    compute = local_compute(jargs)
+    busy = counts["server"] * model.message_cost
+    rows = [
+        ("gloo, real processes (wall)", real),
+        ("simulator, default network model (virtual)", default),
+        ("simulator, calibrated network model (virtual)", calibrated),
+        ("simulator, calibrated network + compute model (virtual)", with_compute),
+        ("calibrated network + computation timed alone (arithmetic)", calibrated + compute),
+    ]
+    for label, t in rows:
+        print(f"    {label:<60} {t * 1e3:>9.1f} ms   {t / real:>6.2f} x real")
+    print(
+        f"    {counts['messages']:,} messages in the simulated job, every one with the server at one end: "
+        f"{busy * 1e3:.1f} ms of the server's time at message_cost"
+    )
+    print(
+        f"    the job's computation alone (forward, loss, backward, SGD step; one process): {compute * 1e3:.1f} ms"
+    )
+    print(
+        f"    simulating the job took {sim_wall:.2f} s of wall time ({compute_wall:.2f} s counting operators "
+        "for the compute model)"
+    )
+    print(
+        "  what the models cover: link latency and jitter, bandwidth, a fixed handling cost per message, "
+        "and (compute model) a cost per torch operator and per FLOP, all queued per worker, all "
+        "deterministic. Not covered: per-byte CPU work beyond the bandwidth term, Python work that runs no "
+        "torch operator (twinrpc's protocol and autograd bookkeeping beyond message_cost, the user's own "
+        "Python), thread scheduling inside a process, the OS scheduler and other load on this machine. "
+        "Without the compute model the simulator charges nothing for computation; that is most of the gap "
+        "between the calibrated network row and real time."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
