@@ -21,11 +21,18 @@ EXAMPLES = DOCS / "examples"
 pytestmark = pytest.mark.timeout(600)
 
 
-def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> str:
+def _process(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` from the repository root, with docs/examples importable."""
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), str(ROOT)]), **(env or {})}
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> str:
+    proc = _process(*args, env=env, timeout=timeout)
     assert proc.returncode == 0, f"{args} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -187,3 +194,18 @@ def test_calibrate_network_on_gloo_writes_a_model(tmp_path: Path) -> None:
     from twinrpc.simulator import NetworkModel
 
     assert NetworkModel.load(tmp_path / "n.json").bandwidth > 0
+
+
+def test_read_a_trace_prints_saves_compares_and_checks_determinism() -> None:
+    out = _run("docs/examples/read_a_trace.py").splitlines()
+    shown = {  # the lines the how-to shows
+        "0.001000000 w0 send CALL#0 0->1 (125 B)",
+        "0.001121924 w0 deliver RESPONSE#0 1->0 (99 B)",
+        "traces diverge at event #0, t=0.000000000, worker 1:",
+        "    #3      0.000000000 w1 init worker1 generation 0",
+    }
+    assert shown <= set(out), out
+    assert (
+        out[14].startswith("saved and loaded: 56 events")
+        and out[-1] == "check_determinism: seed 7 twice, the same trace"
+    )
