@@ -212,7 +212,7 @@ def local_compute(args: argparse.Namespace) -> float:
         mine = torch.arange(rank - 1, len(y_train), trainers)
         x, y = x_train[mine], y_train[mine]
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(rank))
-        for b in range(args.max_batches):
+        for b in range(min((len(y) + args.batch_size - 1) // args.batch_size, args.max_batches)):
             idx = order[b * args.batch_size : (b + 1) * args.batch_size]
             loss = F.nll_loss(server(x[idx]), y[idx])
             opt.zero_grad()
@@ -223,16 +223,23 @@ def local_compute(args: argparse.Namespace) -> float:
 
 def compute_samples(args: argparse.Namespace, repeat: int) -> list[ComputeSample]:
     """The job's computation at three batch sizes (different FLOPs per operator): operators and FLOPs
-    counted once, wall time the median of ``repeat`` uncounted runs (counting slows torch down)."""
-    samples = []
-    for batch_size in (8, 32, 128):
-        a = argparse.Namespace(**{**vars(args), "batch_size": batch_size})
+    counted once (counting slows torch down), wall time the median of ``repeat`` uncounted runs taken
+    in interleaved rounds, so that every size sees the same load from the rest of the machine."""
+    sizes = (8, 32, 128)
+    variants = [argparse.Namespace(**{**vars(args), "batch_size": b}) for b in sizes]
+    counts = []
+    for a in variants:
         local_compute(a)  # warm-up
         _, ops, flops = count_operations(local_compute, a)
-        seconds = statistics.median(local_compute(a) for _ in range(repeat))
-        label = f"{args.max_batches} x {args.world_size - 1} steps, batch {batch_size}"
-        samples.append(ComputeSample(ops, flops, seconds, label))
-    return samples
+        counts.append((ops, flops))
+    times: list[list[float]] = [[] for _ in sizes]
+    for _ in range(repeat):
+        for i, a in enumerate(variants):
+            times[i].append(local_compute(a))
+    return [
+        ComputeSample(ops, flops, statistics.median(t), f"batch {b}: {ops:,} ops, {flops / 1e9:.2f} GFLOP")
+        for b, (ops, flops), t in zip(sizes, counts, times, strict=True)
+    ]
 
 
 def simulate_job(
@@ -259,7 +266,7 @@ def _us(x: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
-    parser.add_argument("--batches", type=int, default=25, help="batches per trainer in the job")
+    parser.add_argument("--batches", type=int, default=20, help="batches per trainer in the job")
     parser.add_argument("--trainers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="build/bench/network-calibrated.toml")
@@ -295,6 +302,14 @@ def main(argv: list[str] | None = None) -> int:
     model.dump(out)
     print(f"  saved: {out}  (python -m twinrpc.simulator run --network {out} ...)")
     small_rtt = trips[0].seconds
+    if pipes and pipes[0].seconds_per_call > small_rtt / 2:
+        print(
+            f"  note: with {pipes[0].in_flight} calls in flight a call took {_us(pipes[0].seconds_per_call)}, more "
+            f"than half a small round trip ({_us(small_rtt / 2)}), the most the model allows (a round trip "
+            "holds 4 message costs, a pipelined call 2 per worker): here concurrency costs more per "
+            "message than a lone call (cores shared with other load, thread hand-offs), which the model "
+            "does not have; the fit compromises (see the residuals)"
+        )
     print(
         f"  of a small round trip ({_us(small_rtt)}), the model puts {_us(4 * model.message_cost)} in message "
         f"handling (4 x message_cost: pickling, framing, dispatch at both ends) and "

@@ -313,9 +313,9 @@ class ComputeFit:
     def describe(self) -> str:
         """The parameters and a table of residuals, for people."""
         m = self.model
+        rate = f" ({1 / m.flop_cost / 1e9:.2f} GFLOP/s)" if m.flop_cost else ""
         lines = [
-            f"op_cost {m.op_cost * 1e6:.2f} us per operator, flop_cost {m.flop_cost * 1e12:.2f} ps per FLOP "
-            f"({1 / m.flop_cost / 1e9 if m.flop_cost else math.inf:.2f} GFLOP/s)",
+            f"op_cost {m.op_cost * 1e6:.2f} us per operator, flop_cost {m.flop_cost * 1e12:.2f} ps per FLOP{rate}",
             f"  {'measurement':<44}{'measured':>12}{'model':>12}{'error':>9}",
         ]
         for r in self.residuals:
