@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -209,3 +211,100 @@ def test_read_a_trace_prints_saves_compares_and_checks_determinism() -> None:
         out[14].startswith("saved and loaded: 56 events")
         and out[-1] == "check_determinism: seed 7 twice, the same trace"
     )
+
+
+# -- the race tutorial (docs/tutorials/ps-race.md): docs/examples/ps_race.py ---------------------------
+PS_RACE = "docs/examples/ps_race.py"
+RACE = "one of the variables needed for gradient computation has been modified by an inplace operation"
+
+
+def _simulator(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m twinrpc.simulator ARGS`` from the repository root, as the tutorial runs it."""
+    return _process("-m", "twinrpc.simulator", *args)
+
+
+def test_ps_race_runs_once_and_passes_with_seed_0() -> None:
+    run = _simulator("run", "--nproc-per-node", "3", PS_RACE)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.splitlines() == [
+        "[rank1]:Trainer 1: 5 batches, last loss 1.4940",
+        "[rank2]:Trainer 2: 5 batches, last loss 1.5012",
+    ]
+
+
+def test_ps_race_is_found_shrunk_replayed_and_drawn_and_the_pinned_bug_still_fails(tmp_path: Path) -> None:
+    # 2-3. The tutorial's exploration (with --expect fail and another --out: the same runs, the same
+    # output; the regression test it writes pins the bug instead of asserting the fix).
+    found = tmp_path / "found"
+    explore = _simulator("explore", "--nproc-per-node", "3", "--expect", "fail", "--out", str(found), PS_RACE)
+    out = explore.stdout
+    assert explore.returncode == 1, out + explore.stderr
+    assert (
+        "twinrpc.simulator.explore: run 16 failed; shrunk in 8 more runs to seed 275868869 and 0 faults"
+        in out
+    )
+    assert "  error: RuntimeError raised by worker 2 at t=0.002630 s" in out and RACE in out
+    assert "  minimal faults: FaultPlan()" in out
+    assert (
+        f"  replay: python -m twinrpc.simulator run --nproc-per-node 3 --seed 275868869 --faults {found}/faults.json "
+        f"{PS_RACE}" in out
+    )
+    # 3-4. The replay command the page shows (with the committed plan), writing the trace.
+    trace = tmp_path / "race.jsonl"
+    replay = _simulator(
+        "run", "--nproc-per-node", "3", "--seed", "275868869", "--faults",
+        "docs/examples/ps_race_found/faults.json", "--trace", str(trace), PS_RACE,
+    )  # fmt: skip
+    assert (
+        replay.returncode == 1
+        and f"[rank2]:RuntimeError: Error on Node 0 (parameter_server): RuntimeError: {RACE}" in replay.stderr
+    )
+    assert replay.stdout.splitlines() == ["[rank1]:Trainer 1: 5 batches, last loss 1.4945"]
+    _check_the_step_lands_between_forward_and_backward(trace)
+    html = tmp_path / "race.html"
+    export = _simulator("trace", "export", "--format", "html", str(trace), "-o", str(html))
+    assert export.returncode == 0 and "722 events" in html.read_text(encoding="utf-8")
+    # the tutorial's figure, made the same way (headless Chromium; exit status 1 on a console error)
+    png = tmp_path / "race.png"
+    out = _run("docs/examples/trace_screenshot.py", str(html), str(png), "--window", "548", "627",
+               "--select", "123", "--hide", "rref")  # fmt: skip
+    assert f"wrote {png}" in out and png.read_bytes().startswith(b"\x89PNG")
+    # 6. The exported test pins the bug: the unfixed program still fails the known way.
+    test = found / "test_ps_race_regression.py"
+    assert "The run still fails the known way" in test.read_text(encoding="utf-8")
+    _exported_test(test)(tmp_path)
+
+
+def _check_the_step_lands_between_forward_and_backward(path: Path) -> None:
+    """What the tutorial reads in the diagram: on the server, trainer 2's forward (CALL#16), trainer 1's
+    optimizer step (CALL#18), trainer 2's backward (GRADIENT#17), which the server answers with an error;
+    and nothing orders the step after that backward or before that forward (vector clocks)."""
+    from twinrpc.simulator import Trace
+
+    events = Trace.load(path).events()
+    server = [
+        (i, ev.detail) for i, ev in enumerate(events) if ev.worker == 0 and ev.event in ("deliver", "send")
+    ]
+    lines = [f"#{i} {detail}" for i, detail in server if 557 <= i <= 604]
+    forward = lines.index("#564 CALL#16 2->0 (847 B)")
+    step = lines.index("#597 CALL#18 1->0 (265 B)")
+    backward = lines.index("#602 GRADIENT#17 2->0 (250 B)")
+    assert forward < step < backward and lines[-1] == "#604 EXCEPTION#17 0->2 (2326 B)", lines
+    step_sent, backward_sent = events[586].clock, events[593].clock
+    assert events[586].detail == "CALL#18 1->0 (265 B)" and events[593].detail == "GRADIENT#17 2->0 (250 B)"
+    assert step_sent is not None and backward_sent is not None
+    pairs = list(zip(step_sent, backward_sent, strict=True))
+    assert any(a > b for a, b in pairs) and any(a < b for a, b in pairs), pairs  # concurrent
+
+
+def _exported_test(path: Path) -> Any:
+    """The test function of an exported regression test file (it runs the program in a subprocess)."""
+    namespace = runpy.run_path(str(path))
+    (name,) = [name for name in namespace if name.startswith("test_")]
+    return namespace[name]
+
+
+def test_ps_race_regression_test_passes_with_the_fix(tmp_path: Path) -> None:
+    # docs/examples/ps_race_found/test_ps_race_regression.py: written by the tutorial's explore command,
+    # run with --fixed (see its PROGRAM_ARGS)
+    _exported_test(EXAMPLES / "ps_race_found" / "test_ps_race_regression.py")(tmp_path)

@@ -1,119 +1,55 @@
-"""The parameter-server tutorial's race, found by exploration and shrunk (issue 6, point 7).
+"""The parameter-server tutorial's race, found by exploration from Python and shrunk (issue 6, point 7).
 
-The program is the seeds' parameter server (PyTorch's rpc_param_server_tutorial) as written: a
-``ParameterServer`` module behind an RRef, ``TrainerNet`` forwarding through it with
-``remote_method``, a distributed backward and a ``DistributedOptimizer`` step per batch, two trainers.
-The model and the data are small (a two-layer MLP, five batches of random data) so a run takes
-milliseconds. The race: a trainer's optimizer step updates the server's parameters in place; landing
-between another trainer's forward and its backward, it makes that backward fail with "one of the
-variables needed for gradient computation has been modified by an inplace operation" (PyTorch too).
-``FIXED = True`` applies the fix of examples/parameter_server.py: the forward pass runs on a snapshot
-of the parameters.
+The program is the race tutorial's (docs/examples/ps_race.py): the seeds' parameter server as written
+(a ``ParameterServer`` module behind an RRef, ``TrainerNet`` forwarding through it with
+``remote_method``, a distributed backward and a ``DistributedOptimizer`` step per batch, two
+trainers), with a small model and five batches of random data so that a run takes milliseconds. It
+is written for ``torch.distributed.rpc``; here it is imported once with those modules served by
+twinrpc, and explored with :func:`twinrpc.simulator.explore` (the tutorial does the same from the
+command line, tests/test_docs_examples.py runs that). The race: a trainer's optimizer step updates
+the server's parameters in place; landing between another trainer's forward and its backward, it
+makes that backward fail with "one of the variables needed for gradient computation has been
+modified by an inplace operation" (PyTorch too). ``ps_race.FIXED = True`` is the tutorial's fix.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
-from typing import Any
+from pathlib import Path
+from types import ModuleType
 
 import pytest
-import torch
-import torch.nn.functional as F
 from hypothesis import strategies as st
-from torch import nn, optim
 from twinrpc.simulator import Failure, explore, replay
 from twinrpc.simulator._explore import fault_count
+from twinrpc.simulator._launch_torch import serve_torch_rpc
 
-import twinrpc.autograd as dist_autograd
-import twinrpc.rpc as rpc
-from twinrpc.optim import DistributedOptimizer
-
-FIXED = False
-BATCHES = 5
 RACE = "modified by an inplace operation"
+PROGRAM = Path(__file__).resolve().parents[1] / "docs" / "examples" / "ps_race.py"
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1 = nn.Linear(16, 8)
-        self.fc2 = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        p = dict(self.named_parameters()) if params is None else params
-        x = F.relu(F.linear(x, p["fc1.weight"], p["fc1.bias"]))
-        return F.log_softmax(F.linear(x, p["fc2.weight"], p["fc2.bias"]), dim=1)
-
-
-def call_method(method: Any, rref: Any, *args: Any, **kwargs: Any) -> Any:
-    return method(rref.local_value(), *args, **kwargs)
+def _import_program() -> ModuleType:
+    """docs/examples/ps_race.py as module ``ps_race``, its torch.distributed imports bound to twinrpc."""
+    if "ps_race" in sys.modules:
+        return sys.modules["ps_race"]
+    spec = importlib.util.spec_from_file_location("ps_race", PROGRAM)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ps_race"] = module  # RPCs pickle its functions by reference: ps_race.call_method
+    with serve_torch_rpc():
+        spec.loader.exec_module(module)
+    return module
 
 
-def remote_method(method: Any, rref: Any, *args: Any, **kwargs: Any) -> Any:
-    return rpc.rpc_sync(rref.owner(), call_method, args=[method, rref, *args], kwargs=kwargs)
-
-
-class ParameterServer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = Net()
-
-    def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        if FIXED:  # the fix: autograd saves clones, which the other trainer's step leaves alone
-            return self.model(inp, {name: p.clone() for name, p in self.model.named_parameters()})  # type: ignore[no-any-return]
-        return self.model(inp)  # type: ignore[no-any-return]
-
-    def get_param_rrefs(self) -> list[Any]:
-        return [rpc.RRef(param) for param in self.model.parameters()]
-
-
-_servers: dict[str, ParameterServer] = {}  # one per simulated worker (all share this process)
-
-
-def get_parameter_server() -> ParameterServer:
-    name = rpc.get_worker_info().name
-    if name not in _servers:
-        _servers[name] = ParameterServer()
-    return _servers[name]
-
-
-class TrainerNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.param_server_rref = rpc.remote("parameter_server", get_parameter_server)
-
-    def get_global_param_rrefs(self) -> list[Any]:
-        return remote_method(ParameterServer.get_param_rrefs, self.param_server_rref)  # type: ignore[no-any-return]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return remote_method(ParameterServer.forward, self.param_server_rref, x)  # type: ignore[no-any-return]
-
-
-def run_training_loop(rank: int) -> None:
-    net = TrainerNet()
-    opt = DistributedOptimizer(optim.SGD, net.get_global_param_rrefs(), lr=0.05)
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(BATCHES):
-        data = torch.randn(8, 16, generator=gen)
-        target = torch.randint(0, 4, (8,), generator=gen)
-        with dist_autograd.context() as cid:
-            model_output = net(data)
-            loss = F.nll_loss(model_output, target)
-            dist_autograd.backward(cid, [loss])
-            opt.step(cid)
+ps_race = _import_program()
 
 
 def run_worker(rank: int) -> None:
-    """The tutorial's run_worker: rank 0 is the parameter server, the others train."""
-    name = "parameter_server" if rank == 0 else f"trainer_{rank}"
-    rpc.init_rpc(name, rank=rank, world_size=3)
-    try:
-        if rank != 0:
-            run_training_loop(rank)
-        rpc.shutdown()
-    finally:
-        _servers.pop(name, None)
+    """One worker of the tutorial's program (all three share the module, unlike separate processes)."""
+    if rank == 0:
+        ps_race.param_server = None  # the singleton of an earlier run
+    ps_race.run_worker(rank, 3)
 
 
 def _check_race(failure: Failure) -> None:
@@ -134,7 +70,7 @@ def test_exploration_finds_the_inplace_race_within_200_runs_and_shrinks_it(
     failure = info.value
     print(failure)
     _check_race(failure)
-    monkeypatch.setattr(sys.modules[__name__], "FIXED", True)  # the fix passes the run that failed
+    monkeypatch.setattr(ps_race, "FIXED", True)  # the fix passes the run that failed
     replay(run_worker, 3, seed=failure.seed, faults=failure.faults)
 
 
@@ -145,5 +81,5 @@ def test_faults_alone_find_the_race_under_one_seed(monkeypatch: pytest.MonkeyPat
     print(failure)
     _check_race(failure)
     assert failure.seed == 0 and fault_count(failure.faults) >= 1  # seed 0 alone passes
-    monkeypatch.setattr(sys.modules[__name__], "FIXED", True)
+    monkeypatch.setattr(ps_race, "FIXED", True)
     replay(run_worker, 3, seed=0, faults=failure.faults)

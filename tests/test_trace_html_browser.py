@@ -10,6 +10,7 @@ fails, with the command to run, when there is no Chromium at ``$TWINRPC_CHROMIUM
 from __future__ import annotations
 
 import os
+import runpy
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,17 +20,11 @@ import pytest
 from twinrpc.simulator import Simulation, Trace
 
 CHROMIUM = Path(os.environ.get("TWINRPC_CHROMIUM", "/usr/bin/chromium"))
-#: headless, and nothing that reaches for the network (this machine has none)
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+#: headless, and nothing that reaches for the network (this machine has none): the flags of the docs'
+#: screenshot script, which renders the race tutorial's diagram the same way
+FLAGS: list[str] = runpy.run_path(
+    str(Path(__file__).resolve().parents[1] / "docs/examples/trace_screenshot.py")
+)["FLAGS"]
 
 
 class Page:

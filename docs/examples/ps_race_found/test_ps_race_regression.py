@@ -1,0 +1,52 @@
+"""Regression test exported by twinrpc.simulator (explore, then shrink).
+
+Found by run 16, shrunk in 8 more runs to seed 275868869 and 0 faults:
+FaultPlan()
+
+It failed with builtins.RuntimeError: one of the variables needed for gradient computation has been modified by an inplace operation: [torch.FloatTensor [8, 4]], which is output 0 of AsStrided, is at version 8; expected version 7 instead.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PROGRAM = Path(__file__).parent / "../ps_race.py"
+PROGRAM_ARGS = ["--fixed"]  # edited: ps_race.py keeps both versions, --fixed turns the fix on
+RUN_ARGS = ["--nproc-per-node", "3", "--seed", "275868869"]
+FAULTS = {}
+NETWORK = None
+PATTERN = "one\\ of\\ the\\ variables\\ needed\\ for\\ gradient\\ computation\\ has\\ been\\ modified\\ by\\ an\\ inplace\\ operation:\\ \\[torch\\.FloatTensor\\ \\[\\d[\\d.eE+-]*,\\ \\d[\\d.eE+-]*\\]\\],\\ which\\ is\\ output\\ \\d[\\d.eE+-]*\\ of\\ AsStrided,\\ is\\ at\\ version\\ \\d[\\d.eE+-]*;\\ expected\\ version\\ \\d[\\d.eE+-]*\\ instead\\.\\ Hint:\\ enable\\ anomaly\\ detection\\ to\\ find\\ the\\ operation\\ that\\ failed\\ to\\ compute\\ its\\ gradient,\\ with\\ torc"
+
+
+def test_ps_race_regression(tmp_path: Path) -> None:
+    """The run that failed now passes: no process ends with an exception, every rank exits 0."""
+    plan = tmp_path / "faults.json"
+    plan.write_text(json.dumps(FAULTS), encoding="utf-8")
+    extra = []
+    if NETWORK is not None:
+        (tmp_path / "network.json").write_text(json.dumps(NETWORK), encoding="utf-8")
+        extra = ["--network", str(tmp_path / "network.json")]
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "twinrpc.simulator",
+            "run",
+            *RUN_ARGS,
+            "--faults",
+            str(plan),
+            *extra,
+            str(PROGRAM),
+            *PROGRAM_ARGS,
+        ],
+        cwd=PROGRAM.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0 and "Traceback (most recent call last)" not in run.stderr, (
+        run.stdout + run.stderr
+    )
