@@ -289,7 +289,8 @@ def _check_the_step_lands_between_forward_and_backward(path: Path) -> None:
     forward = lines.index("#564 CALL#16 2->0 (847 B)")
     step = lines.index("#597 CALL#18 1->0 (265 B)")
     backward = lines.index("#602 GRADIENT#17 2->0 (250 B)")
-    assert forward < step < backward and lines[-1] == "#604 EXCEPTION#17 0->2 (2326 B)", lines
+    # (the exception's size depends on the paths in its traceback: not checked)
+    assert forward < step < backward and lines[-1].startswith("#604 EXCEPTION#17 0->2 ("), lines
     step_sent, backward_sent = events[586].clock, events[593].clock
     assert events[586].detail == "CALL#18 1->0 (265 B)" and events[593].detail == "GRADIENT#17 2->0 (250 B)"
     assert step_sent is not None and backward_sent is not None
