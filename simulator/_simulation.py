@@ -264,7 +264,12 @@ class Simulation:
         return engine.remove_blocks(blocks, "released")
 
     def partition(
-        self, a: int | Iterable[int], b: int | Iterable[int] | None = None, *, oneway: bool = False, mode: str = "hold"
+        self,
+        a: int | Iterable[int],
+        b: int | Iterable[int] | None = None,
+        *,
+        oneway: bool = False,
+        mode: str = "hold",
     ) -> Partition:
         """Cut ``a`` from ``b`` (``None`` = everyone else) from now on, until :meth:`heal`; see
         :class:`Partition` (``mode="hold"`` delivers late on heal, ``"drop"`` loses the messages)."""
