@@ -1,10 +1,11 @@
 """The request pool: at most ``num_worker_threads`` requests run at once (like TensorPipe's pool).
 
-Its threads also take over receiving for a link when a receiver hands its role off (PeerLink.hand_off):
-a receiver that gets a request while a request slot is free runs the request itself, at once, and an
-idle pool thread continues receiving. That saves the thread hop (and, under load, the scheduler wake-up
-latency) between receiving a request and running it, as the simulator's delivery task becoming the
-pool task does. Queued requests still wait their turn, in order, when every slot is busy.
+Its threads also serve as a link's receivers (PeerLink: two per link): a receiver that gets a request
+while a request slot is free runs the request itself, at once, while the link's other receiver, already
+waiting in gloo, goes on receiving (an idle pool thread is started only if none is left). That saves the
+thread hop (and, under load, the scheduler wake-up latency) between receiving a request and running it,
+as the simulator's delivery task becoming the pool task does. Queued requests still wait their turn, in
+order, when every slot is busy.
 """
 
 from __future__ import annotations
