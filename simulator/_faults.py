@@ -265,9 +265,9 @@ class Duplicate(_MessageFault):
 
     A duplicated request is served twice (PyTorch does not deduplicate ordinary requests: the
     function runs twice); the caller keeps the first reply and ignores the second. Duplicated RRef
-    control messages are acked and handled once. A duplicated GRADIENT is never applied twice, but a
-    copy that reaches a worker still busy with the pass is acknowledged at once, which can end the
-    backward pass too soon (see the how-to). Other arguments as for :class:`Delay`.
+    control messages are acked and handled once. A duplicated GRADIENT is applied once, and a copy of
+    a request its worker still holds is answered with the original, never before (see the how-to).
+    Other arguments as for :class:`Delay`.
     """
 
     extra: float = 0.0

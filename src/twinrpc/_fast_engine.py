@@ -94,6 +94,8 @@ class GraphPass:
         #: busy: the root for its whole pass; elsewhere, from a held request until quiescence
         self.active = self.is_root
         self.held: Message | None = None
+        #: copies of the held request (a duplicating fault plan): answered with it, never before it
+        self.held_copies: list[Message] = []
         self.inbox: collections.deque[tuple[Any, list[torch.Tensor | None]]] = collections.deque()
         self.running = False
         self.outstanding = 0
@@ -361,6 +363,7 @@ class GraphPass:
             statuses = dict(self.statuses)
             statuses[self.agent.info.id] = (self.version, self._unused())
             held, self.held = self.held, None
+            copies, self.held_copies = self.held_copies, []
             if not self.is_root:
                 self.active = False
         if self.is_root:
@@ -378,7 +381,8 @@ class GraphPass:
             else:
                 self.done.try_set_result(None)
         elif held is not None:
-            self.agent._reply(held, statuses)
+            for request in (held, *copies):
+                self.agent._reply(request, statuses)
 
     def _fail(self, exc: BaseException, remote: bool = False) -> None:
         me = self.agent.info
@@ -397,10 +401,12 @@ class GraphPass:
                 return
             self.error = err
             held, self.held = self.held, None
+            copies, self.held_copies = self.held_copies, []
         if self.is_root:
             self.done.try_set_exception(err)
         elif held is not None:
-            self.agent._reply_error(held, err)
+            for request in (held, *copies):
+                self.agent._reply_error(request, err)
 
 
 def run_backward(container: DistAutogradContainer, context_id: int, roots: Any, retain_graph: bool) -> None:
@@ -457,6 +463,25 @@ def run_backward(container: DistAutogradContainer, context_id: int, roots: Any, 
             )
 
 
+def _answer_copy(agent: Any, gp: GraphPass, msg: Message) -> None:
+    """A second copy of a GRADIENT request already taken by pass ``gp`` (only a simulator fault plan
+    duplicates messages): its gradients are not applied again. While the original is held, the copy
+    is answered with it, never before: an early answer would complete the sender's gradient RPC
+    before the work it stands for. Otherwise the original was answered already; so is the copy."""
+    with gp.lock:
+        if not _hold_copy(gp, msg):
+            agent._reply(msg, None)
+
+
+def _hold_copy(gp: GraphPass, msg: Message) -> bool:
+    """Under ``gp.lock``: keep ``msg`` to answer with the held request it copies, if it is held."""
+    held = gp.held
+    if held is not None and (held.src, held.id) == (msg.src, msg.id):
+        gp.held_copies.append(msg)
+        return True
+    return False
+
+
 def on_gradient_request(container: DistAutogradContainer, msg: Message, obj: Any) -> None:
     """Serve a GRADIENT request (DAG-6); runs on the worker's request pool."""
     agent = container.agent
@@ -465,6 +490,11 @@ def on_gradient_request(container: DistAutogradContainer, msg: Message, obj: Any
         ctx = container.get(context_id)
         if ctx is None:
             raise context_not_found(context_id)
+        with ctx.lock:
+            owner = ctx.gradient_requests.get((msg.src, msg.id))
+        if owner is not None:
+            _answer_copy(agent, owner, msg)
+            return
         with ctx.lock:
             send = ctx.sends.get(message_id)
             gp = ctx.current_pass
@@ -483,10 +513,17 @@ def on_gradient_request(container: DistAutogradContainer, msg: Message, obj: Any
         return
     # Holding the request and queueing its gradients is one step: a runner finishing in between
     # would otherwise answer the held request before these gradients were processed.
+    # Registering the request is part of that step too: a copy that raced past the check above meets
+    # the registration here, under the same lock, and waits with the held original (_hold_copy).
+    key = (msg.src, msg.id)
     with gp.lock:
+        copy = key in ctx.gradient_requests
+        copy_held = copy and _hold_copy(gp, msg)
         error = gp.error
         hold = start = False
-        if error is None:
+        if not copy:
+            ctx.gradient_requests[key] = gp
+        if error is None and not copy:
             hold = not gp.active
             if hold:
                 gp.active = True
@@ -494,6 +531,10 @@ def on_gradient_request(container: DistAutogradContainer, msg: Message, obj: Any
             gp.inbox.append((message_id, list(grads)))
             start = not gp.running
             gp.running = gp.running or start
+    if copy:
+        if not copy_held:
+            agent._reply(msg, None)
+        return
     if error is not None:
         agent._reply_error(msg, error)
         return
