@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _lost_update import COUNTER_PROGRAM
 from hypothesis import strategies as st
 from twinrpc.simulator import FaultPlan, SimulationDeadlock, explore, replay
 from twinrpc.simulator._explore import Failure, fault_count, message_pattern
@@ -24,43 +25,12 @@ import twinrpc.rpc as rpc
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PROGRAM = '''
-"""A counter server and two trainers that lose an update when their RPCs interleave."""
-import twinrpc.rpc as rpc
-from twinrpc.simulator import sleep
-
-ATOMIC = False  # the fix: increment on the server, in one RPC
-_counters = {}
-
-
-def read():
-    return _counters.get(rpc.get_worker_info().name, 0)
-
-
-def write(value):
-    _counters[rpc.get_worker_info().name] = value
-
-
-def increment():
-    write(read() + 1)
-
-
-def program(rank):
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3)
-    if rank == 2:
-        sleep(0.8e-3)
-    if rank:
-        for _ in range(3):
-            if ATOMIC:
-                rpc.rpc_sync("worker0", increment)
-            else:
-                value = rpc.rpc_sync("worker0", read)
-                rpc.rpc_sync("worker0", write, args=(value + 1,))
-    rpc.shutdown()
-    if rank == 0:
-        total = _counters.pop("worker0", 0)
-        assert total == 6, f"lost an update: the counter is {total}, expected 6"
-'''
+PROGRAM = (
+    '\n"""A counter server and two trainers that lose an update when their RPCs interleave."""\n'
+    + COUNTER_PROGRAM
+    + '        total = _counters.pop("worker0", 0)\n'
+    + '        assert total == 6, f"lost an update: the counter is {total}, expected 6"\n'
+)
 
 
 @pytest.fixture

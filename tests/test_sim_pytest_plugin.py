@@ -1,9 +1,9 @@
 """twinrpc's pytest plugin (``simulation`` fixture, ``--sim-seed``, ``--sim-explore``, ``--sim-export``)
 through pytester: each test writes a small test module and runs pytest on it in-process.
 
-The planted bug is the lost update of ``tests/test_sim_explore.py``: two trainers read a server's
-counter and write back value + 1; a delayed message makes one trainer's read land between the other's
-read and write. ``ATOMIC = True`` fixes it.
+The planted bug is the lost update of ``tests/_lost_update.py`` (shared with ``test_sim_explore.py``):
+two trainers read a server's counter and write back value + 1; a delayed message makes one trainer's
+read land between the other's read and write. ``ATOMIC = True`` fixes it.
 """
 
 from __future__ import annotations
@@ -15,52 +15,23 @@ from pathlib import Path
 # imported when it ends, and torch cannot be imported twice into one process.
 import pytest
 import twinrpc.simulator.pytest_plugin
+from _lost_update import COUNTER_PROGRAM
 from hypothesis import find, settings
 from hypothesis import strategies as st
 
 import twinrpc.rpc  # noqa: F401
 
-PLANTED = """
-import pytest
-import twinrpc.rpc as rpc
-from twinrpc.simulator import sleep
-
-ATOMIC = False
-_counters = {}
-
-
-def read():
-    return _counters.get(rpc.get_worker_info().name, 0)
-
-
-def write(value):
-    _counters[rpc.get_worker_info().name] = value
-
-
-def increment():
-    write(read() + 1)
-
-
-def program(rank):
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3)
-    if rank == 2:
-        sleep(0.8e-3)
-    if rank:
-        for _ in range(3):
-            if ATOMIC:
-                rpc.rpc_sync("worker0", increment)
-            else:
-                value = rpc.rpc_sync("worker0", read)
-                rpc.rpc_sync("worker0", write, args=(value + 1,))
-    rpc.shutdown()
-    if rank == 0:
-        return _counters.pop("worker0", 0)
+PLANTED = (
+    "\nimport pytest\n"
+    + COUNTER_PROGRAM
+    + """        return _counters.pop("worker0", 0)
 
 
 def test_counter_keeps_every_update(simulation):
     total = simulation.run(program, 3).values()[0]
     assert total == 6, f"lost an update: the counter is {total}, expected 6"
 """
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
