@@ -603,6 +603,43 @@ class _Search:
             self._remove_faults()
         return found
 
+    def failure(
+        self,
+        *,
+        world_size: int,
+        program: Callable[..., Any] | None,
+        args: Sequence[Any],
+        check: Callable[[RunResult], object] | None,
+        command: Callable[[Case], str],
+        exporter: Callable[[Failure, str, str], str] | None = None,
+        case: Case | None = None,
+    ) -> Failure:
+        """The :class:`Failure` :meth:`run` found, caused by the minimal run's error (one place for
+        :func:`explore`, the pytest plugin and the ``explore`` command). ``case`` reports the minimal
+        case as its caller states it (the command line may give part of it)."""
+        assert self.first is not None and self.best is not None and self.signature is not None
+        assert self.found_at is not None
+        original, first = self.first
+        best, minimal = self.best
+        assert first.error is not None
+        failure = Failure(
+            case=best if case is None else case,
+            original=original,
+            error=first.error,
+            minimal=minimal,
+            signature=self.signature,
+            runs=self.found_at,
+            shrink_runs=self.calls - self.found_at,
+            world_size=world_size,
+            program=program,
+            args=args,
+            check=check,
+            command=command,
+            exporter=exporter,
+        )
+        failure.__cause__ = minimal.error
+        return failure
+
     def _explore(self) -> bool:
         _require_hypothesis()
         if self.calibrate and self._baseline():
@@ -793,26 +830,13 @@ def explore(
     )
     if not search.run():
         return Exploration(search.calls, seed)
-    assert search.first is not None and search.best is not None and search.signature is not None
-    assert search.found_at is not None
-    original, first = search.first
-    case, minimal = search.best
-    assert first.error is not None
-    failure = Failure(
-        case=case,
-        original=original,
-        error=first.error,
-        minimal=minimal,
-        signature=search.signature,
-        runs=search.found_at,
-        shrink_runs=search.calls - search.found_at,
+    failure = search.failure(
         world_size=world_size,
         program=program,
         args=args,
         check=check,
         command=lambda c: replay_command(program, world_size, c, args=args, check=check),
     )
-    failure.__cause__ = minimal.error
     if raise_on_failure:
         raise failure
     return Exploration(search.calls, seed, failure)

@@ -260,10 +260,8 @@ def explore_command(args: argparse.Namespace) -> int:
     if not found:
         print(f"explore: {search.calls} runs of {args.program} passed (exploration seed {args.seed})")
         return 0
-    assert search.first is not None and search.best is not None and search.signature is not None
-    assert search.found_at is not None
-    original, first = search.first
-    case, minimal = search.best
+    assert search.best is not None
+    case = search.best[0]
     if network is not None and case.network == network:
         case = Case(case.seed, case.faults, None)  # --network gives it on the command line
     out_dir = Path(args.out)
@@ -271,27 +269,20 @@ def explore_command(args: argparse.Namespace) -> int:
     plan_path = out_dir / "faults.json"
     plan_path.write_text(case.faults.to_json() + "\n", encoding="utf-8")
     command = run_command_line(options, case, str(plan_path), args.network)
-    assert first.error is not None
-    failure = Failure(
-        case=case,
-        original=original,
-        error=first.error,
-        minimal=minimal,
-        signature=search.signature,
-        runs=search.found_at,
-        shrink_runs=search.calls - search.found_at,
+    failure = search.failure(
         world_size=n,
         program=None,
         args=(),
         check=None,
         command=lambda c: command,
         exporter=lambda f, name, expect: export_program_test(f, options, out_dir, name, expect),
+        case=case,
     )
     stem = "".join(ch if ch.isalnum() else "_" for ch in Path(args.program).stem)
     test_path = out_dir / f"test_{stem}_regression.py"
     test_path.write_text(failure.to_pytest(f"test_{stem}_regression", expect=args.expect), encoding="utf-8")
     print(failure.describe())
-    error = minimal.error
+    error = failure.minimal_error
     if isinstance(error, ProgramError) and error.traceback_text:
         print("  traceback of the minimal run:\n" + error.traceback_text.rstrip())
     elif isinstance(error, SimulationDeadlock):

@@ -306,19 +306,7 @@ def explore_item(item: pytest.Function) -> bool:
                 f"{item.nodeid} asks for the simulation fixture but never called simulation.run(...)"
             )
         return True
-    assert search.first is not None and search.best is not None and search.signature is not None
-    assert search.found_at is not None
-    original, first = search.first
-    case, minimal = search.best
-    assert first.error is not None
-    failure = Failure(
-        case=case,
-        original=original,
-        error=first.error,
-        minimal=minimal,
-        signature=search.signature,
-        runs=search.found_at,
-        shrink_runs=search.calls - search.found_at,
+    failure = search.failure(
         world_size=0,
         program=None,
         args=(),
@@ -330,7 +318,6 @@ def explore_item(item: pytest.Function) -> bool:
     if export_dir:
         path = write_export(item, failure, Path(export_dir), config.getoption("sim_export_expect"))
         failure.args = (f"{failure.describe()}\n  regression test written to {path}",)
-    failure.__cause__ = minimal.error
     raise failure
 
 
