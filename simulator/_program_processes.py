@@ -72,26 +72,12 @@ class SimPopen:
         """Block the calling simulated task until the process exits (or ``timeout`` virtual seconds)."""
         if self.returncode is not None:
             return self.returncode
-        sched = self.launcher.sim.sched
-        task = sched.current_task()
-        if task is None:
-            raise RuntimeError("a simulated process can only be joined from a simulated process")
-        woken = [False]
-        timer: TimerHandle | None = None
-
-        def wake() -> None:
-            if not woken[0]:
-                woken[0] = True
-                if timer is not None:
-                    timer.cancel()
-                sched.wake(task)
-
-        self._joiners.append(wake)
-        if timeout is not None:
-            timer = sched.call_later(max(0.0, float(timeout)), wake)
-        sched.park(f"join of simulated process pid {self.pid}")
-        if wake in self._joiners:
-            self._joiners.remove(wake)
+        _park_until_exit(
+            [self],
+            timeout,
+            f"join of simulated process pid {self.pid}",
+            "a simulated process can only be joined from a simulated process",
+        )
         return self.returncode
 
     def terminate(self) -> None:
@@ -404,11 +390,22 @@ class SimProcessContext:
 
 def _wait_any(popens: list[SimPopen], timeout: float | None) -> None:
     """Park until one of ``popens`` exits (or ``timeout`` virtual seconds)."""
-    launcher = popens[0].launcher
-    sched = launcher.sim.sched
+    _park_until_exit(
+        popens,
+        timeout,
+        "join of simulated processes " + ", ".join(str(p.pid) for p in popens),
+        "simulated processes can only be joined from a simulated process",
+    )
+
+
+def _park_until_exit(popens: list[SimPopen], timeout: float | None, reason: str, outside: str) -> None:
+    """Park the calling simulated task until one of ``popens`` exits (or ``timeout`` virtual seconds):
+    one join for :meth:`SimPopen.wait` and :func:`_wait_any`. ``outside`` is the error when no
+    simulated task is calling."""
+    sched = popens[0].launcher.sim.sched
     task = sched.current_task()
     if task is None:
-        raise RuntimeError("simulated processes can only be joined from a simulated process")
+        raise RuntimeError(outside)
     woken = [False]
     timer: TimerHandle | None = None
 
@@ -423,7 +420,7 @@ def _wait_any(popens: list[SimPopen], timeout: float | None) -> None:
         p._joiners.append(wake)
     if timeout is not None:
         timer = sched.call_later(max(0.0, float(timeout)), wake)
-    sched.park("join of simulated processes " + ", ".join(str(p.pid) for p in popens))
+    sched.park(reason)
     for p in popens:
         if wake in p._joiners:
             p._joiners.remove(wake)
@@ -477,17 +474,6 @@ def _torch_wrapper(real: Callable[..., Any], simulated: Callable[..., Any]) -> C
     return wrapper
 
 
-def _spawn(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...] = (),
-    nprocs: int = 1,
-    join: bool = True,
-    daemon: bool = False,
-    start_method: str = "spawn",
-) -> SimProcessContext | None:
-    return _start_processes(fn, args, nprocs, join, daemon, start_method)
-
-
 @contextmanager
 def simulated_processes(launcher: ProcessLauncher) -> Iterator[None]:
     """While the block runs, processes started from simulated processes are simulated."""
@@ -500,7 +486,8 @@ def simulated_processes(launcher: ProcessLauncher) -> Iterator[None]:
         raise RuntimeError("a program is already running under the simulator in this interpreter")
     targets: list[tuple[Any, str, Any]] = [(multiprocessing.process.BaseProcess, "start", _start)]
     for module in (tmp, tmp_spawn):
-        for name, simulated in (("spawn", _spawn), ("start_processes", _start_processes)):
+        # torch's spawn is start_processes under another name (same parameters, same defaults)
+        for name, simulated in (("spawn", _start_processes), ("start_processes", _start_processes)):
             real = module.__dict__[name]
             targets.append((module, name, _torch_wrapper(real, simulated)))
     saved = [(obj, name, obj.__dict__[name]) for obj, name, _ in targets]
