@@ -34,7 +34,6 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from twinrpc._errors import WorkerUnavailableError
 from twinrpc._message import RREF_CONTROL_KINDS, Kind, Message
 from twinrpc._serialize import copy_storages
 
@@ -504,17 +503,14 @@ class NetworkFaults:
         sim._stop_monitors(f"worker {observer} declared worker {dead} dead ({why})")
         world = sim.workers[observer].world
         if world is not None and not world.stopped:
-            agent = world.agent
-            me = agent.info if agent is not None else f"worker {observer}"
-            name = agent.worker_by_id(dead).name if agent is not None else f"worker{dead}"
             timeout = sim.network.heartbeat_timeout
-            err = WorkerUnavailableError(
-                f"worker '{name}' (rank {dead}) is unavailable to {me}: no frame or heartbeat from it for "
-                f"more than {timeout:g} s (simulated heartbeat_timeout; {why}); its process is stopped, hung "
-                "or cut off from this one; calls to it fail from now on, other workers keep working"
+            sim._peer_unavailable(
+                world,
+                observer,
+                dead,
+                f"no frame or heartbeat from it for more than {timeout:g} s (simulated heartbeat_timeout; "
+                f"{why}); its process is stopped, hung or cut off from this one; ",
             )
-            sim.trace.record(sim.sched.now, observer, "peer-failed", f"rank {dead}")
-            world.peer_failed(dead, err)
         # The observer stops talking to the dead one (a failed gloo link sends no more heartbeats), so
         # that one declares the observer dead a threshold after it can next listen.
         listens_from = max(sim.sched.now, self.paused_until.get(dead, sim.sched.now))

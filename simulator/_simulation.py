@@ -413,13 +413,23 @@ class Simulation:
         world = self.workers[observer].world
         if world is None or observer in self.crashed or world.stopped:
             return
+        self._peer_unavailable(
+            world,
+            observer,
+            dead,
+            f"connection lost (simulated crash at t={self.crashed[dead]:.6f} s, detected at "
+            f"t={self.sched.now:.6f} s). Its process has probably died; ",
+        )
+
+    def _peer_unavailable(self, world: SimWorld, observer: int, dead: int, why: str) -> None:
+        """Fail ``observer``'s calls to ``dead`` with a :class:`~twinrpc.WorkerUnavailableError` that
+        says ``why`` (a crash detected, or heartbeat silence) and trace it: one report for both."""
         agent = world.agent
         me = agent.info if agent is not None else f"worker {observer}"
         name = agent.worker_by_id(dead).name if agent is not None else f"worker{dead}"
         err = WorkerUnavailableError(
-            f"worker '{name}' (rank {dead}) is unavailable to {me}: connection lost (simulated crash at "
-            f"t={self.crashed[dead]:.6f} s, detected at t={self.sched.now:.6f} s). Its process has "
-            "probably died; calls to it fail from now on, other workers keep working"
+            f"worker '{name}' (rank {dead}) is unavailable to {me}: {why}"
+            "calls to it fail from now on, other workers keep working"
         )
         self.trace.record(self.sched.now, observer, "peer-failed", f"rank {dead}")
         world.peer_failed(dead, err)
