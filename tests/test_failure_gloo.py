@@ -98,6 +98,41 @@ def _run_world(
     return out
 
 
+def _run_stopping_rank1(program: Any, world_size: int, tmp_path: Path, **extra: Any) -> Any:
+    """:func:`_run_world` with the test process as the operator: it SIGSTOPs rank 1 when a rank sets
+    ``shared["stop_rank1"]``, then sets ``shared["rank1_stopped"]``. Returns rank 0's result."""
+    mp = multiprocessing.get_context("spawn")
+    stop_rank1, rank1_stopped = mp.Event(), mp.Event()
+
+    def stop_on_request(procs: list[Any]) -> None:
+        def act() -> None:
+            if stop_rank1.wait(WORLD_TIMEOUT):
+                os.kill(procs[1].pid, signal.SIGSTOP)
+                rank1_stopped.set()
+
+        threading.Thread(target=act, daemon=True).start()
+
+    return _run_world(
+        program,
+        world_size,
+        tmp_path,
+        reporting=[0],
+        started=stop_on_request,
+        stop_rank1=stop_rank1,
+        rank1_stopped=rank1_stopped,
+        **extra,
+    )[0]
+
+
+def _check_local_shutdown_left_no_thread(r: dict[str, Any]) -> None:
+    """Rank 0's ``shutdown(graceful=False)`` returned within the bound and no twinrpc thread is left."""
+    name, message, elapsed = r["local_shutdown"]
+    print(f"shutdown(graceful=False) returned after {elapsed:.3f} s; threads left: {r['threads_left']}")
+    assert name is None, message
+    assert elapsed < BOUND
+    assert r["threads_left"] == [], r["threads_left"]
+
+
 # ---------------------------------------------------------------------------------------------------
 # A stopped peer (heartbeat)
 # ---------------------------------------------------------------------------------------------------
@@ -146,29 +181,9 @@ def _stopped_peer_program(rank: int, world_size: int, init_file: str, shared: di
 
 
 def test_a_stopped_peer_is_declared_dead_by_the_heartbeat_but_a_busy_one_is_not(tmp_path: Path) -> None:
-    mp = multiprocessing.get_context("spawn")
-    stop_rank1, rank1_stopped, done = mp.Event(), mp.Event(), mp.Event()
+    done = multiprocessing.get_context("spawn").Event()
+    results = _run_stopping_rank1(_stopped_peer_program, 3, tmp_path, done=done)
 
-    def operator(procs: list[Any]) -> None:
-        """The test process plays the operator: it SIGSTOPs rank 1 when rank 0 asks."""
-
-        def act() -> None:
-            if stop_rank1.wait(WORLD_TIMEOUT):
-                os.kill(procs[1].pid, signal.SIGSTOP)
-                rank1_stopped.set()
-
-        threading.Thread(target=act, daemon=True).start()
-
-    results = _run_world(
-        _stopped_peer_program,
-        3,
-        tmp_path,
-        reporting=[0],
-        started=operator,
-        stop_rank1=stop_rank1,
-        rank1_stopped=rank1_stopped,
-        done=done,
-    )[0]
     print(
         f"busy call ({5 * INTERVAL * MISSES:.1f} s of user code) returned after {results['busy_elapsed']:.2f} s"
     )
@@ -318,27 +333,9 @@ def test_a_peer_stopped_mid_transfer_fails_the_blocked_sender_and_receiver_withi
     payload receive of a message whose sender stopped after its header: both are woken with the
     peer's WorkerUnavailableError (heartbeat) within the bound, other peers keep working, shutdown
     returns and no thread is left blocked in gloo."""
-    mp = multiprocessing.get_context("spawn")
-    stop_rank1, rank1_stopped, done = mp.Event(), mp.Event(), mp.Event()
+    done = multiprocessing.get_context("spawn").Event()
+    r = _run_stopping_rank1(_stopped_mid_transfer_program, 4, tmp_path, done=done)
 
-    def operator_(procs: list[Any]) -> None:
-        def act() -> None:
-            if stop_rank1.wait(WORLD_TIMEOUT):
-                os.kill(procs[1].pid, signal.SIGSTOP)
-                rank1_stopped.set()
-
-        threading.Thread(target=act, daemon=True).start()
-
-    r = _run_world(
-        _stopped_mid_transfer_program,
-        4,
-        tmp_path,
-        reporting=[0],
-        started=operator_,
-        stop_rank1=stop_rank1,
-        rank1_stopped=rank1_stopped,
-        done=done,
-    )[0]
     limit = INTERVAL * MISSES
     print(
         f"64 MiB caller: in the gloo send {r['in_send_after']:.3f} s after starting; returned "
@@ -358,11 +355,7 @@ def test_a_peer_stopped_mid_transfer_fails_the_blocked_sender_and_receiver_withi
     print(f"receiver in the payload receive; the pending call failed {r['pending2_since_recv']:.3f} s later")
     assert r["was_in_recv"] and r["recv_ended"], r
     assert r["other_peer"] == 3
-    name, message, elapsed = r["local_shutdown"]
-    print(f"shutdown(graceful=False) returned after {elapsed:.3f} s; threads left: {r['threads_left']}")
-    assert name is None, message
-    assert elapsed < BOUND
-    assert r["threads_left"] == [], r["threads_left"]
+    _check_local_shutdown_left_no_thread(r)
 
 
 def _heartbeats_off_program(rank: int, world_size: int, init_file: str, shared: dict[str, Any]) -> Any:
@@ -399,26 +392,8 @@ def test_without_heartbeats_a_send_stuck_on_a_stopped_peer_ends_at_the_rpc_timeo
     """heartbeat_interval=0 turns stopped-peer detection off, but a 1 MiB send that a SIGSTOPped peer
     never takes still returns: the call fails with its RPC timeout, the send gives up shortly after
     (rpc_timeout plus 0.1 s for its size) and fails the link, so later calls fail at once."""
-    mp = multiprocessing.get_context("spawn")
-    stop_rank1, rank1_stopped = mp.Event(), mp.Event()
+    r = _run_stopping_rank1(_heartbeats_off_program, 2, tmp_path)
 
-    def operator_(procs: list[Any]) -> None:
-        def act() -> None:
-            if stop_rank1.wait(WORLD_TIMEOUT):
-                os.kill(procs[1].pid, signal.SIGSTOP)
-                rank1_stopped.set()
-
-        threading.Thread(target=act, daemon=True).start()
-
-    r = _run_world(
-        _heartbeats_off_program,
-        2,
-        tmp_path,
-        reporting=[0],
-        started=operator_,
-        stop_rank1=stop_rank1,
-        rank1_stopped=rank1_stopped,
-    )[0]
     name, message, elapsed = r["call"]
     print(f"call: {name} after {elapsed:.3f} s: {message[:160]}")
     assert name == "RPCTimeoutError" and "RPC ran for more than set timeout" in message, message
@@ -427,11 +402,7 @@ def test_without_heartbeats_a_send_stuck_on_a_stopped_peer_ends_at_the_rpc_timeo
     print(f"later: {name} after {elapsed:.3f} s: {message[:240]}")
     assert name == "WorkerUnavailableError" and "'worker1'" in message and "heartbeats are off" in message
     assert elapsed < 1.0
-    name, message, elapsed = r["local_shutdown"]
-    print(f"shutdown(graceful=False) returned after {elapsed:.3f} s; threads left: {r['threads_left']}")
-    assert name is None, message
-    assert elapsed < BOUND
-    assert r["threads_left"] == [], r["threads_left"]
+    _check_local_shutdown_left_no_thread(r)
 
 
 # ---------------------------------------------------------------------------------------------------
