@@ -258,6 +258,19 @@ def _twinrpc_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("twinrpc-") and t.is_alive())
 
 
+def _shut_down_locally(rpc: Any, result: dict[str, Any]) -> dict[str, Any]:
+    """``shutdown(graceful=False)`` timed into ``result["local_shutdown"]``, then the twinrpc threads
+    still alive after a bounded wait into ``result["threads_left"]`` (see
+    :func:`_check_local_shutdown_left_no_thread`). Returns ``result``."""
+    result["local_shutdown"] = _timed(lambda: rpc.shutdown(graceful=False))
+    try:
+        _poll(lambda: not _twinrpc_threads(), "every twinrpc thread has ended")
+    except AssertionError:
+        pass
+    result["threads_left"] = _twinrpc_threads()
+    return result
+
+
 def _stopped_mid_transfer_program(rank: int, world_size: int, init_file: str, shared: dict[str, Any]) -> Any:
     import torch
 
@@ -317,13 +330,7 @@ def _stopped_mid_transfer_program(rank: int, world_size: int, init_file: str, sh
 
     result["other_peer"] = rpc.rpc_sync("worker3", operator.add, args=(1, 2))
     shared["done"].set()
-    result["local_shutdown"] = _timed(lambda: rpc.shutdown(graceful=False))
-    try:
-        _poll(lambda: not _twinrpc_threads(), "every twinrpc thread has ended")
-    except AssertionError:
-        pass
-    result["threads_left"] = _twinrpc_threads()
-    return result
+    return _shut_down_locally(rpc, result)
 
 
 def test_a_peer_stopped_mid_transfer_fails_the_blocked_sender_and_receiver_within_the_heartbeat_bound(
@@ -376,13 +383,7 @@ def _heartbeats_off_program(rank: int, world_size: int, init_file: str, shared: 
     assert shared["rank1_stopped"].wait(WORLD_TIMEOUT)
     result["call"] = _timed(lambda: rpc.rpc_sync("worker1", _echo, args=(torch.ones(1 << 18),)))
     result["later"] = _timed(lambda: rpc.rpc_sync("worker1", operator.add, args=(1, 2)))
-    result["local_shutdown"] = _timed(lambda: rpc.shutdown(graceful=False))
-    try:
-        _poll(lambda: not _twinrpc_threads(), "every twinrpc thread has ended")
-    except AssertionError:
-        pass
-    result["threads_left"] = _twinrpc_threads()
-    return result
+    return _shut_down_locally(rpc, result)
 
 
 RPC_TIMEOUT = 2.0
