@@ -375,7 +375,10 @@ class GraphPass:
                         f"cannot finish: {len(unused)} send function(s) received no gradient, because the "
                         "roots do not depend on what these RPCs carried: " + "; ".join(unused) + ". "
                         "PyTorch's FAST mode would wait forever here (spec DAG-7). Use every RPC result "
-                        "that requires grad in the loss, or detach it / make the call outside the context."
+                        "that requires grad in the loss, or detach it / make the call outside the context. "
+                        "An RPC made from a Future callback that ran when a reply arrived (then, "
+                        "add_done_callback) is not attached to the context, as in PyTorch: a gradient "
+                        "cannot flow back through it to the RPCs above."
                     )
                 )
             else:
