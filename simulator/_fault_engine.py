@@ -9,7 +9,8 @@ Decisions (documented in ``docs/howto/fault-plan.md``):
 
 - **Counting.** A message fault counts the messages matching its kind/src/dst from the moment it is
   installed; a message can match several faults (each counts it). A drop wins over duplicates.
-- **Losses.** A lost RRef control message or ack is left to the sender's retry. Any other lost
+- **Losses.** A lost RRef control message, context cleanup or ack is left to the sender's retry
+  (``_RESENT``). Any other lost
   request will never be served, and a duplicated one is served twice: the sender's agent is told
   (``RpcAgent.count_request_copies``) so that graceful shutdown's join, which counts requests sent
   against requests served, still terminates. The caller's call itself just times out.
@@ -56,7 +57,10 @@ if TYPE_CHECKING:
 
 #: what ``rpc_sync``/``rpc_async``/``remote``/``to_here``/``_get_type`` send
 USER_REQUEST_KINDS = frozenset({Kind.CALL, Kind.REMOTE_CALL, Kind.RREF_FETCH, Kind.RREF_TYPE})
-_REQUEST_KINDS = USER_REQUEST_KINDS | RREF_CONTROL_KINDS | {Kind.GRADIENT}
+_REQUEST_KINDS = USER_REQUEST_KINDS | RREF_CONTROL_KINDS | {Kind.GRADIENT, Kind.CONTEXT_CLEANUP}
+#: the classes the sender resends until acked and the receiver handles once (a loss or copy is
+#: harmless): RETRIED_MESSAGES, which generated plans lose by default, plus context cleanups
+_RESENT = frozenset({"rref-control", "context-cleanup"})
 _REPLY_KINDS = (Kind.RESPONSE, Kind.EXCEPTION)
 
 
@@ -78,6 +82,7 @@ _REPLY_CLASSES = {
     (reply, request): _KIND_CLASSES[reply]
     | ({"response"} if request in USER_REQUEST_KINDS else set())
     | ({"rref-control"} if request in RREF_CONTROL_KINDS else set())
+    | ({"context-cleanup"} if request is Kind.CONTEXT_CLEANUP else set())
     for reply in _REPLY_KINDS
     for request in Kind
 }
@@ -303,7 +308,7 @@ class NetworkFaults:
         self.dropped += 1
         self._message_event(msg.src, "drop", msg, f": {why}")
         self._record(msg.src, f"drop {msg.describe()}: {why}")
-        if "rref-control" in classes:
+        if classes & _RESENT:
             return  # the sender resends it (or its request, for a lost ack) after the retry interval
         if msg.kind in _REQUEST_KINDS:
             self._requests.pop((msg.src, msg.id), None)
@@ -315,7 +320,7 @@ class NetworkFaults:
 
     def _duplicated(self, msg: Message, classes: frozenset[str], n: int) -> None:
         self.duplicated += n
-        if msg.kind not in _REQUEST_KINDS or "rref-control" in classes:
+        if msg.kind not in _REQUEST_KINDS or classes & _RESENT:
             return  # duplicated replies are ignored by the caller; control messages are deduplicated
         entry = self._requests.get((msg.src, msg.id))
         if entry is not None:

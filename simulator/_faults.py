@@ -21,7 +21,8 @@ Message kinds a fault addresses (``kind=``): a class, or the raw name of a ``twi
                    their acks: the messages PyTorch retries, which twinrpc resends until acked and
                    deduplicates on receipt
 ``gradient``       GRADIENT: gradients for a send function during ``dist_autograd.backward``
-``context-cleanup``  CONTEXT_CLEANUP: release of a distributed autograd context
+``context-cleanup``  CONTEXT_CLEANUP: release of a distributed autograd context, and its ack (resent
+                   up to 20 times, as PyTorch, and handled once)
 ``CALL``, ...      one ``Kind`` exactly (``RESPONSE`` then means every RESPONSE, whatever it answers)
 ``None``           any message
 =================  ===================================================================================
@@ -235,10 +236,11 @@ class Delay(_MessageFault):
 class Drop(_MessageFault):
     """Lose the addressed message(s) for good (arguments as for :class:`Delay`).
 
-    A lost ``rref-control`` message or ack is resent after the retry interval, as in PyTorch. Any
-    other loss is final: the caller of a lost request or response sees its RPC time out ("RPC ran for
-    more than set timeout"), a lost GRADIENT makes ``dist_autograd.backward`` time out, and the RRef
-    monitors stop (the RRef protocol assumes every other message arrives, as TCP guarantees).
+    A lost ``rref-control`` or ``context-cleanup`` message or ack is resent after the retry interval,
+    as in PyTorch. Any other loss is final: the caller of a lost request or response sees its RPC time
+    out ("RPC ran for more than set timeout"), a lost GRADIENT makes ``dist_autograd.backward`` time
+    out, and the RRef monitors stop (the RRef protocol assumes every other message arrives, as TCP
+    guarantees).
     """
 
     kind: str | None = None

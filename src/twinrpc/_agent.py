@@ -336,8 +336,6 @@ class RpcAgent:
             self._on_gather(msg)
         elif kind is Kind.SCATTER:
             self._on_scatter(msg)
-        elif kind is Kind.CONTEXT_CLEANUP:  # hook: distributed autograd context release (DAG-10)
-            self.autograd.on_cleanup(msg)
         else:
             _log.warning("twinrpc: %s dropped a message of unknown kind %r", self.info, kind)
 
@@ -412,12 +410,14 @@ class RpcAgent:
             elif kind is Kind.RREF_TYPE:
                 owner = self.rrefs.get_or_create_owner(obj)
                 owner.value.add_done_callback(lambda f: self._reply_from(msg, f, transform=type))
-            elif kind in RREF_CONTROL_KINDS:
-                # RRef control messages are resent until acked; a duplicate is acked without being
+            elif kind in RREF_CONTROL_KINDS or kind is Kind.CONTEXT_CLEANUP:
+                # Control messages are resent until acked; a duplicate is acked without being
                 # handled or counted as served again (join counts logical requests; _rref_context).
                 fresh, body = self.rrefs.accept_control(msg.src, obj)
                 if fresh:
-                    if kind is Kind.RREF_USER_DELETE:
+                    if kind is Kind.CONTEXT_CLEANUP:  # hook: autograd context release (DAG-10)
+                        self.autograd.on_cleanup(msg.src, body)
+                    elif kind is Kind.RREF_USER_DELETE:
                         self.rrefs.on_user_delete(*body)
                     elif kind is Kind.RREF_FORK_REQUEST:
                         self.rrefs.on_fork_request(*body)

@@ -22,7 +22,10 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from . import _serialize
+from ._errors import NotInitializedError, ShutdownError, WorkerUnavailableError
+from ._future import Future
 from ._message import Kind, Message
+from ._rref_context import RetryPolicy
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
@@ -38,8 +41,11 @@ CURRENT_CONTEXT: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 AUTOGRAD_KINDS = frozenset({Kind.CALL, Kind.REMOTE_CALL, Kind.RREF_FETCH})
 _ID_BITS = 48
 _MAX_WORKER_ID = 65535
-#: how often a context cleanup is sent before giving up (PyTorch: 20 retries)
-_CLEANUP_ATTEMPTS = 20
+#: how a context cleanup is resent when no ack comes (DAG-10), as PyTorch's
+#: ``DistAutogradContainer::sendReleaseContextRpc``: ``sendWithRetries`` with ``maxRetries =
+#: kNumCleanupContextRetries = 20`` and the default ``RpcRetryOptions`` (``rpcRetryDuration`` 1000 ms,
+#: ``retryBackoff`` 1.5), each attempt an RPC with the agent's default timeout
+CLEANUP_RETRY = RetryPolicy(ack_wait=None, spacing=1.0, backoff=1.5, max_retries=20)
 
 
 class AutogradObserver(Protocol):
@@ -341,30 +347,44 @@ class DistAutogradContainer:
     def _propagate_cleanup(self, ctx: DistAutogradContext, exclude: int) -> None:
         with ctx.lock:
             known = sorted(ctx.known_workers)
-        payload, _ = _serialize.dumps(ctx.context_id)
         for dst in known:
             if dst != exclude and dst != self.rank:
-                self._send_cleanup(dst, payload, 1)
+                self._send_cleanup(dst, ctx.context_id)
 
-    def _send_cleanup(self, dst: int, payload: bytes, attempt: int) -> None:
-        # Fire and forget, as PyTorch: a failed send is only logged (after a few retries in PyTorch;
-        # here the world reports failures only for requests, so one send is what can be done).
+    def _send_cleanup(self, dst: int, context_id: int) -> None:
+        # Best effort, as PyTorch: resent per CLEANUP_RETRY on the RRef control channel (so the receiver
+        # handles it once however often it arrives); a final failure is only logged.
         try:
-            self.agent.world.send(Message(Kind.CONTEXT_CLEANUP, 0, self.rank, dst, payload))
-        except Exception as exc:  # pragma: no cover - worlds report send failures asynchronously
-            _log.warning("twinrpc: context cleanup to rank %d failed: %r", dst, exc)
+            fut = self.agent.rrefs.send_control(dst, Kind.CONTEXT_CLEANUP, context_id, CLEANUP_RETRY)
+        except Exception as exc:  # the agent is shutting down
+            _log.debug(
+                "twinrpc: could not send the release of context %d to rank %d: %s", context_id, dst, exc
+            )
+            return
+        fut.add_done_callback(lambda f: self._cleanup_done(f, dst))
 
-    def on_cleanup(self, msg: Message) -> None:
-        """A CONTEXT_CLEANUP message: release the context if present and forward it (transitive)."""
-        context_id, _ = _serialize.loads(msg.payload, msg.tensors, msg.src)
+    def _cleanup_done(self, fut: Future[None], dst: int) -> None:
+        try:
+            fut.wait()
+        except (ShutdownError, NotInitializedError, WorkerUnavailableError) as exc:  # nothing to release
+            _log.debug("twinrpc: context release to rank %d abandoned: %s", dst, exc)
+        except Exception as exc:
+            _log.error("Could not release Dist Autograd Context on node %d: %s", dst, exc)
+
+    def on_cleanup(self, src: int, context_id: int) -> None:
+        """A CONTEXT_CLEANUP request: release the context if present and forward it (transitive).
+
+        Idempotent: a context already released (a resend, or a cleanup that reached this worker by two
+        paths) is not found and nothing happens, as PyTorch's ``releaseContextIfPresent``.
+        """
         with self._lock:
             ctx = self._contexts.pop(context_id, None)
         if ctx is not None:
             if self.observer is not None:
                 self.observer.autograd_event(
-                    self.rank, "context-released", context_id, f"cleanup from rank {msg.src}"
+                    self.rank, "context-released", context_id, f"cleanup from rank {src}"
                 )
-            self._propagate_cleanup(ctx, exclude=msg.src)
+            self._propagate_cleanup(ctx, exclude=src)
 
     def clear(self) -> None:
         with self._lock:

@@ -28,7 +28,7 @@ class Kind(enum.IntEnum):
     GATHER = 20  # follower -> leader: my contribution to a named all-gather (shutdown barrier, join)
     SCATTER = 21  # leader -> followers: the all-gather's result
     GRADIENT = 30  # distributed autograd: gradients for a send function
-    CONTEXT_CLEANUP = 31  # distributed autograd: release a context
+    CONTEXT_CLEANUP = 31  # distributed autograd: release a context (a control message, acked)
     HEARTBEAT = 40  # gloo world only: "I am alive" on an idle link; never reaches the agent
 
 
@@ -42,6 +42,7 @@ REQUEST_KINDS = frozenset(
         Kind.RREF_CHILD_ACCEPT,
         Kind.RREF_TYPE,
         Kind.GRADIENT,
+        Kind.CONTEXT_CLEANUP,
     }
 )
 RREF_CONTROL_KINDS = frozenset({Kind.RREF_USER_DELETE, Kind.RREF_FORK_REQUEST, Kind.RREF_CHILD_ACCEPT})

@@ -12,7 +12,9 @@ Bookkeeping (all guarded by one lock):
 
 Control messages (user delete, fork request, child accept) are requests answered by an ack. They are
 **retried** when the ack does not come within a retry interval (a lost message or a lost ack), with
-exponential backoff, until acked, the peer is known dead, or this agent shuts down. Every control
+exponential backoff, until acked, the peer is known dead, or this agent shuts down. Distributed
+autograd's context cleanup travels on the same channel with PyTorch's own schedule for it (a
+:class:`RetryPolicy` with a bounded number of retries, in twinrpc._dist_autograd). Every control
 message carries ``(seq, low, body)``: ``seq`` numbers the logical message per destination and is reused
 by its resends; ``low`` is the smallest sequence number the sender has not seen acked yet, so the
 receiver can forget everything below it. The receiver handles each ``seq`` once and acks duplicates
@@ -33,6 +35,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._errors import RPCError, RPCTimeoutError, ShutdownError
@@ -50,6 +53,40 @@ _log = logging.getLogger("twinrpc")
 CONTROL_RETRY_INITIAL = 1.0
 #: the backoff doubles up to this interval
 CONTROL_RETRY_MAX = 16.0
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """When a control message that got no ack is sent again.
+
+    Attempt ``k`` (0 is the first send) waits ``min(ack_wait * ack_wait_growth**k, ack_wait_max)``
+    seconds for its ack (``ack_wait`` None: the agent's ``rpc_timeout``, and 0 waits forever). After a
+    timeout, attempt ``k + 1`` is sent once ``spacing * backoff**k`` seconds have passed since attempt
+    ``k`` was sent (at once if they have). ``max_retries`` bounds the resends (None: until acked).
+    """
+
+    ack_wait: float | None
+    ack_wait_growth: float = 1.0
+    ack_wait_max: float = float("inf")
+    spacing: float = 0.0
+    backoff: float = 1.0
+    max_retries: int | None = None
+
+    def ack_timeout(self, attempt: int, rpc_timeout: float) -> float:
+        if self.ack_wait is None:
+            return rpc_timeout
+        return min(self.ack_wait * self.ack_wait_growth**attempt, self.ack_wait_max)
+
+    def next_send_after(self, attempt: int) -> float:
+        """Seconds after attempt ``attempt`` was sent that attempt ``attempt + 1`` may be sent."""
+        return self.spacing * self.backoff**attempt
+
+
+#: RRef control messages: resent as soon as an ack wait of 1 s, doubling up to 16 s, expires; no bound
+CONTROL_RETRY = RetryPolicy(
+    ack_wait=CONTROL_RETRY_INITIAL, ack_wait_growth=2.0, ack_wait_max=CONTROL_RETRY_MAX
+)
+
 #: how long graceful shutdown waits for pending users/children to be confirmed (PyTorch: 100 s)
 PENDING_CONFIRM_TIMEOUT = 100.0
 
@@ -326,11 +363,14 @@ class RRefContext:
         self._send_quietly(parent, Kind.RREF_CHILD_ACCEPT, state.fork_id)
 
     # -- the control channel ----------------------------------------------------------------
-    def send_control(self, dst: int, kind: Kind, body: Any) -> Future[None]:
-        """Send a control message to ``dst``, resending it until acked (see the module docstring).
+    def send_control(
+        self, dst: int, kind: Kind, body: Any, policy: RetryPolicy = CONTROL_RETRY
+    ) -> Future[None]:
+        """Send a control message to ``dst``, resending it per ``policy`` until acked (see the module
+        docstring). The receiver handles it once however often it arrives.
 
-        The returned future completes when the ack arrives, or fails when the peer is unreachable or
-        this agent shuts down.
+        The returned future completes when the ack arrives, or fails when the peer is unreachable, this
+        agent shuts down or the policy's retries are used up.
         """
         with self._lock:
             out = self._outboxes.get(dst)
@@ -340,10 +380,12 @@ class RRefContext:
             out.unacked.add(seq)
         done: Future[None] = Future()
         done.label = f"ack of {kind.name} seq {seq} from rank {dst}"
-        self._attempt(dst, kind, seq, body, done, 0)
+        self._attempt(dst, kind, seq, body, done, 0, policy)
         return done
 
-    def _attempt(self, dst: int, kind: Kind, seq: int, body: Any, done: Future[None], attempt: int) -> None:
+    def _attempt(
+        self, dst: int, kind: Kind, seq: int, body: Any, done: Future[None], attempt: int, policy: RetryPolicy
+    ) -> None:
         out = self._outboxes[dst]
         if self.closed and attempt:
             out.unacked.discard(seq)
@@ -351,10 +393,11 @@ class RRefContext:
             return
         with self._lock:
             low = min(out.unacked)
-        interval = min(CONTROL_RETRY_INITIAL * (2**attempt), CONTROL_RETRY_MAX)
         agent = self.agent
+        timeout = policy.ack_timeout(attempt, agent.rpc_timeout)
+        sent_at = agent.world.now()
         try:
-            fut = agent.request(dst, kind, (seq, low, body), interval)
+            fut = agent.request(dst, kind, (seq, low, body), timeout)
         except BaseException as exc:
             with self._lock:
                 out.unacked.discard(seq)
@@ -367,16 +410,43 @@ class RRefContext:
                 agent._sent_requests -= 1
             with self._lock:
                 self.control_resends += 1
-        fut.add_done_callback(lambda f: self._attempt_done(f, dst, kind, seq, body, done, attempt))
+        fut.add_done_callback(
+            lambda f: self._attempt_done(f, dst, kind, seq, body, done, attempt, policy, sent_at)
+        )
 
     def _attempt_done(
-        self, f: Future[Any], dst: int, kind: Kind, seq: int, body: Any, done: Future[None], attempt: int
+        self,
+        f: Future[Any],
+        dst: int,
+        kind: Kind,
+        seq: int,
+        body: Any,
+        done: Future[None],
+        attempt: int,
+        policy: RetryPolicy,
+        sent_at: float,
     ) -> None:
         try:
             f.wait()
-        except RPCTimeoutError:
+        except RPCTimeoutError as exc:
+            if policy.max_retries is not None and attempt >= policy.max_retries:
+                with self._lock:
+                    self._outboxes[dst].unacked.discard(seq)
+                err = RPCError(
+                    "The RPC has not succeeded after the specified number of max retries "
+                    f"({policy.max_retries}): {kind.name} to rank {dst}"
+                )
+                err.__cause__ = exc
+                done.try_set_exception(err)
+                return
             _log.debug("twinrpc: no ack for %s seq %d to rank %d; resending", kind.name, seq, dst)
-            self._attempt(dst, kind, seq, body, done, attempt + 1)
+            wait = sent_at + policy.next_send_after(attempt) - self.agent.world.now()
+            if wait > 0:
+                self.agent.world.call_later(
+                    wait, lambda: self._attempt(dst, kind, seq, body, done, attempt + 1, policy)
+                )
+            else:
+                self._attempt(dst, kind, seq, body, done, attempt + 1, policy)
             return
         except BaseException as exc:
             with self._lock:
