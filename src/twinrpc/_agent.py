@@ -344,7 +344,7 @@ class RpcAgent:
         if pending is None:
             return  # a late reply to a call that timed out: dropped (ERR-4)
         try:
-            value, _ = _serialize.loads(msg.payload, msg.tensors, msg.src, self.rrefs.rebuild)
+            value, load = _serialize.loads(msg.payload, msg.tensors, msg.src, self.rrefs.rebuild)
         except BaseException as exc:
             pending.fut.set_exception(
                 SerializationError(f"the reply from {self._by_id[msg.src]} could not be unpickled: {exc!r}")
@@ -356,6 +356,7 @@ class RpcAgent:
                 pending.fut.set_exception(self._rebuild_exception(value))
             else:
                 pending.fut.set_result(value)
+            load.handled()
         self._call_ended()
 
     @staticmethod
@@ -386,6 +387,12 @@ class RpcAgent:
                 ),
             )
             return
+        try:
+            self._handle(msg, obj, load)
+        finally:
+            load.handled()  # e.g. RRef child accepts, sent after the reply (twinrpc._rref_context)
+
+    def _handle(self, msg: Message, obj: Any, load: _serialize.LoadState) -> None:
         try:
             for user in load.unconfirmed_rrefs:  # RREF-F3: run only once argument RRefs are confirmed
                 user.confirmed.wait()

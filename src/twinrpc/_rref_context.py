@@ -328,7 +328,12 @@ class RRefContext:
                 # A phantom fork: never added to the owner's forks; the parent may now let go.
                 if self.observer is not None:
                     self.observer.fork_known(self.rank, data.rref_id, data.fork_id)
-                self._send_quietly(data.parent, Kind.RREF_CHILD_ACCEPT, data.fork_id)
+                # After the request that carried it has been handled: the accept only lets the parent
+                # drop a reference, so it need not delay the reply (PyTorch sends it asynchronously).
+                parent, fork_id = data.parent, data.fork_id
+                load.after_handling.append(
+                    lambda: self._send_quietly(parent, Kind.RREF_CHILD_ACCEPT, fork_id)
+                )
             return RRef._wrap(agent, owner)
         state = UserState(agent, data.owner, data.rref_id, data.fork_id)
         with self._lock:

@@ -35,9 +35,17 @@ class LoadState:
     src: int
     rebuild_rref: Callable[[Any, int, LoadState], Any] | None
     unconfirmed_rrefs: list[Any] = field(default_factory=list)
+    #: control messages to send once the message has been handled (the caller's reply goes first)
+    after_handling: list[Callable[[], None]] = field(default_factory=list)
     #: distributed autograd hook: turns each received tensor that requires grad into one with a recv
     #: function as grad_fn (set while unpickling an AutogradEnvelope; twinrpc._dist_autograd)
     autograd: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def handled(self) -> None:
+        """The message has been handled (or cannot be): run what was deferred until then."""
+        todo, self.after_handling = self.after_handling, []
+        for fn in todo:
+            fn()
 
 
 _FUTURE_TYPES = (torch.futures.Future, Future)
@@ -190,6 +198,9 @@ def loads(
     outer, _LOAD.state = _LOAD.state, state
     try:
         return pickle.loads(payload), state
+    except BaseException:
+        state.handled()  # nothing will handle the message: what was deferred must happen now
+        raise
     finally:
         _LOAD.state = outer
 
