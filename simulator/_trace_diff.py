@@ -9,7 +9,7 @@ share (their clocks, task switches and internal events differ by construction).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -100,23 +100,34 @@ def diff_traces(
     if structural:
         return _structural(a, b, context, None if kinds is None else frozenset(kinds))
     ea, eb = a.events(), b.events()
-    for i in range(max(len(ea), len(eb))):
-        x = ea[i] if i < len(ea) else None
-        y = eb[i] if i < len(eb) else None
-        if x is not None and y is not None and _key(x) == _key(y):
-            continue
-        first = x if x is not None else y
-        assert first is not None
-        lo = max(0, i - context)
-        return Divergence(
-            index=i,
-            worker=first.worker,
-            time=first.time,
-            a=x,
-            b=y,
-            context_a=tuple(ea[lo : i + context + 1]),
-            context_b=tuple(eb[lo : i + context + 1]),
-        )
+    mismatch = _first_mismatch(ea, eb, _key)
+    if mismatch is None:
+        return None
+    i, x, y = mismatch
+    first = x if x is not None else y
+    assert first is not None
+    lo = max(0, i - context)
+    return Divergence(
+        index=i,
+        worker=first.worker,
+        time=first.time,
+        a=x,
+        b=y,
+        context_a=tuple(ea[lo : i + context + 1]),
+        context_b=tuple(eb[lo : i + context + 1]),
+    )
+
+
+def _first_mismatch(
+    sa: Sequence[TraceEvent], sb: Sequence[TraceEvent], key: Callable[[TraceEvent], object]
+) -> tuple[int, TraceEvent | None, TraceEvent | None] | None:
+    """Where two event sequences first differ by ``key`` (one ending early counts): the index and the
+    events there (``None`` past an end), or ``None`` when they agree. Serves both comparisons."""
+    for i in range(max(len(sa), len(sb))):
+        x = sa[i] if i < len(sa) else None
+        y = sb[i] if i < len(sb) else None
+        if x is None or y is None or key(x) != key(y):
+            return i, x, y
     return None
 
 
@@ -145,27 +156,25 @@ def _structural(a: Trace, b: Trace, context: int, kinds: frozenset[str] | None) 
     best: tuple[int, Divergence] | None = None
     for worker in sorted(set(wa) | set(wb)):
         sa, sb = wa.get(worker, []), wb.get(worker, [])
-        for i in range(max(len(sa), len(sb))):
-            x = sa[i] if i < len(sa) else None
-            y = sb[i] if i < len(sb) else None
-            if x is not None and y is not None and _shape(x) == _shape(y):
-                continue
-            first = x if x is not None else y
-            assert first is not None
-            # order the workers' divergences by where they happen in A (A's length if A ended there)
-            rank = x.index if x is not None else len(a) + (y.index if y is not None else 0)
-            lo = max(0, i - context)
-            div = Divergence(
-                index=i,
-                worker=worker,
-                time=first.time,
-                a=x,
-                b=y,
-                context_a=tuple(sa[lo : i + context + 1]),
-                context_b=tuple(sb[lo : i + context + 1]),
-                structural=True,
-            )
-            if best is None or rank < best[0]:
-                best = (rank, div)
-            break
+        mismatch = _first_mismatch(sa, sb, _shape)
+        if mismatch is None:
+            continue
+        i, x, y = mismatch
+        first = x if x is not None else y
+        assert first is not None
+        # order the workers' divergences by where they happen in A (A's length if A ended there)
+        rank = x.index if x is not None else len(a) + (y.index if y is not None else 0)
+        lo = max(0, i - context)
+        div = Divergence(
+            index=i,
+            worker=worker,
+            time=first.time,
+            a=x,
+            b=y,
+            context_a=tuple(sa[lo : i + context + 1]),
+            context_b=tuple(sb[lo : i + context + 1]),
+            structural=True,
+        )
+        if best is None or rank < best[0]:
+            best = (rank, div)
     return best[1] if best is not None else None
