@@ -942,6 +942,7 @@ def _is_json(value: Any) -> bool:
 
 
 def _is_literal(value: Any) -> bool:
+    """Whether ``repr(value)`` reads back as an equal value (so an exported test can write it)."""
     try:
         return bool(ast.literal_eval(repr(value)) == value)
     except (ValueError, SyntaxError):

@@ -51,6 +51,7 @@ import pytest
 from ._explore import (
     Case,
     Failure,
+    _is_literal,
     _Outcome,
     _run,
     _Search,
@@ -335,15 +336,6 @@ def write_export(item: pytest.Function, failure: Failure, directory: Path, expec
     return path
 
 
-def _literal(value: Any) -> bool:
-    import ast
-
-    try:
-        return bool(ast.literal_eval(repr(value)) == value)
-    except (ValueError, SyntaxError):
-        return False
-
-
 def _indented(value: Any) -> str:
     """A literal for a keyword argument at 4 spaces: one line if short, else wrapped under it."""
     return pprint.pformat(value, width=100, sort_dicts=False).replace("\n", "\n    ")
@@ -359,7 +351,7 @@ def export_item(item: pytest.Item, failure: Failure, name: str, expect: str) -> 
     original = item.originalname
     params = dict(item.callspec.params) if hasattr(item, "callspec") else {}
     for key, value in params.items():
-        if not _literal(value):
+        if not _is_literal(value):
             raise ValueError(f"{item.nodeid}: parameter {key}={value!r} is not a Python literal")
     argnames = list(inspect.signature(item.obj).parameters)
     fixtures = [a for a in argnames if a not in params]
