@@ -150,8 +150,9 @@ class DistAutogradContext:
         self.current_pass: GraphPass | None = None
         #: autograd nodes whose buffers a pass without retain_graph consumed (per-node mode)
         self.released: set[Any] = set()
-        #: (sender rank, message id) of every GRADIENT request served in this context -> its pass: a
-        #: copy of one (only a simulator fault plan duplicates messages) must not apply it again
+        # Every GRADIENT request served in this context, keyed by its sender's rank and message id,
+        # with the pass that took it: a copy (only a simulator fault plan duplicates messages) must
+        # not be applied again.
         self.gradient_requests: dict[tuple[int, int], GraphPass] = {}
 
     # PyTorch's private accessors
