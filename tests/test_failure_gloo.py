@@ -241,8 +241,9 @@ def _poll(predicate: Any, what: str, bound: float = BOUND) -> float:
 def _stop_mid_message() -> None:
     """On worker2: send worker0 the header of a message whose payload frame never follows (a
     test-only injection on the pair's own process group), then stop this very process."""
-    from impl._framing import encode_header
-    from impl._link import _TAG
+    from twinrpc.impl._framing import encode_header
+    from twinrpc.impl._link import _TAG
+
     from twinrpc._current import current_agent
     from twinrpc._message import Kind, Message
 
@@ -432,8 +433,8 @@ def _report() -> tuple[int, list[str]]:
 def _bad_frames() -> list[tuple[str, Any]]:
     """Frames no twinrpc sender produces, each at most one header long (see the note below)."""
     import torch
+    from twinrpc.impl._framing import HEADER_BYTES, MAGIC, VERSION, encode_header, new_header_tensor
 
-    from impl._framing import HEADER_BYTES, MAGIC, VERSION, encode_header, new_header_tensor
     from twinrpc._message import Kind, Message
 
     def header(kind: int = int(Kind.CALL), src: int = 0) -> Any:
@@ -461,7 +462,8 @@ def _frames_program(rank: int, world_size: int, init_file: str, shared: dict[str
         shared["done"].wait(WORLD_TIMEOUT)
         rpc.shutdown()
         return "served"
-    from impl._link import _TAG
+    from twinrpc.impl._link import _TAG
+
     from twinrpc._current import current_agent
 
     link = current_agent().world.links[1]  # type: ignore[attr-defined]
