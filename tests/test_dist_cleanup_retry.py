@@ -92,12 +92,16 @@ def test_a_lost_cleanup_ack_makes_a_resend_that_the_receiver_handles_once() -> N
     assert len(_sends(result, "CONTEXT_CLEANUP", "1->2")) == 1  # the resend was acked, not handled again
 
 
-def test_context_cleanup_gives_up_after_twenty_retries_and_logs_it(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("graceful", [True, False], ids=["graceful-shutdown", "ungraceful-shutdown"])
+def test_context_cleanup_gives_up_after_twenty_retries_and_logs_it(
+    caplog: pytest.LogCaptureFixture, graceful: bool
+) -> None:
     with caplog.at_level(logging.ERROR, logger="twinrpc"):
-        # Every attempt is lost: worker 1 never hears of it. The counted request is never served,
-        # so the join of a graceful shutdown would wait for it: leave ungracefully.
+        # Every attempt is lost: worker 1 never hears of it. A graceful shutdown still ends: its join
+        # waits for a control message only until the sender gives it up.
         plan = FaultPlan((Drop(kind="context-cleanup", src=0, dst=1, count=None),))
-        result = _run(plan, graceful=False)
+        result = _run(plan, graceful=graceful)
+    assert [o.error for o in result.outcomes] == [None, None, None]
     _, held = result.values()[0]
     assert held == [True, True]
     assert len(_sends(result, "CONTEXT_CLEANUP", "0->1")) == 21  # the first send and 20 retries

@@ -30,7 +30,7 @@ from ._errors import (
     serialization_error,
 )
 from ._future import Future
-from ._message import REQUEST_KINDS, RREF_CONTROL_KINDS, Kind, Message
+from ._message import CONTROL_KINDS, REQUEST_KINDS, RREF_CONTROL_KINDS, Kind, Message
 from ._rref import OwnerState, RRef, UserState
 from ._rref_context import RRefContext
 from ._worker_info import WorkerInfo
@@ -187,7 +187,8 @@ class RpcAgent:
         with self._lock:
             self._pending[msg_id] = pending
             self._active_calls += 1
-            self._sent_requests += 1
+            if kind not in CONTROL_KINDS:
+                self._sent_requests += 1
         if timeout > 0:
             pending.timer = self.world.call_later(timeout, lambda: self._on_timeout(msg_id, timeout))
         self.world.send(Message(kind, msg_id, self.info.id, dst, payload, tensors))
@@ -283,8 +284,9 @@ class RpcAgent:
         """The world could not deliver ``msg`` (dead or departed peer)."""
         if msg.kind not in REQUEST_KINDS:
             return
-        with self._lock:
-            self._sent_requests -= 1
+        if msg.kind not in CONTROL_KINDS:
+            with self._lock:
+                self._sent_requests -= 1
         pending = self._finish_call(msg.id)
         if pending is not None:
             pending.fut.set_exception(exc)
@@ -305,7 +307,7 @@ class RpcAgent:
             for mid, _ in dead:
                 del self._pending[mid]
             # Requests to it will never be served: keep the join accounting balanced.
-            self._sent_requests -= len(dead)
+            self._sent_requests -= sum(1 for _, p in dead if p.kind not in CONTROL_KINDS)
             # Every all-gather needs every worker (the leader waits for all, followers for the leader,
             # which waits for all): none in progress can complete any more (SHUT-2). Except when the
             # peer left after the final join of a graceful shutdown: it no longer takes part, and the
@@ -520,7 +522,7 @@ class RpcAgent:
                 ),
             )
             return
-        self._send_reply(Message(Kind.RESPONSE, msg.id, self.info.id, msg.src, payload, tensors))
+        self._send_reply(msg, Message(Kind.RESPONSE, msg.id, self.info.id, msg.src, payload, tensors))
 
     def _reply_error(self, msg: Message, exc: BaseException) -> None:
         if self.autograd.replies:  # hook: no reply will join the context
@@ -535,11 +537,12 @@ class RpcAgent:
             payload, tensors = _serialize.dumps(
                 _RemoteException(RemoteError, remote.message, remote.serialization)
             )
-        self._send_reply(Message(Kind.EXCEPTION, msg.id, self.info.id, msg.src, payload, tensors))
+        self._send_reply(msg, Message(Kind.EXCEPTION, msg.id, self.info.id, msg.src, payload, tensors))
 
-    def _send_reply(self, reply: Message) -> None:
-        with self._lock:
-            self._served_requests += 1
+    def _send_reply(self, request: Message, reply: Message) -> None:
+        if request.kind not in CONTROL_KINDS:
+            with self._lock:
+                self._served_requests += 1
         self.world.send(reply)
 
     # -- collectives for shutdown ---------------------------------------------------------------
@@ -675,21 +678,26 @@ class RpcAgent:
         """Wait until no request is in flight anywhere (SHUT-1 step 3).
 
         Four-counter termination detection: each round every worker first drains its own calls, then
-        all-gathers (requests sent, requests served); the world is quiet when the totals are equal
-        and unchanged across two consecutive rounds.
+        all-gathers (requests sent, requests served, control messages not yet settled); the world is
+        quiet when sent equals served, nothing is unsettled, and the totals are unchanged across two
+        consecutive rounds. Control messages are not counted as requests: each is resent until acked
+        and handled once, so its sender tracks it until it is acked or given up (after its retries,
+        or when the peer is gone), and a control message lost for good cannot keep the counts apart.
         """
         previous = None
         backoff = _JOIN_BACKOFF_MIN
         for round_no in itertools.count():
             self.wait_idle()
             with self._lock:
-                counts = (self._sent_requests, self._served_requests)
+                counts = (self._sent_requests, self._served_requests, self.rrefs.unsettled_controls())
             gathered = self.all_gather(("join", round_no), counts, timeout)
-            totals = (sum(c[0] for c in gathered), sum(c[1] for c in gathered))
-            if totals[0] == totals[1] and totals == previous:
+            totals = tuple(sum(c[i] for c in gathered) for i in range(3))
+            quiet = totals[0] == totals[1] and totals[2] == 0
+            if quiet and totals == previous:
                 return
-            if totals[0] != totals[1] and totals == previous:
-                # Requests are still being served somewhere (a slow handler): don't spin rounds.
+            if not quiet and totals == previous:
+                # Requests are still being served somewhere (a slow handler), or a control message
+                # waits to be resent: don't spin rounds.
                 self.sleep(backoff)
                 backoff = min(backoff * 2, _JOIN_BACKOFF_MAX)
             previous = totals

@@ -409,10 +409,6 @@ class RRefContext:
             done.try_set_exception(exc)
             return
         if attempt:
-            # A resend is the same logical request: join() (SHUT-1) counts logical requests sent
-            # against requests served, and the receiver serves (and counts) a seq only once.
-            with agent._lock:
-                agent._sent_requests -= 1
             with self._lock:
                 self.control_resends += 1
         fut.add_done_callback(
@@ -461,6 +457,11 @@ class RRefContext:
         with self._lock:
             self._outboxes[dst].unacked.discard(seq)
         done.try_set_result(None)
+
+    def unsettled_controls(self) -> int:
+        """Control messages sent and neither acked nor given up yet (what join() waits for)."""
+        with self._lock:
+            return sum(len(out.unacked) for out in self._outboxes.values())
 
     def _send_quietly(self, dst: int, kind: Kind, body: Any) -> None:
         """Fire-and-forget control message (retried); failures are only logged."""
