@@ -27,6 +27,7 @@ blocked in native code.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -637,7 +638,52 @@ _LINK_OP_TIMEOUT = timedelta(days=30)
 
 
 def make_pair_group(store: Any, me: int, peer: int) -> Any:
-    """The 2-rank gloo process group of the pair (me, peer), over its own key prefix."""
+    """The 2-rank gloo process group of the pair (me, peer), over its own key prefix; the event-loop
+    thread gloo starts for it runs at a lower priority (see LOOP_NICENESS)."""
     low, high = min(me, peer), max(me, peer)
     prefix = dist.PrefixStore(f"pair/{low}-{high}", store)  # type: ignore[attr-defined]
-    return dist.ProcessGroupGloo(prefix, 0 if me == low else 1, 2, _LINK_OP_TIMEOUT)
+    before = _gloo_loop_threads()
+    pg = dist.ProcessGroupGloo(prefix, 0 if me == low else 1, 2, _LINK_OP_TIMEOUT)
+    _lower_priority(_gloo_loop_threads() - before)
+    return pg
+
+
+#: How much nicer than the process the event-loop thread of each pair's gloo device runs. gloo's loop
+#: waits on level-triggered epoll and only *try*-locks a pair to read from it: while another thread
+#: holds that pair's lock (every send, and every receive posted, writes to the socket under it), the
+#: loop returns at once and epoll reports the same readable socket again. A lock holder preempted in
+#: its socket write (a loopback write wakes the peer, and with few cores the woken thread often takes
+#: the holder's core) then has the loop spinning on epoll_wait for the rest of its time slice, taking
+#: a core from the thread it waits for: 180,000 epoll_wait calls a second per process were counted in
+#: the distributed-autograd benchmark. At a lower priority the spinning loop yields to the holder:
+#: that benchmark went from 160 to 225 iterations/s on 2 cores. A loop that sleeps in epoll until data
+#: arrives is still scheduled at once when it wakes (the scheduler favours sleepers), so receiving is
+#: not delayed.
+LOOP_NICENESS = 10
+
+
+def _gloo_loop_threads() -> set[int]:
+    """Native ids of this process's gloo event-loop threads (Linux; empty where /proc is missing)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return set()
+    found = set()
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm", encoding="ascii", errors="replace") as f:
+                if f.read().strip() == "gloo_tcp_loop":
+                    found.add(int(tid))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _lower_priority(tids: set[int]) -> None:
+    """Make these threads LOOP_NICENESS nicer (best effort: raising niceness needs no privilege)."""
+    for tid in tids:
+        try:
+            nice = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, nice + LOOP_NICENESS))
+        except OSError as exc:
+            _log.debug("twinrpc: could not lower the priority of gloo loop thread %d: %s", tid, exc)
