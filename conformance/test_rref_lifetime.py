@@ -10,6 +10,7 @@ backend reuses its worker processes across tests.
 
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Any
 
@@ -104,9 +105,17 @@ def _wait_freed(ctx: Any, owner: str, key: str) -> int:
     return _POLLS
 
 
+def _collect_garbage() -> None:
+    gc.collect()
+
+
 def _settle(ctx: Any) -> None:
-    """Let asynchronous RRef deletes (this test's and earlier tests' in a reused world) land: wait until
-    every worker's RRef counts are unchanged across two polls (bounded), rather than a fixed sleep."""
+    """Let asynchronous RRef deletes (this test's and earlier tests' in a reused world) land: collect
+    every worker's garbage first (an RRef an earlier test left in a reference cycle is deleted only
+    when the collector runs, at any later moment otherwise), then wait until every worker's RRef
+    counts are unchanged across two polls (bounded), rather than a fixed sleep."""
+    for r in range(ctx.world_size):
+        ctx.rpc.rpc_sync(ctx.name(r), _collect_garbage)
     previous = None
     for _ in range(40):
         ctx.sleep(0.1)
