@@ -18,7 +18,7 @@ In one run:
    the job is simulated again with it. For comparison, the computation's measured time is also
    simply added to the calibrated network row (arithmetic outside the simulator).
 
-Run: ``nox -s bench`` or ``python benchmarks/bench_calibration.py [--quick] [--out FILE]``.
+Run: ``nox -s bench`` or ``python benchmarks/bench_calibration.py [--quick] [--out FILE] [--compute-out FILE]``.
 """
 
 from __future__ import annotations
@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="build/bench/network-calibrated.toml")
+    parser.add_argument("--compute-out", default="build/bench/compute-calibrated.toml")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -326,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     compute_fit = fit_compute_model(compute_samples(jargs, 2 if args.quick else 5))
     print("  compute model fitted to the job's computation timed alone (one process, local autograd):")
     print("    " + compute_fit.describe().replace("\n", "\n    "))
+    compute_out = Path(args.compute_out)
+    compute_out.parent.mkdir(parents=True, exist_ok=True)
+    compute_fit.model.dump(compute_out)
+    print(f"    saved: {compute_out}  (python -m twinrpc.simulator run --compute {compute_out} ...)")
     calibrated, sim_wall, counts = simulate_job(jargs, model, args.seed)
     default, _, _ = simulate_job(jargs, NetworkModel(), args.seed)
     with_compute, compute_wall, _ = simulate_job(jargs, model, args.seed, compute_fit.model)

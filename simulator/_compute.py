@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -57,6 +58,38 @@ class ComputeModel:
     def cost(self, ops: int, flops: int) -> float:
         """Virtual seconds for ``ops`` operator calls doing ``flops`` floating-point operations."""
         return self.op_cost * ops + self.flop_cost * flops
+
+    # -- plain data --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Both fields by name (``ComputeModel.from_dict(m.to_dict()) == m``)."""
+        from ._fault_files import compute_to_dict
+
+        return compute_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ComputeModel:
+        """The model a dict describes; a missing field takes its default.
+
+        Raises:
+            FaultPlanError: naming an unknown or malformed field.
+        """
+        from ._fault_files import compute_from_dict
+
+        return compute_from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ComputeModel:
+        """Read a model from a ``.json`` or ``.toml`` file (the form of :meth:`to_dict`), e.g. the one
+        ``benchmarks/bench_calibration.py`` fits to this machine."""
+        from ._fault_files import load_compute
+
+        return load_compute(path)
+
+    def dump(self, path: str | Path) -> None:
+        """Write the model to a ``.json`` or ``.toml`` file."""
+        from ._fault_files import dump_data
+
+        dump_data(self.to_dict(), path)
 
 
 class OperationCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's mode is untyped

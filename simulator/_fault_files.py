@@ -1,4 +1,4 @@
-"""Fault plans, swarms and network models as plain data: dicts, JSON and TOML files.
+"""Fault plans, swarms, network and compute models as plain data: dicts, JSON and TOML files.
 
 The dict form is what :meth:`FaultPlan.to_dict` returns and what a file holds::
 
@@ -13,7 +13,8 @@ The dict form is what :meth:`FaultPlan.to_dict` returns and what a file holds::
     nth = 3
 
 A swarm file holds one ``[swarm]`` table of :class:`~twinrpc.simulator.Swarm`'s fields; a network file
-holds :class:`~twinrpc.simulator.NetworkModel`'s fields at the top level. Fields left out take their
+holds :class:`~twinrpc.simulator.NetworkModel`'s fields at the top level, and a compute file
+:class:`~twinrpc.simulator.ComputeModel`'s (``op_cost``, ``flop_cost``). Fields left out take their
 defaults (``None`` fields are left out, TOML has no null; ``count = "all"`` stands for
 ``count=None``, every matching message). Reading is strict: an unknown field, a
 wrong type or a bad value raises :class:`FaultPlanError` naming it (``faults[2] (drop).nth: ...``).
@@ -48,6 +49,7 @@ from ._faults import (
 from ._network import NetworkModel
 
 if TYPE_CHECKING:
+    from ._compute import ComputeModel
     from ._swarm import Swarm
 
 _FAULTS: dict[str, type] = {
@@ -220,6 +222,16 @@ def network_from_dict(data: Any, where: str = "") -> NetworkModel:
     return _build(NetworkModel, data, where or "network model")  # type: ignore[no-any-return]
 
 
+def compute_to_dict(model: ComputeModel) -> dict[str, Any]:
+    return _plain(model, include_defaults=True)
+
+
+def compute_from_dict(data: Any, where: str = "") -> ComputeModel:
+    from ._compute import ComputeModel  # _compute imports torch's dispatch machinery: only when asked
+
+    return _build(ComputeModel, data, where or "compute model")  # type: ignore[no-any-return]
+
+
 # -- files -------------------------------------------------------------------------------------------
 def read_data(path: str | Path) -> Any:
     """The content of a ``.json`` or ``.toml`` file (OSError if it cannot be read)."""
@@ -244,6 +256,10 @@ def load_plan(path: str | Path) -> FaultPlan:
 
 def load_network(path: str | Path) -> NetworkModel:
     return network_from_dict(read_data(path), f"{path}")
+
+
+def load_compute(path: str | Path) -> ComputeModel:
+    return compute_from_dict(read_data(path), f"{path}")
 
 
 def load_faults(path: str | Path) -> FaultPlan | Swarm:

@@ -2,7 +2,7 @@
 
 ::
 
-    python -m twinrpc.simulator run --nproc-per-node 3 [--seed S] [--network FILE] [--faults FILE]
+    python -m twinrpc.simulator run --nproc-per-node 3 [--seed S] [--network FILE] [--compute FILE] [--faults FILE]
         [--trace OUT] [--max-time T] [--check-determinism] prog.py ARGS...
 
 Each worker is a simulated process (:mod:`twinrpc.simulator._program`) that runs ``prog.py`` as
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, cast
 
+from ._compute import ComputeModel
 from ._errors import SimulationDeadlock, SimulationError
 from ._faults import FaultPlan
 from ._launch_torch import serve_torch_rpc
@@ -60,6 +61,7 @@ class LaunchOptions:
     nproc_per_node: int = 1
     seed: int = 0
     network: str | None = None
+    compute: str | None = None
     faults: str | None = None
     trace: str | None = None
     max_time: float | None = None
@@ -72,7 +74,11 @@ class LaunchOptions:
         """The command line that runs exactly this run again."""
         cmd = ["python", "-m", "twinrpc.simulator", "run", "--nproc-per-node", str(self.nproc_per_node)]
         cmd += ["--seed", str(self.seed)]
-        for flag, value in (("--network", self.network), ("--faults", self.faults)):
+        for flag, value in (
+            ("--network", self.network),
+            ("--compute", self.compute),
+            ("--faults", self.faults),
+        ):
             if value is not None:
                 cmd += [flag, value]
         if self.max_time is not None:
@@ -147,6 +153,14 @@ def load_network(path: str) -> NetworkModel:
         raise LaunchError(f"--network: {exc}") from exc
 
 
+def load_compute(path: str) -> ComputeModel:
+    """A :class:`ComputeModel` from a JSON or TOML file of its fields."""
+    try:
+        return ComputeModel.load(path)
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"--compute: {exc}") from exc
+
+
 def load_faults(path: str) -> FaultPlan | Swarm:
     """A :class:`FaultPlan` (or a :class:`Swarm`) from a JSON or TOML file
     (:doc:`/howto/fault-plan`)."""
@@ -174,10 +188,13 @@ def launch(
     except OSError as exc:
         raise LaunchError(f"can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}") from exc
     network = load_network(options.network) if options.network else None
+    compute = load_compute(options.compute) if options.compute else None
     faults = load_faults(options.faults) if options.faults else None
     code = compile(source, path, "exec")
     try:
-        sim = Simulation(n, seed=options.seed, network=network, max_time=options.max_time, faults=faults)
+        sim = Simulation(
+            n, seed=options.seed, network=network, compute=compute, max_time=options.max_time, faults=faults
+        )
     except ValueError as exc:  # a plan naming a worker the run does not have, a bad max_time
         raise LaunchError(str(exc)) from exc
     images = ProcessImages(os.path.dirname(path))
@@ -323,6 +340,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=_nproc, default=1, metavar="N")
     p.add_argument("--seed", type=int, default=0, help="the simulation's seed (default 0)")
     p.add_argument("--network", metavar="FILE", help="a NetworkModel as JSON or TOML")
+    p.add_argument(
+        "--compute", metavar="FILE", help="a ComputeModel as JSON or TOML: virtual time for torch operators"
+    )
     p.add_argument("--faults", metavar="FILE", help="a FaultPlan as JSON or TOML")
     p.add_argument("--trace", metavar="OUT", help="write the run's trace to OUT")
     p.add_argument("--max-time", type=float, metavar="T", help="fail once virtual time passes T seconds")
@@ -360,6 +380,7 @@ def run_command(args: argparse.Namespace) -> int:
         nproc_per_node=args.nproc_per_node,
         seed=args.seed,
         network=args.network,
+        compute=args.compute,
         faults=args.faults,
         trace=args.trace,
         max_time=args.max_time,

@@ -81,3 +81,24 @@ def test_bad_compute_models_and_samples_are_refused() -> None:
         fit_compute_model([])
     with pytest.raises(CalibrationError, match="positive number of seconds"):
         fit_compute_model([ComputeSample(10, 10, 0.0)])
+
+
+@pytest.mark.parametrize("suffix", [".json", ".toml"])
+def test_a_compute_model_written_to_a_file_reads_back_equal(tmp_path, suffix: str) -> None:
+    model = ComputeModel(op_cost=2.5e-6, flop_cost=3e-11)
+    assert ComputeModel.from_dict(model.to_dict()) == model
+    path = tmp_path / f"compute{suffix}"
+    model.dump(path)
+    assert ComputeModel.load(path) == model
+    assert ComputeModel.from_dict({"flop_cost": 1e-9}) == ComputeModel(op_cost=0.0, flop_cost=1e-9)
+
+
+def test_a_bad_compute_file_names_the_field() -> None:
+    with pytest.raises(
+        FaultPlanError, match="unknown field 'cost_per_op'; expected one of op_cost, flop_cost"
+    ):
+        ComputeModel.from_dict({"cost_per_op": 1e-6})
+    with pytest.raises(FaultPlanError, match=r"flop_cost"):
+        ComputeModel.from_dict({"flop_cost": "fast"})
+    with pytest.raises(FaultPlanError, match=r"op_cost must be a finite number >= 0"):
+        ComputeModel.from_dict({"op_cost": -1})

@@ -644,6 +644,45 @@ def test_current_is_the_simulation_in_any_of_its_tasks_and_none_outside() -> Non
     assert twinrpc.simulator.current() is None
 
 
+def test_a_compute_file_makes_computation_take_virtual_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Rank 0 computes, then calls rank 1: the call leaves once the computation's cost has passed on
+    # rank 0, so rank 1's clock when it serves the call is that much later.
+    prog = _program(
+        tmp_path,
+        """
+        import os, time
+        import torch
+        import torch.distributed.rpc as rpc
+        rank = int(os.environ["RANK"])
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+        if rank == 0:
+            a = torch.rand(64, 64)
+            t0 = time.monotonic()
+            for _ in range(10):
+                a = torch.mm(a, a)
+            print(f"served after {rpc.rpc_sync('worker1', time.monotonic) - t0!r}")
+        rpc.shutdown()
+        """,
+    )
+    status, out, _ = _run(capsys, "--nproc-per-node", "2", str(prog))
+    assert status == 0, out
+    free = float(re.search(r"served after (\S+)", out).group(1))  # type: ignore[union-attr]
+    compute = tmp_path / "compute.toml"
+    twinrpc.simulator.ComputeModel(op_cost=1e-6, flop_cost=1e-9).dump(compute)
+    status, out, _ = _run(capsys, "--nproc-per-node", "2", "--compute", str(compute), str(prog))
+    assert status == 0, out
+    costed = float(re.search(r"served after (\S+)", out).group(1))  # type: ignore[union-attr]
+    # ten products of 2 * 64**3 FLOPs at 1 ns each, plus 1 us for each of the eleven operators (the
+    # products and torch.rand: the worker is busy from its first operator on)
+    assert costed - free == pytest.approx(10 * 2 * 64**3 * 1e-9 + 11 * 1e-6, rel=1e-6)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"op_cost": 1e-6, "flops": 2}')
+    assert main(["run", "--compute", str(bad), str(prog)]) == 2
+    assert "--compute" in (err := capsys.readouterr().err) and "unknown field 'flops'" in err
+
+
 # -- bad input -----------------------------------------------------------------------------------------------
 def test_bad_input_is_refused_with_a_message_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
