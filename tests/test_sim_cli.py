@@ -23,6 +23,7 @@ import torch.distributed
 import twinrpc.simulator
 from twinrpc.simulator import Simulation, SimulationWarning
 from twinrpc.simulator._cli import main
+from twinrpc.simulator._launch import LaunchOptions
 
 import twinrpc.rpc
 
@@ -681,6 +682,8 @@ def test_a_compute_file_makes_computation_take_virtual_time(
     bad.write_text('{"op_cost": 1e-6, "flops": 2}')
     assert main(["run", "--compute", str(bad), str(prog)]) == 2
     assert "--compute" in (err := capsys.readouterr().err) and "unknown field 'flops'" in err
+    replay = LaunchOptions(program="p.py", nproc_per_node=2, compute="c.toml").replay_command()
+    assert replay == "python -m twinrpc.simulator run --nproc-per-node 2 --seed 0 --compute c.toml p.py"
 
 
 # -- bad input -----------------------------------------------------------------------------------------------
