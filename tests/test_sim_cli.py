@@ -667,14 +667,16 @@ def test_a_compute_file_makes_computation_take_virtual_time(
         rpc.shutdown()
         """,
     )
-    status, out, _ = _run(capsys, "--nproc-per-node", "2", str(prog))
-    assert status == 0, out
-    free = float(re.search(r"served after (\S+)", out).group(1))  # type: ignore[union-attr]
+
+    def served_after(*options: str) -> float:
+        status, out, _ = _run(capsys, "--nproc-per-node", "2", *options, str(prog))
+        assert status == 0, out
+        return float(re.search(r"served after (\S+)", out).group(1))  # type: ignore[union-attr]
+
+    free = served_after()
     compute = tmp_path / "compute.toml"
     twinrpc.simulator.ComputeModel(op_cost=1e-6, flop_cost=1e-9).dump(compute)
-    status, out, _ = _run(capsys, "--nproc-per-node", "2", "--compute", str(compute), str(prog))
-    assert status == 0, out
-    costed = float(re.search(r"served after (\S+)", out).group(1))  # type: ignore[union-attr]
+    costed = served_after("--compute", str(compute))
     # ten products of 2 * 64**3 FLOPs at 1 ns each, plus 1 us for each of the eleven operators (the
     # products and torch.rand: the worker is busy from its first operator on)
     assert costed - free == pytest.approx(10 * 2 * 64**3 * 1e-9 + 11 * 1e-6, rel=1e-6)

@@ -689,7 +689,9 @@ class RpcAgent:
         for round_no in itertools.count():
             self.wait_idle()
             with self._lock:
-                counts = (self._sent_requests, self._served_requests, self.rrefs.unsettled_controls())
+                sent, served = self._sent_requests, self._served_requests
+            # not under self._lock: the control channel's own lock is never taken inside it
+            counts = (sent, served, self.rrefs.unsettled_controls())
             gathered = self.all_gather(("join", round_no), counts, timeout)
             totals = tuple(sum(c[i] for c in gathered) for i in range(3))
             quiet = totals[0] == totals[1] and totals[2] == 0
