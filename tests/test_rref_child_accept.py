@@ -1,10 +1,12 @@
-"""When an owner tells a user that the RRef it passed along arrived (RREF_CHILD_ACCEPT), on the simulator.
+"""How the owner lets a user drop an RRef it passed along (G2), on the simulator.
 
-A user that passes an RRef to its owner keeps it alive until the owner's child accept arrives (G2). The
-accept only lets the user drop a reference, so the owner sends it after it has handled the request that
-carried the RRef: the caller's reply is not delayed by it (the parameter-server training loop passes an
-RRef to its owner twice per batch). It must still be sent when handling fails, or the user would hold
-the reference until shutdown.
+A user that passes an RRef to another worker keeps it alive until the owner has accepted the child.
+When the RRef goes to its owner inside a request, the owner's reply to that request is the accept: the
+owner unpickles the request (so rebuilds the RRef) before it replies, whether the handler succeeds,
+fails or the rest of the request cannot be unpickled, and a late reply (after the caller timed out)
+says it as well. No RREF_CHILD_ACCEPT travels for it (PyTorch sends one, with its ack: in a
+parameter-server loop, which passes an RRef to its owner twice per batch, they were a third of the
+messages). An RRef that reaches its owner inside a *reply* still gets an RREF_CHILD_ACCEPT.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from twinrpc.simulator import Simulation
+from twinrpc.simulator import Delay, Drop, FaultPlan, Simulation, sleep
 
 import twinrpc.rpc as rpc
+
+RPC_TIMEOUT = 0.5  # virtual seconds
 
 
 def _make() -> torch.Tensor:
@@ -40,14 +44,21 @@ class _BreaksOnArrival:
         return (_explode, ())
 
 
+def _pending_children() -> str:
+    return str(rpc._get_debug_info()["num_pending_children"])
+
+
 def _program(rank: int, mode: str) -> Any:
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    """Worker 0 passes an RRef owned by worker 1 back to worker 1 and reports what it got and how
+    many children were still pending right after the call returned, then after a pause."""
+    options = rpc.RpcBackendOptions(rpc_timeout=RPC_TIMEOUT)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
     result: Any = None
     if rank == 0:
         rref = rpc.remote("worker1", _make)
         rref.to_here()
         try:
-            if mode == "ok":
+            if mode in ("ok", "late", "lost"):
                 result = rpc.rpc_sync("worker1", _first, args=(rref, 1))
             elif mode == "handler_fails":
                 rpc.rpc_sync("worker1", _fail, args=(rref,))
@@ -55,31 +66,78 @@ def _program(rank: int, mode: str) -> Any:
                 rpc.rpc_sync("worker1", _first, args=(rref, _BreaksOnArrival()))
         except Exception as exc:
             result = type(exc).__name__
-        for _ in range(100):  # settle (bounded): the accept is on its way
-            if rpc._get_debug_info()["num_pending_children"] == "0":
-                break
-            rpc.rpc_sync("worker1", _make)
-        result = (result, rpc._get_debug_info()["num_pending_children"])
+        right_after = _pending_children()
+        sleep(10 * RPC_TIMEOUT)
+        result = (result, right_after, _pending_children())
         del rref
     rpc.shutdown()
     return result
 
 
-def _sends(result: Any) -> list[str]:
-    return [e.detail for e in result.trace if e.event == "send"]
+def _kinds_sent(result: Any) -> list[str]:
+    return [e.detail.split("#")[0] for e in result.trace if e.event == "send"]
 
 
-def test_the_owner_replies_before_it_sends_the_child_accept() -> None:
+def test_the_reply_to_a_request_that_passed_an_rref_to_its_owner_accepts_it() -> None:
     result = Simulation(2, seed=3).run(_program, "ok")
-    assert result.values()[0] == (2, "0")
-    sends = _sends(result)
-    accept = next(i for i, d in enumerate(sends) if d.startswith("RREF_CHILD_ACCEPT#") and " 1->0 " in d)
-    call_id = next(d.split()[0].split("#")[1] for d in sends if d.startswith("CALL#") and " 0->1 " in d)
-    reply = next(i for i, d in enumerate(sends) if d.startswith(f"RESPONSE#{call_id} 1->0 "))
-    assert reply < accept
+    assert result.values()[0] == (2, "0", "0")
+    assert "RREF_CHILD_ACCEPT" not in _kinds_sent(result)
 
 
-def test_the_child_accept_is_sent_when_the_request_fails() -> None:
+def test_an_error_reply_accepts_it_too() -> None:
     for mode, error in (("handler_fails", "ValueError"), ("unpickling_fails", "SerializationError")):
         result = Simulation(2, seed=3).run(_program, mode)
-        assert result.values()[0] == (error, "0"), mode
+        assert result.values()[0] == (error, "0", "0"), mode
+        assert "RREF_CHILD_ACCEPT" not in _kinds_sent(result), mode
+
+
+def test_a_reply_that_arrives_after_the_timeout_still_accepts_it() -> None:
+    late = FaultPlan((Delay(2 * RPC_TIMEOUT, kind="CALL", src=0, dst=1),))
+    result = Simulation(2, seed=3, faults=late).run(_program, "late")
+    assert result.values()[0] == ("RPCTimeoutError", "1", "0")
+
+
+def test_a_lost_reply_leaves_the_child_pending_until_shutdown() -> None:
+    # Nothing else tells the caller that the owner has the RRef: the parent stays alive (safe), and
+    # graceful shutdown still ends (its wait for pending children is bounded).
+    # The replies to remote() and to_here() are the 1st and 2nd.
+    lost = FaultPlan((Drop(kind="response", src=1, dst=0, nth=3),))
+    result = Simulation(2, seed=3, faults=lost).run(_program, "lost")
+    assert result.values()[0] == ("RPCTimeoutError", "1", "1")
+
+
+def _rref_of(owner_name: str) -> Any:
+    return rpc.remote(owner_name, _make)
+
+
+def _hold(rref: Any) -> None:
+    _HELD.append(rref)
+
+
+def _give_back() -> Any:
+    return _HELD.pop()
+
+
+_HELD: list[Any] = []
+
+
+def _reply_program(rank: int) -> Any:
+    """Worker 1 holds a user RRef owned by worker 0 and returns it to worker 0 in a reply."""
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    result: Any = None
+    if rank == 0:
+        rref = rpc.RRef(torch.ones(2))
+        rpc.rpc_sync("worker1", _hold, args=(rref,))
+        back = rpc.rpc_sync("worker1", _give_back)
+        result = (back.is_owner(), back.local_value().tolist())
+        del back, rref
+    rpc.shutdown()
+    return result
+
+
+def test_an_rref_returned_to_its_owner_in_a_reply_gets_a_child_accept() -> None:
+    result = Simulation(2, seed=3).run(_reply_program)
+    assert result.values()[0] == (True, [1.0, 1.0])
+    sends = [e.detail for e in result.trace if e.event == "send"]
+    assert any(d.startswith("RREF_CHILD_ACCEPT#") and " 0->1 " in d for d in sends)
+    assert result.values()[1] is None

@@ -31,7 +31,7 @@ from ._errors import (
 )
 from ._future import Future
 from ._message import CONTROL_KINDS, REQUEST_KINDS, RREF_CONTROL_KINDS, Kind, Message
-from ._rref import OwnerState, RRef, UserState
+from ._rref import ForkData, GloballyUniqueId, OwnerState, RRef, UserState
 from ._rref_context import RRefContext
 from ._worker_info import WorkerInfo
 from ._world import Timer, World
@@ -103,6 +103,10 @@ class RpcAgent:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._pending: dict[int, _Pending] = {}
+        #: request id -> (its destination, the RRef forks it carried to their owner there), accepted
+        #: when its reply arrives; kept past a timeout, as a late reply accepts them too
+        #: (RRefContext.accepted_by_reply)
+        self._accepted_by_reply: dict[int, tuple[int, list[GloballyUniqueId]]] = {}
         self._active_calls = 0
         self._idle: Future[None] | None = None
         self._sent_requests = 0
@@ -173,12 +177,19 @@ class RpcAgent:
 
             raise NotInitializedError()
         context_id = CURRENT_CONTEXT.get()
+        by_reply: list[GloballyUniqueId] = []  # forks that the reply will accept (RREF-F1)
+        rrefs = self.rrefs
+
+        def fork(rref: RRef[Any]) -> ForkData:
+            data = rrefs.fork(rref, dst)
+            if rrefs.accepted_by_reply(data, dst):
+                by_reply.append(data.fork_id)
+            return data
+
         if context_id is not None and kind in AUTOGRAD_KINDS:  # hook: the request joins the context
-            payload, tensors = self.autograd.dumps_request(
-                context_id, dst, kind, obj, lambda rref: self.rrefs.fork(rref, dst)
-            )
+            payload, tensors = self.autograd.dumps_request(context_id, dst, kind, obj, fork)
         else:
-            payload, tensors = _serialize.dumps(obj, lambda rref: self.rrefs.fork(rref, dst))
+            payload, tensors = _serialize.dumps(obj, fork)
         fut: Future[Any] = Future()
         pending = _Pending(fut, dst, kind)
         timeout = self.effective_timeout(timeout)
@@ -189,6 +200,8 @@ class RpcAgent:
             self._active_calls += 1
             if kind not in CONTROL_KINDS:
                 self._sent_requests += 1
+            if by_reply:
+                self._accepted_by_reply[msg_id] = (dst, by_reply)
         if timeout > 0:
             pending.timer = self.world.call_later(timeout, lambda: self._on_timeout(msg_id, timeout))
         self.world.send(Message(kind, msg_id, self.info.id, dst, payload, tensors))
@@ -287,6 +300,7 @@ class RpcAgent:
         if msg.kind not in CONTROL_KINDS:
             with self._lock:
                 self._sent_requests -= 1
+        self._take_accepts(msg.id)  # the owner never got the forks: nothing needs their parents
         pending = self._finish_call(msg.id)
         if pending is not None:
             pending.fut.set_exception(exc)
@@ -316,6 +330,10 @@ class RpcAgent:
             waits = [] if orderly else list(self._gather_done.values()) + list(self._scattered.values())
             if not orderly:
                 self._peer_errors.setdefault(peer, exc)
+            # No reply will come from it: the forks its requests carried need their parents no more.
+            gone = [mid for mid, (dst, _) in self._accepted_by_reply.items() if dst == peer]
+            accepted = [fork for mid in gone for fork in self._accepted_by_reply.pop(mid)[1]]
+        self.rrefs.implied_accepts(accepted)
         for _, p in dead:
             if p.timer is not None:
                 p.timer.cancel()
@@ -342,6 +360,8 @@ class RpcAgent:
             _log.warning("twinrpc: %s dropped a message of unknown kind %r", self.info, kind)
 
     def _on_reply(self, msg: Message) -> None:
+        if self._accepted_by_reply:
+            self._take_accepts(msg.id)
         pending = self._finish_call(msg.id)
         if pending is None:
             return  # a late reply to a call that timed out: dropped (ERR-4)
@@ -361,6 +381,14 @@ class RpcAgent:
             load.handled()
         self._call_ended()
 
+    def _take_accepts(self, msg_id: int) -> None:
+        """The owner answered (or could never get) request ``msg_id``: the RRef forks it carried to
+        their owner are accepted."""
+        with self._lock:
+            entry = self._accepted_by_reply.pop(msg_id, None)
+        if entry is not None:
+            self.rrefs.implied_accepts(entry[1])
+
     @staticmethod
     def _rebuild_exception(remote: Any) -> BaseException:
         if not isinstance(remote, _RemoteException):
@@ -379,7 +407,7 @@ class RpcAgent:
     def _serve(self, msg: Message) -> None:
         """Run one request and reply (now, or when the value it waits for is ready)."""
         try:
-            obj, load = _serialize.loads(msg.payload, msg.tensors, msg.src, self.rrefs.rebuild)
+            obj, load = _serialize.loads(msg.payload, msg.tensors, msg.src, self.rrefs.rebuild, request=True)
         except BaseException as exc:
             self._reply_error(
                 msg,

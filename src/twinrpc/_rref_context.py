@@ -328,12 +328,15 @@ class RRefContext:
                 # A phantom fork: never added to the owner's forks; the parent may now let go.
                 if self.observer is not None:
                     self.observer.fork_known(self.rank, data.rref_id, data.fork_id)
-                # After the request that carried it has been handled: the accept only lets the parent
-                # drop a reference, so it need not delay the reply (PyTorch sends it asynchronously).
-                parent, fork_id = data.parent, data.fork_id
-                load.after_handling.append(
-                    lambda: self._send_quietly(parent, Kind.RREF_CHILD_ACCEPT, fork_id)
-                )
+                if not load.request:
+                    # It came in a reply, which nothing answers: accept it once the reply has been
+                    # handled (the accept only lets the parent drop a reference).
+                    parent, fork_id = data.parent, data.fork_id
+                    load.after_handling.append(
+                        lambda: self._send_quietly(parent, Kind.RREF_CHILD_ACCEPT, fork_id)
+                    )
+                # In a request, the reply accepts it (implied_accept on the parent): the parent is
+                # this request's sender, and the reply leaves only after the request was unpickled.
             return RRef._wrap(agent, owner)
         state = UserState(agent, data.owner, data.rref_id, data.fork_id)
         with self._lock:
@@ -504,6 +507,22 @@ class RRefContext:
             done = self._check_pending_empty()
         if done is not None:
             done.set_result(None)
+
+    @staticmethod
+    def accepted_by_reply(data: ForkData, dst: int) -> bool:
+        """Whether a fork pickled into a request to ``dst`` is accepted by that request's reply rather
+        than by an RREF_CHILD_ACCEPT: a user's fork sent to the owner itself. The owner unpickles the
+        request, so rebuilds the fork, before it replies; the reply (an answer or an error, on time or
+        late) therefore says what the accept would, with no message of its own. (PyTorch sends the
+        accept separately; twinrpc's parameter-server and autograd loops pass RRefs to their owners
+        on every step, and the accept and its ack were a third of their messages.)"""
+        return data.owner == dst and data.parent != dst
+
+    def implied_accepts(self, fork_ids: list[GloballyUniqueId]) -> None:
+        """The reply to a request that carried these forks to their owner arrived (or the request
+        could not be delivered at all): the owner will not need the parents for them any more."""
+        for fork_id in fork_ids:
+            self.on_child_accept(fork_id)
 
     # -- deletion -----------------------------------------------------------------------------
     def user_died(self, state: UserState) -> None:

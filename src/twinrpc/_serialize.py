@@ -37,6 +37,9 @@ class LoadState:
     unconfirmed_rrefs: list[Any] = field(default_factory=list)
     #: control messages to send once the message has been handled (the caller's reply goes first)
     after_handling: list[Callable[[], None]] = field(default_factory=list)
+    #: the message is a request, which this worker answers: the reply tells its sender that every RRef
+    #: fork in it has reached this worker (twinrpc._rref_context, RREF-F1)
+    request: bool = False
     #: distributed autograd hook: turns each received tensor that requires grad into one with a recv
     #: function as grad_fn (set while unpickling an AutogradEnvelope; twinrpc._dist_autograd)
     autograd: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -192,9 +195,11 @@ def loads(
     storages: list[torch.Tensor],
     src: int = -1,
     rebuild_rref: Callable[[Any, int, LoadState], Any] | None = None,
+    request: bool = False,
 ) -> tuple[Any, LoadState]:
-    """Unpickle a payload made by :func:`dumps`; returns the object and the load state."""
-    state = LoadState(storages, src, rebuild_rref)
+    """Unpickle a payload made by :func:`dumps`; returns the object and the load state. ``request``:
+    the payload is a request that this worker will answer (see LoadState.request)."""
+    state = LoadState(storages, src, rebuild_rref, request=request)
     outer, _LOAD.state = _LOAD.state, state
     try:
         return pickle.loads(payload), state
