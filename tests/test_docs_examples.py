@@ -239,9 +239,9 @@ def test_ps_race_is_found_shrunk_replayed_and_drawn_and_the_pinned_bug_still_fai
     explore = _simulator("explore", "--nproc-per-node", "3", "--expect", "fail", "--out", str(found), PS_RACE)
     out = explore.stdout
     assert explore.returncode == 1, out + explore.stderr
-    assert "twinrpc.simulator.explore: run 17 failed; shrunk in 30 more runs to seed 0 and 1 fault" in out
-    assert "  error: RuntimeError raised by worker 2 at t=0.002650 s" in out and RACE in out
-    assert "  minimal faults: FaultPlan(faults=[delay the 1st gradient by 0.0001s])" in out
+    assert "twinrpc.simulator.explore: run 17 failed; shrunk in 43 more runs to seed 0 and 1 fault" in out
+    assert "  error: RuntimeError raised by worker 1 at t=0.002294 s" in out and RACE in out
+    assert "  minimal faults: FaultPlan(faults=[delay the 1st gradient by 0.0001s], gc_delay=0)" in out
     assert (
         f"  replay: python -m twinrpc.simulator run --nproc-per-node 3 --seed 0 --faults {found}/faults.json "
         f"{PS_RACE}" in out
@@ -254,17 +254,17 @@ def test_ps_race_is_found_shrunk_replayed_and_drawn_and_the_pinned_bug_still_fai
     )  # fmt: skip
     assert (
         replay.returncode == 1
-        and f"[rank2]:RuntimeError: Error on Node 0 (parameter_server): RuntimeError: {RACE}" in replay.stderr
+        and f"[rank1]:RuntimeError: Error on Node 0 (parameter_server): RuntimeError: {RACE}" in replay.stderr
     )
-    assert replay.stdout.splitlines() == ["[rank1]:Trainer 1: 5 batches, last loss 1.4945"]
+    assert replay.stdout.splitlines() == ["[rank2]:Trainer 2: 5 batches, last loss 1.5002"]
     _check_the_step_lands_between_forward_and_backward(trace)
     html = tmp_path / "race.html"
     export = _simulator("trace", "export", "--format", "html", str(trace), "-o", str(html))
-    assert export.returncode == 0 and "747 events" in html.read_text(encoding="utf-8")
+    assert export.returncode == 0 and "545 events" in html.read_text(encoding="utf-8")
     # the tutorial's figure, made the same way (headless Chromium; exit status 1 on a console error)
     png = tmp_path / "race.png"
-    out = _run("docs/examples/trace_screenshot.py", str(html), str(png), "--window", "560", "640",
-               "--select", "131", "--hide", "rref")  # fmt: skip
+    out = _run("docs/examples/trace_screenshot.py", str(html), str(png), "--window", "340", "420",
+               "--select", "66", "--hide", "rref")  # fmt: skip
     assert f"wrote {png}" in out and png.read_bytes().startswith(b"\x89PNG")
     # 6. The exported test pins the bug: the unfixed program still fails the known way.
     test = found / "test_ps_race_regression.py"
@@ -273,8 +273,8 @@ def test_ps_race_is_found_shrunk_replayed_and_drawn_and_the_pinned_bug_still_fai
 
 
 def _check_the_step_lands_between_forward_and_backward(path: Path) -> None:
-    """What the tutorial reads in the diagram: on the server, trainer 2's forward (CALL#19), trainer 1's
-    optimizer step (CALL#21), trainer 2's backward (GRADIENT#20), which the server answers with an error;
+    """What the tutorial reads in the diagram: on the server, trainer 1's forward (CALL#15), trainer 2's
+    optimizer step (CALL#17), trainer 1's backward (GRADIENT#16), which the server answers with an error;
     and nothing orders the step after that backward or before that forward (vector clocks)."""
     from twinrpc.simulator import Trace
 
@@ -282,14 +282,14 @@ def _check_the_step_lands_between_forward_and_backward(path: Path) -> None:
     server = [
         (i, ev.detail) for i, ev in enumerate(events) if ev.worker == 0 and ev.event in ("deliver", "send")
     ]
-    lines = [f"#{i} {detail}" for i, detail in server if 568 <= i <= 621]
-    forward = lines.index("#578 CALL#19 2->0 (847 B)")
-    step = lines.index("#614 CALL#21 1->0 (265 B)")
-    backward = lines.index("#619 GRADIENT#20 2->0 (250 B)")
+    lines = [f"#{i} {detail}" for i, detail in server if 354 <= i <= 398]
+    forward = lines.index("#367 CALL#15 1->0 (847 B)")
+    step = lines.index("#392 CALL#17 2->0 (265 B)")
+    backward = lines.index("#396 GRADIENT#16 1->0 (250 B)")
     # (the exception's size depends on the paths in its traceback: not checked)
-    assert forward < step < backward and lines[-1].startswith("#621 EXCEPTION#20 0->2 ("), lines
-    step_sent, backward_sent = events[613].clock, events[607].clock
-    assert events[613].detail == "CALL#21 1->0 (265 B)" and events[607].detail == "GRADIENT#20 2->0 (250 B)"
+    assert forward < step < backward and lines[-1].startswith("#398 EXCEPTION#16 0->1 ("), lines
+    step_sent, backward_sent = events[382].clock, events[391].clock
+    assert events[382].detail == "CALL#17 2->0 (265 B)" and events[391].detail == "GRADIENT#16 1->0 (250 B)"
     assert step_sent is not None and backward_sent is not None
     pairs = list(zip(step_sent, backward_sent, strict=True))
     assert any(a > b for a, b in pairs) and any(a < b for a, b in pairs), pairs  # concurrent

@@ -1,9 +1,9 @@
 """Regression test exported by twinrpc.simulator (explore, then shrink).
 
-Found by run 17, shrunk in 30 more runs to seed 0 and 1 fault:
-FaultPlan(faults=[delay the 1st gradient by 0.0001s])
+Found by run 17, shrunk in 43 more runs to seed 0 and 1 fault:
+FaultPlan(faults=[delay the 1st gradient by 0.0001s], gc_delay=0)
 
-It failed with builtins.RuntimeError: one of the variables needed for gradient computation has been modified by an inplace operation: [torch.FloatTensor [8, 4]], which is output 0 of AsStrided, is at version 8; expected version 7 instead.
+It failed with builtins.RuntimeError: one of the variables needed for gradient computation has been modified by an inplace operation: [torch.FloatTensor [8, 4]], which is output 0 of AsStrided, is at version 6; expected version 5 instead.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 PROGRAM = Path(__file__).parent / "../ps_race.py"
 PROGRAM_ARGS = ["--fixed"]  # edited: ps_race.py keeps both versions, --fixed turns the fix on
 RUN_ARGS = ["--nproc-per-node", "3", "--seed", "0"]
-FAULTS = {"faults": [{"type": "delay", "extra": 0.0001, "kind": "gradient"}]}
+FAULTS = {"gc_delay": 0.0, "faults": [{"type": "delay", "extra": 0.0001, "kind": "gradient"}]}
 NETWORK = None
 PATTERN = "one\\ of\\ the\\ variables\\ needed\\ for\\ gradient\\ computation\\ has\\ been\\ modified\\ by\\ an\\ inplace\\ operation:\\ \\[torch\\.FloatTensor\\ \\[\\d[\\d.eE+-]*,\\ \\d[\\d.eE+-]*\\]\\],\\ which\\ is\\ output\\ \\d[\\d.eE+-]*\\ of\\ AsStrided,\\ is\\ at\\ version\\ \\d[\\d.eE+-]*;\\ expected\\ version\\ \\d[\\d.eE+-]*\\ instead\\.\\ Hint:\\ enable\\ anomaly\\ detection\\ to\\ find\\ the\\ operation\\ that\\ failed\\ to\\ compute\\ its\\ gradient,\\ with\\ torc"
 
