@@ -3,7 +3,7 @@
 The race tutorial's figure was made with::
 
     python docs/examples/trace_screenshot.py race.html docs/tutorials/ps-race-diagram.png \\
-        --window 548 627 --select 123 --hide rref
+        --window 340 420 --select 66 --hide rref
 
 It uses Debian's ``chromium`` (``$TWINRPC_CHROMIUM``, default ``/usr/bin/chromium``) through Playwright
 (the test extra), with a fresh profile and nothing that reaches for the network. Exit status 1 when
