@@ -53,8 +53,14 @@ from ._framing import (
 
 _log = logging.getLogger("twinrpc.impl")
 _TAG = 0  # header frames (and close frames)
-_DATA_TAG = 1  # payload and tensor frames, which follow their header in order
+_DATA_TAG = 1  # payload and tensor frames up to _STAGED_BYTES, which follow their header in order
 _KILL_TAG = 2  # a receive posted on it never completes: waiting on it with a timeout closes the pair
+_LARGE_TAG = 3  # payload and tensor frames over _STAGED_BYTES (a receive of their exact size is posted)
+#: data frames up to this size land in a receive posted ahead of time (the staging buffer), so the
+#: sender writes them right behind their header instead of waiting until the receiving process has
+#: woken up, decoded the header and posted a receive (a notify round trip plus a Python wake-up per
+#: frame); they are copied out of it. Larger frames are received in place into their own buffer.
+_STAGED_BYTES = 1 << 20
 #: header receives kept posted ahead: a gloo send waits until the peer has posted the matching
 #: receive, so with one posted header a stream of messages pays a notify round trip per message
 _RING = 16
@@ -102,6 +108,9 @@ class PeerLink:
         self._send_header, self._send_view = new_header_tensor()
         self._ring = [new_header_tensor() for _ in range(_RING)]
         self._ring_works: list[Any] = []
+        #: the staging buffer for data frames up to _STAGED_BYTES, with its posted receive
+        self._staging = torch.empty(_STAGED_BYTES, dtype=torch.uint8)
+        self._staging_work: Any = None
         # -- the receive loop's threads (see _RECEIVERS), under _rx_lock --------------------------
         self._rx_lock = threading.Lock()
         #: next header slot (absolute index; ring buffer slot % _RING) a receiver thread waits on
@@ -223,12 +232,17 @@ class PeerLink:
                 self._wait_sent(pg.send([self._send_header], dst, _TAG), HEADER_BYTES)
                 if not inline:
                     payload = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8)
-                    self._wait_sent(pg.send([payload], dst, _DATA_TAG), len(msg.payload))
+                    n = len(msg.payload)
+                    self._wait_sent(
+                        pg.send([payload], dst, _DATA_TAG if n <= _STAGED_BYTES else _LARGE_TAG), n
+                    )
                 if not inline_tensors:
                     for t in msg.tensors:
                         n = t.numel()
                         if n:
-                            self._wait_sent(pg.send([t], dst, _DATA_TAG), n)
+                            self._wait_sent(
+                                pg.send([t], dst, _DATA_TAG if n <= _STAGED_BYTES else _LARGE_TAG), n
+                            )
             except RuntimeError as exc:
                 if self.failed is not None:
                     raise self.failed from None  # woken by abandon(): the link's own error says why
@@ -351,14 +365,25 @@ class PeerLink:
             self._send_lock.release()
 
     # -- receiving ---------------------------------------------------------------------------------
-    def _recv(self, t: torch.Tensor) -> None:
-        """Receive one frame into ``t``, recording for the heartbeat that we wait for the peer."""
-        self._data_wait = (time.monotonic(), t.numel() / _MIN_FRAME_RATE)
+    def _recv_data(self, nbytes: int, as_bytes: bool = False) -> Any:
+        """Receive the next data frame (``nbytes`` long) as a tensor of its own (or as ``bytes``),
+        recording for the heartbeat that we wait for the peer: copied out of the staging buffer (whose
+        receive is then posted again), or, for a large frame, received in place."""
+        self._data_wait = (time.monotonic(), nbytes / _MIN_FRAME_RATE)
         try:
-            self.pg.recv([t], self._peer_rank_in_pg, _DATA_TAG).wait()
+            if nbytes > _STAGED_BYTES:
+                t = recv_buffer(nbytes)
+                self.pg.recv([t], self._peer_rank_in_pg, _LARGE_TAG).wait()
+                out: Any = t.numpy().tobytes() if as_bytes else t
+            else:
+                self._staging_work.wait()
+                staged = self._staging[:nbytes]
+                out = staged.numpy().tobytes() if as_bytes else staged.clone()
+                self._staging_work = self.pg.recv([self._staging], self._peer_rank_in_pg, _DATA_TAG)
         finally:
             self._data_wait = None
         self.heard = time.monotonic()
+        return out
 
     def _post_header(self, i: int) -> None:
         t, _ = self._ring[i]
@@ -431,6 +456,7 @@ class PeerLink:
             self._ring_works = [None] * _RING
             for i in range(_RING):
                 self._post_header(i)
+            self._staging_work = self.pg.recv([self._staging], self._peer_rank_in_pg, _DATA_TAG)
         except RuntimeError as exc:
             if not self.closing:
                 self._fail(exc)
@@ -509,17 +535,13 @@ class PeerLink:
                     continue
                 payload = header.inline_payload
                 if payload is None:
-                    buf = torch.empty(header.payload_len, dtype=torch.uint8)
-                    self._recv(buf)
-                    payload = buf.numpy().tobytes()
+                    payload = self._recv_data(header.payload_len, as_bytes=True)
                 tensors = header.inline_tensors
                 if tensors is None:
-                    tensors = []
-                    for size in header.sizes:
-                        t = recv_buffer(size)
-                        if size:
-                            self._recv(t)
-                        tensors.append(t)
+                    tensors = [
+                        self._recv_data(size) if size else torch.empty(0, dtype=torch.uint8)
+                        for size in header.sizes
+                    ]
             except FrameError as exc:
                 # gloo is message-based: each receive gets exactly one send's frame, so after a bad
                 # header the next frame starts a message again. Reject this one and keep the link.

@@ -321,7 +321,7 @@ def _stopped_mid_transfer_program(rank: int, world_size: int, init_file: str, sh
     # -- receive side: worker2 sends the header of a 1 MiB message, then stops itself ---------------
     fut2 = rpc.rpc_async("worker2", _stop_mid_message, timeout=0)
     result["in_recv_after"] = _poll(
-        lambda: bool(_frames_of("PeerLink._recv")) or fut2.done(), "payload receive"
+        lambda: bool(_frames_of("PeerLink._recv_data")) or fut2.done(), "payload receive"
     )
     receiving_at = time.monotonic()
     result["was_in_recv"] = not fut2.done()
@@ -382,7 +382,9 @@ def _heartbeats_off_program(rank: int, world_size: int, init_file: str, shared: 
     assert rpc.rpc_sync("worker1", operator.add, args=(1, 2)) == 3
     shared["stop_rank1"].set()
     assert shared["rank1_stopped"].wait(WORLD_TIMEOUT)
-    result["call"] = _timed(lambda: rpc.rpc_sync("worker1", _echo, args=(torch.ones(1 << 18),)))
+    # 4 MiB: a frame of up to 1 MiB lands in the receive the peer posted ahead (its staging buffer)
+    # even while the peer is stopped, so only a larger one waits in gloo for the peer to post one.
+    result["call"] = _timed(lambda: rpc.rpc_sync("worker1", _echo, args=(torch.ones(1 << 20),)))
     result["later"] = _timed(lambda: rpc.rpc_sync("worker1", operator.add, args=(1, 2)))
     return _shut_down_locally(rpc, result)
 
@@ -391,9 +393,9 @@ RPC_TIMEOUT = 2.0
 
 
 def test_without_heartbeats_a_send_stuck_on_a_stopped_peer_ends_at_the_rpc_timeout(tmp_path: Path) -> None:
-    """heartbeat_interval=0 turns stopped-peer detection off, but a 1 MiB send that a SIGSTOPped peer
+    """heartbeat_interval=0 turns stopped-peer detection off, but a 4 MiB send that a SIGSTOPped peer
     never takes still returns: the call fails with its RPC timeout, the send gives up shortly after
-    (rpc_timeout plus 0.1 s for its size) and fails the link, so later calls fail at once."""
+    (rpc_timeout plus 0.4 s for its size) and fails the link, so later calls fail at once."""
     r = _run_stopping_rank1(_heartbeats_off_program, 2, tmp_path)
 
     name, message, elapsed = r["call"]
