@@ -3,7 +3,9 @@
 Every message starts with one fixed-size header frame (a ``uint8`` tensor of ``HEADER_BYTES``). For a
 small message the pickled payload rides inline in the header, so a small RPC is exactly one gloo send;
 a larger payload follows as one more frame. Then each out-of-band storage follows as its own frame,
-sent straight from the tensor's memory (no pickling, no copy).
+sent straight from the tensor's memory (no pickling, no copy). The receiver takes frames of up to
+1 MiB into a receive it posted ahead and copies them out (see ``_STAGED_BYTES`` in ``_link``), and
+receives larger ones in place.
 
 Header layout (little-endian): magic u32, version u16, flags u16, kind u16, reserved u16, src i32,
 id i64, payload_len u64, n_tensors u32, ack u64, then n_tensors u64 storage sizes, then the inline
