@@ -4,7 +4,12 @@ Two processes: worker1 owns a 256x256 weight (held in an RRef); worker0 sends a 
 multiplies (the matmul crosses the boundary both ways: input out, result back), worker0 takes the loss,
 runs the distributed backward (gradients return to worker1) and steps a DistributedOptimizer (SGD).
 
-    python benchmarks/bench_dist_autograd.py [--iters 300] [--repeat 3]
+Each launch of a system (two fresh processes) runs one warm-up round and ``--rounds`` measured rounds
+of ``--iters`` iterations. Launches alternate between the systems (``--repeat`` of each), because one
+system's rate moves by up to 30% from one launch to the next on a small machine (TensorPipe's most);
+each system's median is over all its measured rounds.
+
+    python benchmarks/bench_dist_autograd.py [--iters 300] [--rounds 2] [--repeat 3] [--only twinrpc]
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ def _mm(w: Any, x: torch.Tensor) -> torch.Tensor:
     return x @ w.local_value()
 
 
-def _worker(rank: int, system: str, init: str, iters: int, repeat: int, out: Any) -> None:
+def _worker(rank: int, system: str, init: str, iters: int, rounds: int, out: Any) -> None:
     torch.set_num_threads(1)
     rpc, dist_autograd, optim = (importlib.import_module(m) for m in SYSTEMS[system])
     if system == "torch":
@@ -47,7 +52,7 @@ def _worker(rank: int, system: str, init: str, iters: int, repeat: int, out: Any
         opt = optim.DistributedOptimizer(torch.optim.SGD, [w], lr=1e-6)
         x = torch.randn(256, 256)
         rates = []
-        for r in range(repeat + 1):
+        for r in range(rounds + 1):
             t0 = time.perf_counter()
             for _ in range(iters):
                 with dist_autograd.context() as cid:
@@ -60,29 +65,39 @@ def _worker(rank: int, system: str, init: str, iters: int, repeat: int, out: Any
     rpc.shutdown()
 
 
+def _launch(system: str, iters: int, rounds: int) -> list[float]:
+    q = mp.get_context("spawn").Queue()
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(
+            _worker,
+            args=(system, f"file://{d}/rdv", iters, rounds, q),
+            nprocs=2,
+            start_method="spawn",
+        )
+    name, rates = q.get()
+    assert name == system
+    return list(rates)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--iters", type=int, default=300)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=300, help="iterations per round")
+    parser.add_argument("--rounds", type=int, default=2, help="measured rounds per launch")
+    parser.add_argument("--repeat", type=int, default=3, help="launches of each system, alternating")
+    parser.add_argument("--only", choices=list(SYSTEMS), help="run one system (e.g. under a profiler)")
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    results: dict[str, list[float]] = {}
-    for system in SYSTEMS:
-        q = ctx.Queue()
-        with tempfile.TemporaryDirectory() as d:
-            mp.start_processes(
-                _worker,
-                args=(system, f"file://{d}/rdv", args.iters, args.repeat, q),
-                nprocs=2,
-                start_method="spawn",
-            )
-        name, rates = q.get()
-        results[name] = rates
+    systems = [args.only] if args.only else list(SYSTEMS)
+    results: dict[str, list[float]] = {s: [] for s in systems}
+    for r in range(args.repeat):
+        for system in systems if r % 2 == 0 else reversed(systems):
+            results[system] += _launch(system, args.iters, args.rounds)
     print("distributed forward+backward+step, 2 workers, 256x256 matmul across the boundary (it/s)")
     for name, rates in results.items():
         print(
             f"  {name:<8} median {statistics.median(rates):8.1f}  (min {min(rates):.1f}, max {max(rates):.1f})"
         )
+    if args.only:
+        return
     ratio = statistics.median(results["twinrpc"]) / statistics.median(results["torch"])
     print(f"  twinrpc / torch: {ratio:.2f}x (target >= 0.8x)")
 
