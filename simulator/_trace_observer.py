@@ -73,6 +73,11 @@ class TraceObserver:
         if self.monitor is not None:
             self.monitor.fork_known(rank, rref_id, fork_id)
 
+    def fork_abandoned(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+        self._rec(rank, "rref-fork-abandoned", f"rref {_gid(rref_id)} fork {_gid(fork_id)}")
+        if self.monitor is not None:
+            self.monitor.fork_abandoned(rank, rref_id, fork_id)
+
     def delete_heard(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         self._rec(rank, "rref-delete-heard", f"rref {_gid(rref_id)} fork {_gid(fork_id)}")
         if self.monitor is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from twinrpc.simulator import Delay, Drop, FaultPlan, Simulation, sleep
+from twinrpc.simulator import Delay, Drop, FaultPlan, Simulation, now, sleep
 
 import twinrpc.rpc as rpc
 
@@ -141,3 +141,33 @@ def test_an_rref_returned_to_its_owner_in_a_reply_gets_a_child_accept() -> None:
     sends = [e.detail for e in result.trace if e.event == "send"]
     assert any(d.startswith("RREF_CHILD_ACCEPT#") and " 0->1 " in d for d in sends)
     assert result.values()[1] is None
+
+
+def _unpicklable_program(rank: int, who: str) -> Any:
+    """Worker 0 passes an RRef (a user of worker 1's value, or its own value) together with a lambda,
+    which cannot be pickled, to worker 1."""
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    result: Any = None
+    if rank == 0:
+        rref = rpc.remote("worker1", _make) if who == "user" else rpc.RRef(torch.ones(2))
+        rref.to_here()
+        try:
+            rpc.rpc_sync("worker1", _first, args=(rref, lambda: 0))
+        except Exception as exc:
+            result = type(exc).__name__
+        info = rpc._get_debug_info()
+        result = (result, info["num_pending_children"], info["num_forks"], info["num_owner_rrefs"])
+        del rref
+    rpc.shutdown()
+    return result, now()
+
+
+def test_a_request_that_cannot_be_pickled_leaves_no_fork_behind() -> None:
+    # Before the fix the user's child stayed pending: graceful shutdown waited 100 s for its accept,
+    # then the G2 monitor failed the run; the owner's fork pinned its value (a leak at shutdown).
+    for who in ("user", "owner"):
+        result = Simulation(2, seed=3).run(_unpicklable_program, who)
+        (error, pending, forks, owned), ended = result.values()[0]
+        assert error.startswith("SerializationError"), who
+        assert (pending, forks, owned) == ("0", "0", "0"), who
+        assert ended < 1.0, who  # virtual seconds: shutdown did not wait for an accept

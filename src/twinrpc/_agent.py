@@ -177,19 +177,24 @@ class RpcAgent:
 
             raise NotInitializedError()
         context_id = CURRENT_CONTEXT.get()
-        by_reply: list[GloballyUniqueId] = []  # forks that the reply will accept (RREF-F1)
+        forks: list[ForkData] = []
         rrefs = self.rrefs
 
         def fork(rref: RRef[Any]) -> ForkData:
             data = rrefs.fork(rref, dst)
-            if rrefs.accepted_by_reply(data, dst):
-                by_reply.append(data.fork_id)
+            forks.append(data)
             return data
 
-        if context_id is not None and kind in AUTOGRAD_KINDS:  # hook: the request joins the context
-            payload, tensors = self.autograd.dumps_request(context_id, dst, kind, obj, fork)
-        else:
-            payload, tensors = _serialize.dumps(obj, fork)
+        try:
+            if context_id is not None and kind in AUTOGRAD_KINDS:  # hook: the request joins the context
+                payload, tensors = self.autograd.dumps_request(context_id, dst, kind, obj, fork)
+            else:
+                payload, tensors = _serialize.dumps(obj, fork)
+        except BaseException:
+            rrefs.unfork(forks)  # nothing is sent
+            raise
+        # forks that the reply will accept (RREF-F1)
+        by_reply = [d.fork_id for d in forks if rrefs.accepted_by_reply(d, dst)] if forks else None
         fut: Future[Any] = Future()
         pending = _Pending(fut, dst, kind)
         timeout = self.effective_timeout(timeout)
@@ -529,19 +534,20 @@ class RpcAgent:
         self._reply(msg, value if transform is None else transform(value))
 
     def _reply(self, msg: Message, value: Any) -> None:
+        forks: list[ForkData] = []
+        rrefs = self.rrefs
+
+        def fork(rref: RRef[Any]) -> ForkData:
+            data = rrefs.fork(rref, msg.src)
+            forks.append(data)
+            return data
+
         try:
             # hook: the reply to a request served inside an autograd context joins it (DAG-4)
-            linked = (
-                self.autograd.dumps_reply(msg, value, lambda r: self.rrefs.fork(r, msg.src))
-                if self.autograd.replies
-                else None
-            )
-            payload, tensors = (
-                linked
-                if linked is not None
-                else _serialize.dumps(value, lambda rref: self.rrefs.fork(rref, msg.src))
-            )
+            linked = self.autograd.dumps_reply(msg, value, fork) if self.autograd.replies else None
+            payload, tensors = linked if linked is not None else _serialize.dumps(value, fork)
         except BaseException as exc:
+            rrefs.unfork(forks)  # this reply is not sent: an error reply goes instead
             self._reply_error(
                 msg,
                 serialization_error(

@@ -114,6 +114,7 @@ class RRefObserver(Protocol):
     def user_deleted(self, rank: int, state: UserState, notified: bool) -> None: ...
     def child_forked(self, rank: int, parent: UserState, child_fork_id: GloballyUniqueId) -> None: ...
     def fork_known(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None: ...
+    def fork_abandoned(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None: ...
     def delete_heard(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None: ...
     def owner_registered(self, rank: int, state: OwnerState) -> None: ...
     def owner_dropped(self, rank: int, state: OwnerState) -> None: ...
@@ -316,6 +317,19 @@ class RRefContext:
         if self.observer is not None:
             self.observer.child_forked(self.rank, state, fork_id)
         return ForkData(state.owner, state.rref_id, fork_id, self.rank)
+
+    def unfork(self, forks: list[ForkData]) -> None:
+        """Undo :meth:`fork` for forks whose message was never sent (pickling it failed after them):
+        the owner's own fork is dropped and a user's child is no longer pending, so nothing keeps the
+        value or the parent alive for a fork that does not exist (found by the G2 monitor: the parent
+        was held until shutdown, which waited 100 s for the child's accept)."""
+        for data in forks:
+            if self.observer is not None:
+                self.observer.fork_abandoned(self.rank, data.rref_id, data.fork_id)
+            if data.owner == self.rank:
+                self._drop_fork(data.rref_id, data.fork_id)
+            else:
+                self.on_child_accept(data.fork_id)
 
     def rebuild(self, data: ForkData, src: int, load: LoadState) -> RRef[Any]:
         """Unpickle a fork that arrived from ``src`` (RREF-F2)."""
