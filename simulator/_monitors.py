@@ -160,23 +160,21 @@ class RRefMonitor:
 
     def fork_known(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         self.events += 1
-        key = (rref_id, fork_id)
         self._known.setdefault(rref_id, set()).add(fork_id)
-        parent = self._parent_of.pop(key, None)
-        if parent is not None:
-            siblings = self._children.get(parent)
-            if siblings is not None:
-                siblings.discard(fork_id)
-        children = self._in_flight.get(rref_id)
-        if children is not None:
-            children.discard(fork_id)  # a phantom fork reached the owner: it is not in flight any more
+        self._child_settled(rref_id, fork_id)  # e.g. a phantom fork reached the owner
 
     def fork_abandoned(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         """A fork was undone before its message left (pickling the message failed): no child is
         pending any more, and the owner no longer counts it."""
         self.events += 1
-        key = (rref_id, fork_id)
-        parent = self._parent_of.pop(key, None)
+        self._child_settled(rref_id, fork_id)
+        known = self._known.get(rref_id)
+        if known is not None:
+            known.discard(fork_id)
+
+    def _child_settled(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+        """The fork is no longer a child its parent must wait for, nor in flight."""
+        parent = self._parent_of.pop((rref_id, fork_id), None)
         if parent is not None:
             siblings = self._children.get(parent)
             if siblings is not None:
@@ -184,9 +182,6 @@ class RRefMonitor:
         children = self._in_flight.get(rref_id)
         if children is not None:
             children.discard(fork_id)
-        known = self._known.get(rref_id)
-        if known is not None:
-            known.discard(fork_id)
 
     def delete_heard(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         self.events += 1
