@@ -51,10 +51,6 @@ class ForkData:
     fork_id: GloballyUniqueId
     parent: int
 
-    def __reduce__(self) -> tuple[type[ForkData], tuple[int, GloballyUniqueId, GloballyUniqueId, int]]:
-        # As GloballyUniqueId: cheaper than the dataclass default, and in every RRef message.
-        return (ForkData, (self.owner, self.rref_id, self.fork_id, self.parent))
-
 
 class OwnerState:
     """The single owner of a value. ``value`` completes when the creating function finishes.
