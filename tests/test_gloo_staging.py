@@ -64,8 +64,9 @@ def pair() -> Iterator[tuple[PeerLink, _Receiver]]:
     listener.start()
     yield sender, receiver
     receiver.release.set()
-    for link in (sender, listener):
+    for link in (sender, listener):  # both first: a close frame to a link not closing is a failure
         link.closing = True
+    for link in (sender, listener):
         link.send_close()
     for link in (sender, listener):
         link.join(WAIT)
