@@ -4,6 +4,11 @@ Two processes: worker1 owns a 256x256 weight (held in an RRef); worker0 sends a 
 multiplies (the matmul crosses the boundary both ways: input out, result back), worker0 takes the loss,
 runs the distributed backward (gradients return to worker1) and steps a DistributedOptimizer (SGD).
 
+The third row, ``raw gloo``, is the floor under twinrpc: the same messages (a 4 KiB header frame per
+message, the 256 KiB tensors, the gradient, the step, the context cleanup, each answered) and the same
+two matmuls and SGD update, sent with ``torch.distributed`` send/recv from Python, with no RPC layer.
+twinrpc's rate against it shows what the RPC layer itself costs.
+
 Each launch of a system (two fresh processes) runs one warm-up round and ``--rounds`` measured rounds
 of ``--iters`` iterations. Launches alternate between the systems (``--repeat`` of each), because one
 system's rate moves by up to 30% from one launch to the next on a small machine (TensorPipe's most);
@@ -28,7 +33,8 @@ SYSTEMS = {
     "twinrpc": ("twinrpc.rpc", "twinrpc.autograd", "twinrpc.optim"),
     "torch": ("torch.distributed.rpc", "torch.distributed.autograd", "torch.distributed.optim"),
 }
-_W: dict[str, Any] = {}
+#: what one run launches: the two RPC systems, and the floor under twinrpc (see the module docstring)
+RUNS = [*SYSTEMS, "raw gloo"]
 
 
 def _weight() -> torch.Tensor:
@@ -65,12 +71,62 @@ def _worker(rank: int, system: str, init: str, iters: int, rounds: int, out: Any
     rpc.shutdown()
 
 
+def _raw_worker(rank: int, init: str, iters: int, rounds: int, out: Any) -> None:
+    """The benchmark's messages and computation over raw gloo (see the module docstring)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    peer = 1 - rank
+    header = torch.zeros(4096, dtype=torch.uint8)
+    x = torch.randn(256, 256)
+    w = _weight()
+    buf = torch.empty(256, 256)
+
+    def exchange(*frames: torch.Tensor, receive: tuple[torch.Tensor, ...] = ()) -> None:
+        for t in frames:
+            dist.send(t, peer)
+        for t in receive:
+            dist.recv(t, peer)
+
+    rates = []
+    for r in range(rounds + 1):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            if rank == 0:
+                exchange(header, x, receive=(header, buf))  # forward
+                loss = buf.sum()
+                exchange(header, torch.ones_like(loss).expand(256, 256).contiguous(), receive=(header,))
+                exchange(header, receive=(header,))  # step
+                exchange(header, receive=(header,))  # context cleanup
+            else:
+                exchange(receive=(header, buf))
+                y = buf @ w.detach()
+                exchange(header, y, receive=(header, buf))
+                grad = x.t() @ buf
+                exchange(header, receive=(header,))
+                with torch.no_grad():
+                    w.add_(grad, alpha=-1e-6)
+                exchange(header, receive=(header,))
+                exchange(header)
+        if r:
+            rates.append(iters / (time.perf_counter() - t0))
+    if rank == 0:
+        out.put(("raw gloo", rates))
+    dist.destroy_process_group()
+
+
 def _launch(system: str, iters: int, rounds: int) -> list[float]:
     q = mp.get_context("spawn").Queue()
     with tempfile.TemporaryDirectory() as d:
+        worker, args = (
+            (_raw_worker, (f"file://{d}/rdv", iters, rounds, q))
+            if system == "raw gloo"
+            else (_worker, (system, f"file://{d}/rdv", iters, rounds, q))
+        )
         mp.start_processes(
-            _worker,
-            args=(system, f"file://{d}/rdv", iters, rounds, q),
+            worker,
+            args=args,
             nprocs=2,
             start_method="spawn",
         )
@@ -84,9 +140,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=300, help="iterations per round")
     parser.add_argument("--rounds", type=int, default=2, help="measured rounds per launch")
     parser.add_argument("--repeat", type=int, default=3, help="launches of each system, alternating")
-    parser.add_argument("--only", choices=list(SYSTEMS), help="run one system (e.g. under a profiler)")
+    parser.add_argument("--only", choices=RUNS, help="run one system (e.g. under a profiler)")
     args = parser.parse_args()
-    systems = [args.only] if args.only else list(SYSTEMS)
+    systems = [args.only] if args.only else list(RUNS)
     results: dict[str, list[float]] = {s: [] for s in systems}
     for r in range(args.repeat):
         for system in systems if r % 2 == 0 else reversed(systems):
@@ -98,8 +154,14 @@ def main() -> None:
         )
     if args.only:
         return
-    ratio = statistics.median(results["twinrpc"]) / statistics.median(results["torch"])
+    twinrpc = statistics.median(results["twinrpc"])
+    ratio = twinrpc / statistics.median(results["torch"])
+    floor = 1 / statistics.median(results["raw gloo"])
     print(f"  twinrpc / torch: {ratio:.2f}x (target >= 0.8x)")
+    print(
+        f"  twinrpc's RPC layer: {(1 / twinrpc - floor) * 1e6:.0f} us per iteration above raw gloo "
+        f"({1 / twinrpc * 1e6:.0f} us against {floor * 1e6:.0f} us)"
+    )
 
 
 if __name__ == "__main__":
