@@ -31,8 +31,8 @@ from ._errors import (
 )
 from ._future import Future
 from ._message import CONTROL_KINDS, REQUEST_KINDS, RREF_CONTROL_KINDS, Kind, Message
-from ._rref import ForkData, GloballyUniqueId, OwnerState, RRef, UserState
-from ._rref_context import RRefContext
+from ._rref import GloballyUniqueId, OwnerState, RRef, UserState
+from ._rref_context import ForkRecorder, RRefContext
 from ._worker_info import WorkerInfo
 from ._world import Timer, World
 
@@ -177,22 +177,17 @@ class RpcAgent:
 
             raise NotInitializedError()
         context_id = CURRENT_CONTEXT.get()
-        forks: list[ForkData] = []
         rrefs = self.rrefs
-
-        def fork(rref: RRef[Any]) -> ForkData:
-            data = rrefs.fork(rref, dst)
-            forks.append(data)
-            return data
-
+        fork = ForkRecorder(rrefs, dst)
         try:
             if context_id is not None and kind in AUTOGRAD_KINDS:  # hook: the request joins the context
                 payload, tensors = self.autograd.dumps_request(context_id, dst, kind, obj, fork)
             else:
                 payload, tensors = _serialize.dumps(obj, fork)
         except BaseException:
-            rrefs.unfork(forks)  # nothing is sent
+            rrefs.unfork(fork.forks)  # nothing is sent
             raise
+        forks = fork.forks
         # forks that the reply will accept (RREF-F1)
         by_reply = [d.fork_id for d in forks if rrefs.accepted_by_reply(d, dst)] if forks else None
         fut: Future[Any] = Future()
@@ -534,20 +529,13 @@ class RpcAgent:
         self._reply(msg, value if transform is None else transform(value))
 
     def _reply(self, msg: Message, value: Any) -> None:
-        forks: list[ForkData] = []
-        rrefs = self.rrefs
-
-        def fork(rref: RRef[Any]) -> ForkData:
-            data = rrefs.fork(rref, msg.src)
-            forks.append(data)
-            return data
-
+        fork = ForkRecorder(self.rrefs, msg.src)
         try:
             # hook: the reply to a request served inside an autograd context joins it (DAG-4)
             linked = self.autograd.dumps_reply(msg, value, fork) if self.autograd.replies else None
             payload, tensors = linked if linked is not None else _serialize.dumps(value, fork)
         except BaseException as exc:
-            rrefs.unfork(forks)  # this reply is not sent: an error reply goes instead
+            self.rrefs.unfork(fork.forks)  # this reply is not sent: an error reply goes instead
             self._reply_error(
                 msg,
                 serialization_error(

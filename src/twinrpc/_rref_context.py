@@ -121,6 +121,24 @@ class RRefObserver(Protocol):
     def closed(self, rank: int, graceful: bool) -> None: ...
 
 
+class ForkRecorder:
+    """The fork hook for pickling one message to ``dst``: forks each RRef and keeps the forks, so the
+    sender can undo them if the message is not sent (:meth:`RRefContext.unfork`) or learn which ones its
+    reply accepts (:meth:`RRefContext.accepted_by_reply`)."""
+
+    __slots__ = ("ctx", "dst", "forks")
+
+    def __init__(self, ctx: RRefContext, dst: int) -> None:
+        self.ctx = ctx
+        self.dst = dst
+        self.forks: list[ForkData] = []
+
+    def __call__(self, rref: RRef[Any]) -> ForkData:
+        data = self.ctx.fork(rref, self.dst)
+        self.forks.append(data)
+        return data
+
+
 class _Outbox:
     """Sender side of the control channel to one peer."""
 
