@@ -26,6 +26,7 @@ blocked in native code.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -64,6 +65,9 @@ _STAGED_BYTES = 1 << 20
 #: header receives kept posted ahead: a gloo send waits until the peer has posted the matching
 #: receive, so with one posted header a stream of messages pays a notify round trip per message
 _RING = 16
+#: header slots a receiver lets wait for this worker's next send before it posts their receives
+#: again itself (see PeerLink._repost); well below _RING, which bounds the slots claimed ahead
+_REPOST_BATCH = 4
 #: threads per link in the receive loop: while one handles a message, another is already blocked in
 #: gloo on the next header, so a receiver that goes off to run a request (or to make a blocking send)
 #: wakes nobody; it rejoins when done. Messages are still dispatched one at a time, in order.
@@ -110,7 +114,12 @@ class PeerLink:
         self._ring_works: list[Any] = []
         #: the staging buffer for data frames up to _STAGED_BYTES, with its posted receive
         self._staging = torch.empty(_STAGED_BYTES, dtype=torch.uint8)
+        #: the staging buffer's posted receive (None: its last frame was taken, not posted again yet)
         self._staging_work: Any = None
+        #: ring slots whose header frame was taken and whose receive is not posted again yet, in
+        #: slot order (see _repost); under _post_lock, which keeps the posts in that order
+        self._repost_queue: collections.deque[int] = collections.deque()
+        self._post_lock = threading.Lock()
         # -- the receive loop's threads (see _RECEIVERS), under _rx_lock --------------------------
         self._rx_lock = threading.Lock()
         #: next header slot (absolute index; ring buffer slot % _RING) a receiver thread waits on
@@ -248,6 +257,7 @@ class PeerLink:
                     raise self.failed from None  # woken by abandon(): the link's own error says why
                 self._fail(exc)
                 raise
+        self._repost_after_send()
 
     def try_send_now(self, msg: Message) -> bool:
         """Send ``msg`` now if that cannot make this thread wait for the peer's receiver: it is one
@@ -275,9 +285,10 @@ class PeerLink:
                     raise self.failed from None
                 self._fail(exc)
                 raise
-            return True
         finally:
             self._send_lock.release()
+        self._repost_after_send()
+        return True
 
     def _wait_sent(self, work: Any, nbytes: int) -> None:
         """Wait until the peer has taken one frame of ours, recording the wait for check_alive."""
@@ -376,14 +387,22 @@ class PeerLink:
                 self.pg.recv([t], self._peer_rank_in_pg, _LARGE_TAG).wait()
                 out: Any = t.numpy().tobytes() if as_bytes else t
             else:
-                self._staging_work.wait()
+                with self._post_lock:
+                    if self._staging_work is None:  # not posted again since the last frame (_repost)
+                        self._staging_work = self._post_staging()
+                    work = self._staging_work
+                work.wait()
                 staged = self._staging[:nbytes]
                 out = staged.numpy().tobytes() if as_bytes else staged.clone()
-                self._staging_work = self.pg.recv([self._staging], self._peer_rank_in_pg, _DATA_TAG)
+                with self._post_lock:
+                    self._staging_work = None  # posted again by the next idle receiver (_repost)
         finally:
             self._data_wait = None
         self.heard = time.monotonic()
         return out
+
+    def _post_staging(self) -> Any:
+        return self.pg.recv([self._staging], self._peer_rank_in_pg, _DATA_TAG)
 
     def _post_header(self, i: int) -> None:
         t, _ = self._ring[i]
@@ -391,6 +410,40 @@ class PeerLink:
         # header shows as zeros (bad magic/version) rather than as the previous header's tail.
         t.zero_()
         self._ring_works[i] = self.pg.recv([t], self._peer_rank_in_pg, _TAG)
+
+    def _repost(self) -> None:
+        """Post again the receives of the frames already taken: the header slots (in slot order: gloo
+        matches a pair's receives of one tag in the order they were posted, which is how a frame
+        lands in the slot the receivers expect) and the staging buffer.
+
+        Posting a receive is a socket write under the pair's lock that wakes the peer's event loop
+        (20-30 us of CPU), so it is kept off the critical path of a request and its reply: not done
+        by the receiver that has just taken a frame (it delivers the message first), nor right after
+        that (it would hold the GIL while the thread it woke runs), but after this worker's next send
+        on the link, while the peer is busy with that message (_repost_after_send). Receivers post
+        again themselves once _REPOST_BATCH slots are waiting (a peer that sends without hearing
+        back), and always before claiming a slot (see _next_header), so a frame never lands in a
+        slot whose receive is not posted again; a data frame's receive is posted on demand
+        (_recv_data) if it is still pending then."""
+        if not self._repost_queue and self._staging_work is not None:
+            return
+        with self._post_lock:
+            while self._repost_queue:
+                self._post_header(self._repost_queue[0])
+                self._repost_queue.popleft()
+                self._consumed += 1
+            if self._staging_work is None:
+                self._staging_work = self._post_staging()
+
+    def _repost_after_send(self) -> None:
+        """See _repost. The message went out: a failure here is the receivers' to report."""
+        if not self._repost_queue and self._staging_work is not None:
+            return
+        try:
+            self._repost()
+        except RuntimeError as exc:
+            if not self.closing:
+                self._fail(exc)
 
     def _pass_turn(self) -> None:
         """The dispatching receiver is done with slot _turn (it goes on to the next, see
@@ -403,8 +456,11 @@ class PeerLink:
         """Become the dispatcher of the next slot: take it at once if its frame is here, else claim
         a slot and wait in gloo for its frame (receives are kept posted ahead, see _RING); a frame
         that arrives before its turn is left for the dispatcher and this thread parks as a spare.
-        Decode the header and post that buffer's receive again. None: receiving ended meanwhile."""
+        Decode the header; its buffer's receive is posted again later (_repost). None: receiving
+        ended meanwhile."""
         while True:
+            if len(self._repost_queue) >= _REPOST_BATCH:
+                self._repost()
             with self._rx_lock:
                 if self._ended:
                     return None
@@ -414,12 +470,22 @@ class PeerLink:
                     self._busy = True
                     break
                 slot = self._claimed
-                self._claimed += 1
-                work = self._ring_works[slot % _RING]
-                self._native.add(slot)
-                if not self._header_waiters:
-                    self._header_since = time.monotonic()
-                self._header_waiters += 1
+                # the receive of slot s is the s-th one posted: _RING at first, one per _consumed
+                unposted = slot >= _RING + self._consumed
+                if not unposted:
+                    self._claimed += 1
+                    work = self._ring_works[slot % _RING]
+                    self._native.add(slot)
+                    if not self._header_waiters:
+                        self._header_since = time.monotonic()
+                    self._header_waiters += 1
+            if unposted:  # its buffer still holds a frame taken earlier, whose receive is pending
+                if not self._repost_queue:
+                    raise RuntimeError(
+                        f"twinrpc: header ring out of step (slot {slot} has no receive to post)"
+                    )
+                self._repost()
+                continue
             try:
                 work.wait()
             finally:
@@ -442,21 +508,21 @@ class PeerLink:
         try:
             header = Header(self._ring[i][1], self.peer, self.me, self._ring[i][0])
         except FrameError:
-            self._post_header(i)
-            self._consumed += 1
+            self._repost_queue.append(i)
             raise
         if not header.closing:
-            self._post_header(i)
-            self._consumed += 1
+            self._repost_queue.append(i)  # posted again after this message is handled (_repost)
             self._peer_acked = header.ack
         return header
 
     def _receive_loop(self) -> None:
         try:
             self._ring_works = [None] * _RING
-            for i in range(_RING):
-                self._post_header(i)
-            self._staging_work = self.pg.recv([self._staging], self._peer_rank_in_pg, _DATA_TAG)
+            with self._post_lock:  # a send may already have posted the staging receive (_repost)
+                for i in range(_RING):
+                    self._post_header(i)
+                if self._staging_work is None:
+                    self._staging_work = self._post_staging()
         except RuntimeError as exc:
             if not self.closing:
                 self._fail(exc)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from twinrpc.impl._link import _STAGED_BYTES, PeerLink, make_pair_group
+from twinrpc.impl._link import _RING, _STAGED_BYTES, PeerLink, make_pair_group
 
 from twinrpc._message import Kind, Message
 
@@ -43,8 +43,8 @@ class _Receiver:
             self.all_in.set()
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[PeerLink, _Receiver]]:
+def _links(receiver: _Receiver, failures: list[BaseException]) -> tuple[PeerLink, PeerLink]:
+    """Rank 0's link (the sender) and rank 1's (the listener) over a fresh gloo pair, not started."""
     store = dist.HashStore()
     groups: dict[int, Any] = {}
 
@@ -56,10 +56,16 @@ def pair() -> Iterator[tuple[PeerLink, _Receiver]]:
         t.start()
     for t in threads:
         t.join(WAIT)
-    receiver = _Receiver(block_id=1)
-    failures: list[BaseException] = []
     sender = PeerLink(0, 1, groups[0], lambda m: None, lambda peer, exc: failures.append(exc))
     listener = PeerLink(1, 0, groups[1], receiver, lambda peer, exc: failures.append(exc))
+    return sender, listener
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[PeerLink, _Receiver]]:
+    receiver = _Receiver(block_id=1)
+    failures: list[BaseException] = []
+    sender, listener = _links(receiver, failures)
     sender.start()
     listener.start()
     yield sender, receiver
@@ -114,5 +120,56 @@ def test_a_frame_up_to_the_staging_size_is_taken_while_the_receiver_is_busy_a_la
     for sent, got in zip(messages, receiver.got, strict=True):
         assert got.payload == sent.payload
         assert len(got.tensors) == len(sent.tensors)
+        for a, b in zip(sent.tensors, got.tensors, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_a_send_before_the_receiver_has_started_leaves_one_staging_receive_posted() -> None:
+    """A worker may send on a link before its receiver thread has posted the link's receives; the
+    send then posts the staging receive itself (receives of taken frames are posted again after a
+    send). The receiver must not post a second one: the next data frame would land in the first,
+    while the receiver waited for it on the second, for good."""
+    receiver = _Receiver(block_id=-1)
+    failures: list[BaseException] = []
+    sender, listener = _links(receiver, failures)
+    listener._repost_after_send()  # what a send from rank 1 does, here before its receiver started
+    sender.start()
+    listener.start()
+    messages = [_message(1, 4096), _message(2, 256 << 10)]
+    receiver.expected = len(messages)
+    try:
+        for msg in messages:
+            assert _send_in_thread(sender, msg).wait(WAIT)
+        assert receiver.all_in.wait(WAIT)
+        for sent, got in zip(messages, receiver.got, strict=True):
+            assert torch.equal(sent.tensors[0], got.tensors[0])
+    finally:
+        for link in (sender, listener):
+            link.closing = True
+        for link in (sender, listener):
+            link.send_close(deadline=0.0)
+            link.abandon()
+    assert not failures, failures
+
+
+def test_a_receiver_that_never_sends_keeps_taking_a_stream_longer_than_its_ring(
+    pair: tuple[PeerLink, _Receiver],
+) -> None:
+    """Receives of taken frames are posted again after this worker's next send; a worker that sends
+    nothing back (here rank 1) posts them itself, so a stream of many times ``_RING`` messages, with
+    and without data frames, still gets through in order and intact."""
+    sender, receiver = pair
+    receiver.release.set()  # message 1 does not block
+    messages = [
+        _message(i, 64 << 10) if i % 3 == 0 else Message(Kind.CALL, i, 0, 1, b"m%d" % i)
+        for i in range(1, 8 * _RING)
+    ]
+    receiver.expected = len(messages)
+    for msg in messages:
+        assert _send_in_thread(sender, msg).wait(WAIT)
+    assert receiver.all_in.wait(WAIT)
+    assert [m.id for m in receiver.got] == [m.id for m in messages]
+    for sent, got in zip(messages, receiver.got, strict=True):
+        assert got.payload == sent.payload
         for a, b in zip(sent.tensors, got.tensors, strict=True):
             assert torch.equal(a, b)
