@@ -11,6 +11,12 @@ Header layout (little-endian): magic u32, version u16, flags u16, kind u16, rese
 id i64, payload_len u64, n_tensors u32, ack u64, then n_tensors u64 storage sizes, then the inline
 payload. ``ack`` counts the header frames the sender has taken from its receive ring (and posted a
 receive again for): the peer's credit for sends that cannot block (see PeerLink.try_send_now).
+
+A header may also carry *riders* (``FLAG_RIDERS``): small payload-only messages that were sent
+earlier but allowed to wait for the next frame to the same peer (``Message.deferrable``), delivered
+before the header's own message. They sit at the end of the frame: each rider is kind u16, id i64,
+payload_len u32 and the payload; the last four bytes say how many riders there are (u16) and how many
+bytes they take (u16).
 """
 
 from __future__ import annotations
@@ -25,15 +31,20 @@ from twinrpc._message import Kind, Message
 
 HEADER_BYTES = 4096
 MAGIC = 0x54574E52  # "TWNR"
-VERSION = 2
+VERSION = 3
 FLAG_INLINE = 1  # the payload is inside the header
 FLAG_CLOSE = 2  # the sender is closing this link (graceful shutdown): no message follows
 FLAG_GRACEFUL = 4  # with FLAG_CLOSE: the sender completed graceful shutdown (an orderly departure)
 FLAG_INLINE_TENSORS = 8  # the storages follow the inline payload inside the header (small ones)
+FLAG_RIDERS = 16  # earlier small messages ride at the end of the header (delivered first)
 
 _FIXED = struct.Struct("<IHHHHiqQIQ")
 _SIZE = struct.Struct("<Q")
 MAX_TENSORS = (HEADER_BYTES - _FIXED.size) // _SIZE.size
+_RIDER = struct.Struct("<HqI")  # kind, id, payload length; the payload follows
+_TRAILER = struct.Struct("<HH")  # riders, bytes they take (the last bytes of the header frame)
+#: bytes of riders one header frame takes at most (the rest stays for the message's own inline payload)
+MAX_RIDER_BYTES = 1024
 _KINDS = {int(k): k for k in Kind}
 
 
@@ -42,26 +53,44 @@ class FrameError(RPCError):
     the frame boundary can still be trusted (it cannot after a bad header, so the link is closed)."""
 
 
-def encode_header(buf: memoryview, msg: Message, ack: int = 0) -> tuple[bool, bool]:
+def rider_bytes(msg: Message) -> int:
+    """Bytes ``msg`` takes as a rider (see the module docstring)."""
+    return _RIDER.size + len(msg.payload)
+
+
+def can_ride(msg: Message) -> bool:
+    """Whether ``msg`` can travel as a rider: payload only, and small."""
+    return not msg.tensors and rider_bytes(msg) <= MAX_RIDER_BYTES
+
+
+def encode_header(
+    buf: memoryview, msg: Message, ack: int = 0, riders: list[Message] | None = None
+) -> tuple[bool, bool]:
     """Fill ``buf`` (a view of the header tensor) for ``msg``; returns whether the payload is inline
     and whether the storages are inline too (then the header is the whole message: one gloo send
-    instead of one per storage, each of which would wait for the peer to post its receive)."""
+    instead of one per storage, each of which would wait for the peer to post its receive).
+    ``riders`` (each :func:`can_ride`, together at most ``MAX_RIDER_BYTES``) travel at its end."""
     tensors = msg.tensors
     n = len(tensors)
     if n > MAX_TENSORS:
         raise RPCError(f"a message may carry at most {MAX_TENSORS} distinct tensor storages, got {n}")
+    limit = HEADER_BYTES
+    if riders:
+        limit = _encode_riders(buf, riders)
     payload = msg.payload
     offset = _FIXED.size + n * _SIZE.size
     end = offset + len(payload)
-    inline = end <= HEADER_BYTES
+    inline = end <= limit
     sizes = [t.numel() for t in tensors]
-    inline_tensors = inline and n > 0 and end + sum(sizes) <= HEADER_BYTES
+    inline_tensors = inline and n > 0 and end + sum(sizes) <= limit
     _FIXED.pack_into(
         buf,
         0,
         MAGIC,
         VERSION,
-        (FLAG_INLINE if inline else 0) | (FLAG_INLINE_TENSORS if inline_tensors else 0),
+        (FLAG_INLINE if inline else 0)
+        | (FLAG_INLINE_TENSORS if inline_tensors else 0)
+        | (FLAG_RIDERS if riders else 0),
         int(msg.kind),
         0,
         msg.src,
@@ -82,6 +111,21 @@ def encode_header(buf: memoryview, msg: Message, ack: int = 0) -> tuple[bool, bo
     return inline, inline_tensors
 
 
+def _encode_riders(buf: memoryview, riders: list[Message]) -> int:
+    """Write ``riders`` at the end of the frame; returns where they start (the message's limit)."""
+    total = sum(rider_bytes(r) for r in riders)
+    if total > MAX_RIDER_BYTES or len(riders) > MAX_RIDER_BYTES // _RIDER.size:
+        raise RPCError(f"riders of {total} B exceed the {MAX_RIDER_BYTES} B a header frame keeps for them")
+    start = pos = HEADER_BYTES - _TRAILER.size - total
+    for r in riders:
+        _RIDER.pack_into(buf, pos, int(r.kind), r.id, len(r.payload))
+        pos += _RIDER.size
+        buf[pos : pos + len(r.payload)] = r.payload
+        pos += len(r.payload)
+    _TRAILER.pack_into(buf, HEADER_BYTES - _TRAILER.size, len(riders), total)
+    return start
+
+
 def encode_close(buf: memoryview, src: int, graceful: bool = False) -> None:
     flags = FLAG_CLOSE | (FLAG_GRACEFUL if graceful else 0)
     _FIXED.pack_into(buf, 0, MAGIC, VERSION, flags, 0, 0, src, 0, 0, 0, 0)
@@ -99,6 +143,7 @@ class Header:
         "inline_tensors",
         "kind",
         "payload_len",
+        "riders",
         "sizes",
         "src",
     )
@@ -135,8 +180,13 @@ class Header:
         self.payload_len = payload_len
         offset = _FIXED.size + n * _SIZE.size
         self.sizes = [_SIZE.unpack_from(buf, _FIXED.size + i * _SIZE.size)[0] for i in range(n)]
+        limit = HEADER_BYTES
+        #: (kind, id, payload) of each rider, in the order they were sent
+        self.riders: list[tuple[Kind, int, bytes]] = []
+        if flags & FLAG_RIDERS:
+            limit = self._decode_riders(buf, offset)
         if flags & FLAG_INLINE:
-            if offset + payload_len > HEADER_BYTES:
+            if offset + payload_len > limit:
                 raise FrameError(f"inline payload of {payload_len} B overflows the header from rank {src}")
             self.inline_payload: bytes | None = buf[offset : offset + payload_len].tobytes()
         else:
@@ -144,7 +194,7 @@ class Header:
         self.inline_tensors: list[torch.Tensor] | None = None
         if flags & FLAG_INLINE_TENSORS:
             pos = offset + payload_len
-            if not flags & FLAG_INLINE or pos + sum(self.sizes) > HEADER_BYTES:
+            if not flags & FLAG_INLINE or pos + sum(self.sizes) > limit:
                 raise FrameError(f"inline storages overflow the header from rank {src}")
             if frame is None:
                 frame = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
@@ -153,6 +203,31 @@ class Header:
                 tensors.append(frame[pos : pos + size].clone())
                 pos += size
             self.inline_tensors = tensors
+
+    def _decode_riders(self, buf: memoryview, offset: int) -> int:
+        count, total = _TRAILER.unpack_from(buf, HEADER_BYTES - _TRAILER.size)
+        start: int = HEADER_BYTES - _TRAILER.size - total
+        if total > MAX_RIDER_BYTES or start < offset:
+            raise FrameError(f"riders of {total} B overflow the header from rank {self.src}")
+        pos = start
+        for _ in range(count):
+            if pos + _RIDER.size > start + total:
+                raise FrameError(
+                    f"{count} riders do not fit their {total} B in the header from rank {self.src}"
+                )
+            kind, msg_id, n = _RIDER.unpack_from(buf, pos)
+            pos += _RIDER.size
+            if kind not in _KINDS:
+                raise FrameError(f"unknown rider message kind {kind} from rank {self.src}")
+            if pos + n > start + total:
+                raise FrameError(f"a rider's payload of {n} B overflows the header from rank {self.src}")
+            self.riders.append((_KINDS[kind], msg_id, buf[pos : pos + n].tobytes()))
+            pos += n
+        if pos != start + total:
+            raise FrameError(
+                f"riders take {pos - start} B, not the {total} B the header from rank {self.src} says"
+            )
+        return start
 
 
 #: receive buffers at least this big are fresh mmap()s every time (glibc's largest mmap threshold), so

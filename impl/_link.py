@@ -44,12 +44,15 @@ from twinrpc._message import Kind, Message
 
 from ._framing import (
     HEADER_BYTES,
+    MAX_RIDER_BYTES,
     FrameError,
     Header,
+    can_ride,
     encode_close,
     encode_header,
     new_header_tensor,
     recv_buffer,
+    rider_bytes,
 )
 
 _log = logging.getLogger("twinrpc.impl")
@@ -183,6 +186,12 @@ class PeerLink:
         )
         self._outbox_thread: threading.Thread | None = None
         self._outbox_lock = threading.Lock()
+        #: deferrable messages waiting to ride in the next header frame to the peer (see defer)
+        self._riders: list[tuple[Message, Callable[[Message, BaseException], None]]] = []
+        self._riders_lock = threading.Lock()
+        #: this receiver is delivering a header's riders: it must not hand its role off (the header's
+        #: own message is still to be dispatched by it)
+        self._delivering_riders = False
 
     def start(self, run_elsewhere: Callable[[Callable[[], None]], None] | None = None) -> None:
         """Start receiving. ``run_elsewhere(fn)`` runs ``fn`` on another (idle) thread: with it, a
@@ -201,7 +210,7 @@ class PeerLink:
         for it (a new one is started only if none is left), and this thread becomes an ordinary
         thread that may block, run a request or send; it rejoins the receive loop when done. Returns
         False (nothing changed) where that cannot be done."""
-        if THREAD_ROLE.link is not self or self._run_elsewhere is None:
+        if THREAD_ROLE.link is not self or self._run_elsewhere is None or self._delivering_riders:
             return False
         THREAD_ROLE.link = None
         THREAD_ROLE.no_blocking_send = False
@@ -235,8 +244,15 @@ class PeerLink:
         with self._send_lock:
             if self.failed is not None:  # failed while this thread waited for the lock
                 raise self.failed
+            riders = self._take_riders()
             try:
-                inline, inline_tensors = encode_header(self._send_view, msg, self._consumed)
+                inline, inline_tensors = encode_header(
+                    self._send_view, msg, self._consumed, _messages(riders)
+                )
+            except BaseException:
+                self._return_riders(riders)  # msg cannot be framed: they wait for the next one
+                raise
+            try:
                 self._headers_sent += 1
                 self._wait_sent(pg.send([self._send_header], dst, _TAG), HEADER_BYTES)
                 if not inline:
@@ -253,9 +269,12 @@ class PeerLink:
                                 pg.send([t], dst, _DATA_TAG if n <= _STAGED_BYTES else _LARGE_TAG), n
                             )
             except RuntimeError as exc:
-                if self.failed is not None:
-                    raise self.failed from None  # woken by abandon(): the link's own error says why
-                self._fail(exc)
+                earlier = self.failed
+                if earlier is None:
+                    self._fail(exc)
+                _riders_failed(riders, self.failed or exc)
+                if earlier is not None:
+                    raise earlier from None  # woken by abandon(): the link's own error says why
                 raise
         self._repost_after_send()
 
@@ -274,21 +293,67 @@ class PeerLink:
         try:
             if self.failed is not None or self._headers_sent - self._peer_acked >= _RING - 1:
                 return False
-            inline, inline_tensors = encode_header(self._send_view, msg, self._consumed)
+            riders = self._take_riders()
+            try:
+                inline, inline_tensors = encode_header(
+                    self._send_view, msg, self._consumed, _messages(riders)
+                )
+            except BaseException:
+                self._return_riders(riders)
+                raise
             if not inline or not (inline_tensors or not any(t.numel() for t in msg.tensors)):
+                self._return_riders(riders)
                 return False  # more frames would follow: their receives are not posted yet
             self._headers_sent += 1
             try:
                 self._wait_sent(self.pg.send([self._send_header], self._peer_rank_in_pg, _TAG), HEADER_BYTES)
             except RuntimeError as exc:
-                if self.failed is not None:
-                    raise self.failed from None
-                self._fail(exc)
+                earlier = self.failed
+                if earlier is None:
+                    self._fail(exc)
+                _riders_failed(riders, self.failed or exc)
+                if earlier is not None:
+                    raise earlier from None
                 raise
         finally:
             self._send_lock.release()
         self._repost_after_send()
         return True
+
+    # -- riders: deferrable messages that travel in the next header frame ---------------------------
+    def defer(self, msg: Message, on_error: Callable[[Message, BaseException], None]) -> bool:
+        """Let ``msg`` (a ``Message.deferrable`` one: small, payload only) wait to ride at the end of
+        the next header frame to the peer, which delivers it before that frame's own message (see
+        ``_framing``): a message that no caller waits on, such as a context's release, then costs
+        neither a frame of its own nor a wake-up of the peer's receiver. The world sends whatever
+        still waits after a short while (flush_riders). False: it cannot wait; send it as usual.
+        ``on_error(msg, exc)`` reports a rider whose frame failed."""
+        if not can_ride(msg) or self.failed is not None or self.closed_by_peer or self.closing:
+            return False
+        with self._riders_lock:
+            if sum(rider_bytes(m) for m, _ in self._riders) + rider_bytes(msg) > MAX_RIDER_BYTES:
+                return False
+            self._riders.append((msg, on_error))
+        return True
+
+    def flush_riders(self) -> None:
+        """Send the riders still waiting, in a heartbeat frame of their own (never blocks: for the
+        world's timer)."""
+        if self._riders:
+            self._send_beat()
+
+    def _take_riders(self) -> list[tuple[Message, Callable[[Message, BaseException], None]]]:
+        if not self._riders:
+            return []
+        with self._riders_lock:
+            riders, self._riders = self._riders, []
+        return riders
+
+    def _return_riders(self, riders: list[tuple[Message, Callable[[Message, BaseException], None]]]) -> None:
+        """Put riders taken for a frame that was not sent back in front of the queue, in order."""
+        if riders:
+            with self._riders_lock:
+                self._riders[:0] = riders
 
     def _wait_sent(self, work: Any, nbytes: int) -> None:
         """Wait until the peer has taken one frame of ours, recording the wait for check_alive."""
@@ -335,6 +400,8 @@ class PeerLink:
                         target=self._outbox_loop, name=f"twinrpc-send-{self.peer}", daemon=True
                     )
                     self._outbox_thread.start()
+        for rider in self._take_riders():  # they were sent before msg: they stay before it
+            self._outbox.put(rider)
         self._outbox.put((msg, on_error))
 
     def _outbox_loop(self) -> None:
@@ -364,7 +431,15 @@ class PeerLink:
         left = max(1.0, deadline - time.monotonic())
         if not self._send_lock.acquire(timeout=left):
             return
+        riders = self._take_riders()
         try:
+            if riders:  # in a heartbeat frame of their own, before the close frames
+                beat = Message(Kind.HEARTBEAT, 0, self.me, self.peer, b"")
+                encode_header(self._send_view, beat, self._consumed, _messages(riders))
+                self._headers_sent += 1
+                work = self.pg.send([self._send_header], self._peer_rank_in_pg, _TAG)
+                work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
+                riders = []
             encode_close(self._send_view, self.me, graceful)
             for _ in range(_RECEIVERS):  # one for each of the peer's receivers (each ends one)
                 self._headers_sent += 1
@@ -372,6 +447,7 @@ class PeerLink:
                 work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
         except RuntimeError as exc:
             _log.debug("twinrpc: close frame to %d failed: %s", self.peer, exc)
+            _riders_failed(riders, exc)
         finally:
             self._send_lock.release()
 
@@ -596,6 +672,8 @@ class PeerLink:
                         self._on_failure(self.peer, left)
                     self._pass_turn()
                     return False
+                if header.riders:
+                    self._deliver_riders(header)
                 if header.kind is Kind.HEARTBEAT:
                     self._pass_turn()
                     continue
@@ -630,6 +708,18 @@ class PeerLink:
             if THREAD_ROLE.link is not self:
                 return True  # handed off while handling it (the turn went with it)
             self._pass_turn()
+
+    def _deliver_riders(self, header: Header) -> None:
+        """Deliver a header's riders, in order, before its own message (they were sent before it)."""
+        self._delivering_riders = True
+        try:
+            for kind, msg_id, payload in header.riders:
+                try:
+                    self._on_message(Message(kind, msg_id, self.peer, self.me, payload))
+                except Exception:
+                    _log.exception("twinrpc: handling a message from %s failed", self.peer_name)
+        finally:
+            self._delivering_riders = False
 
     # -- liveness ----------------------------------------------------------------------------------
     def check_alive(self, now: float, threshold: float) -> None:
@@ -674,12 +764,18 @@ class PeerLink:
         just as well."""
         if self.failed is not None or self.closing or self.closed_by_peer or not self._outbox.empty():
             return
+        self._send_beat()
+
+    def _send_beat(self) -> None:
+        """A heartbeat frame (with any riders waiting) now if that cannot block, else on the outbox."""
+        if self.failed is not None or self.closed_by_peer or self.closing:
+            return  # closing: send_close takes the riders
         beat = Message(Kind.HEARTBEAT, 0, self.me, self.peer, b"")
         try:
             if self.try_send_now(beat):  # usually: no outbox thread to wake
                 return
         except Exception:
-            return  # the link failed: nothing to report for a heartbeat
+            return  # the link failed (riders were reported): nothing to report for a heartbeat
         self.send_later(beat, _ignore_heartbeat_error)
 
     def _fail(self, exc: BaseException) -> None:
@@ -687,6 +783,7 @@ class PeerLink:
             self.failed = exc = self._overdue_send() or exc
             self._on_failure(self.peer, exc)  # first: pending calls fail with this error, not gloo's
             self.abandon()
+            _riders_failed(self._take_riders(), exc)
 
     def abandon(self) -> None:
         """Close the pair's gloo connection now: every thread blocked in a send to or a receive from
@@ -714,6 +811,20 @@ class PeerLink:
         outbox = self._outbox_thread
         if outbox is not None:
             outbox.join(timeout)
+
+
+def _messages(riders: list[tuple[Message, Callable[[Message, BaseException], None]]]) -> list[Message]:
+    return [msg for msg, _ in riders]
+
+
+def _riders_failed(
+    riders: list[tuple[Message, Callable[[Message, BaseException], None]]], exc: BaseException
+) -> None:
+    for msg, on_error in riders:
+        try:
+            on_error(msg, exc)
+        except Exception:
+            _log.exception("twinrpc: reporting a failed deferred %s failed", msg.describe())
 
 
 def _ignore_heartbeat_error(msg: Message, exc: BaseException) -> None:

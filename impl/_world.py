@@ -27,6 +27,8 @@ _log = logging.getLogger("twinrpc.impl")
 _CLOSE_WAIT = 10.0
 #: after abandoning a link at shutdown, how long its threads get to leave gloo (they wake at once)
 _ABANDON_WAIT = 2.0
+#: seconds a deferrable message waits at most for another message to ride with (PeerLink.defer)
+RIDER_WAIT = 0.05
 
 
 class GlooWorld:
@@ -52,6 +54,8 @@ class GlooWorld:
         self._recorder = TraceRecorder.from_env(self.rank, self.workers)
         self._lock = threading.Lock()
         self._stopped = False
+        #: a timer is set to send the riders still waiting (one for all links, see _flush_riders)
+        self._rider_timer = False
         self._pool = RequestPool(num_worker_threads, f"twinrpc-pool-{self.rank}")
         self._timer = TimerThread(f"twinrpc-timer-{self.rank}")
         self.links: dict[int, PeerLink] = {}
@@ -90,6 +94,9 @@ class GlooWorld:
             self._deliver(local)
             return
         link = self.links[msg.dst]
+        if msg.deferrable and link.defer(msg, self._send_failed):
+            self._flush_riders_later()
+            return
         if THREAD_ROLE.no_blocking_send:
             # A one-frame message the peer has a receive posted for goes at once (most replies);
             # otherwise a receiver hands its role to an idle thread and sends itself (no outbox hop
@@ -108,6 +115,21 @@ class GlooWorld:
             link.send(msg)
         except Exception as exc:
             self._send_failed(msg, exc)
+
+    def _flush_riders_later(self) -> None:
+        """Deferred messages wait RIDER_WAIT at most: one timer at a time serves every link (a timer
+        per message would wake the timer thread for each, which is what deferring saves)."""
+        with self._lock:
+            if self._rider_timer or self._stopped:
+                return
+            self._rider_timer = True
+        self._timer.call_later(RIDER_WAIT, self._flush_riders)
+
+    def _flush_riders(self) -> None:
+        with self._lock:
+            self._rider_timer = False
+        for link in self.links.values():
+            link.flush_riders()
 
     def _send_failed(self, msg: Message, exc: BaseException) -> None:
         agent = self.agent

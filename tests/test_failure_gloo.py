@@ -446,6 +446,12 @@ def _bad_frames() -> list[tuple[str, Any]]:
         struct.pack_into("<i", view, 12, src)
         return t
 
+    def riders_overflowing() -> Any:
+        t, view = new_header_tensor()
+        encode_header(view, Message(Kind.CALL, 7, 0, 1, b"x"), riders=[Message(Kind.CALL, 8, 0, 1, b"y")])
+        struct.pack_into("<H", view, HEADER_BYTES - 2, 4000)  # the riders' byte count in the trailer
+        return t
+
     short = torch.zeros(6, dtype=torch.uint8)
     struct.pack_into("<IH", memoryview(short.numpy()), 0, MAGIC, VERSION)  # type: ignore[arg-type]
     return [
@@ -454,6 +460,7 @@ def _bad_frames() -> list[tuple[str, Any]]:
         ("a header cut after its version field", short),
         ("a header claiming another source rank", header(src=5)),
         ("a header with an unknown message kind", header(kind=999)),
+        ("a header whose riders claim more bytes than it has", riders_overflowing()),
     ]
 
 
@@ -496,7 +503,7 @@ def test_malformed_frames_are_rejected_and_the_link_keeps_working(tmp_path: Path
     assert got[1] == "served"
     assert result["after"] == [1, 2, 3]
     print(f"rejected {result['bad']} bad frames; logged:\n  " + "\n  ".join(result["logged"]))
-    assert result["bad"] == len(result["sent"]) == 5
+    assert result["bad"] == len(result["sent"]) == 6
     rejections = [line for line in result["logged"] if "rejected a malformed frame" in line]
-    assert len(rejections) == 5, result["logged"]
+    assert len(rejections) == 6, result["logged"]
     assert all("'worker0' (rank 0)" in line for line in rejections), rejections

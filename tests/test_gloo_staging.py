@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from twinrpc.impl._link import _RING, _STAGED_BYTES, PeerLink, make_pair_group
+from _gloo_pair import WAIT, close_links, make_links
+from twinrpc.impl._link import _RING, _STAGED_BYTES, PeerLink
 
 from twinrpc._message import Kind, Message
-
-WAIT = 10.0  # seconds: a bound for things that should take milliseconds
 
 
 class _Receiver:
@@ -43,39 +40,16 @@ class _Receiver:
             self.all_in.set()
 
 
-def _links(receiver: _Receiver, failures: list[BaseException]) -> tuple[PeerLink, PeerLink]:
-    """Rank 0's link (the sender) and rank 1's (the listener) over a fresh gloo pair, not started."""
-    store = dist.HashStore()
-    groups: dict[int, Any] = {}
-
-    def make(me: int) -> None:
-        groups[me] = make_pair_group(store, me, 1 - me)
-
-    threads = [threading.Thread(target=make, args=(me,)) for me in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT)
-    sender = PeerLink(0, 1, groups[0], lambda m: None, lambda peer, exc: failures.append(exc))
-    listener = PeerLink(1, 0, groups[1], receiver, lambda peer, exc: failures.append(exc))
-    return sender, listener
-
-
 @pytest.fixture
 def pair() -> Iterator[tuple[PeerLink, _Receiver]]:
     receiver = _Receiver(block_id=1)
     failures: list[BaseException] = []
-    sender, listener = _links(receiver, failures)
+    sender, listener = make_links(receiver, failures)
     sender.start()
     listener.start()
     yield sender, receiver
     receiver.release.set()
-    for link in (sender, listener):  # both first: a close frame to a link not closing is a failure
-        link.closing = True
-    for link in (sender, listener):
-        link.send_close()
-    for link in (sender, listener):
-        link.join(WAIT)
+    close_links(sender, listener)
     assert not failures, failures
 
 
@@ -131,7 +105,7 @@ def test_a_send_before_the_receiver_has_started_leaves_one_staging_receive_poste
     while the receiver waited for it on the second, for good."""
     receiver = _Receiver(block_id=-1)
     failures: list[BaseException] = []
-    sender, listener = _links(receiver, failures)
+    sender, listener = make_links(receiver, failures)
     listener._repost_after_send()  # what a send from rank 1 does, here before its receiver started
     sender.start()
     listener.start()
@@ -144,11 +118,7 @@ def test_a_send_before_the_receiver_has_started_leaves_one_staging_receive_poste
         for sent, got in zip(messages, receiver.got, strict=True):
             assert torch.equal(sent.tensors[0], got.tensors[0])
     finally:
-        for link in (sender, listener):
-            link.closing = True
-        for link in (sender, listener):
-            link.send_close(deadline=0.0)
-            link.abandon()
+        close_links(sender, listener)
     assert not failures, failures
 
 

@@ -165,8 +165,11 @@ class RpcAgent:
             return self.rpc_timeout
         return float(timeout)
 
-    def request(self, dst: int, kind: Kind, obj: Any, timeout: float) -> Future[Any]:
-        """Send a request and return a future of the deserialized reply.
+    def request(
+        self, dst: int, kind: Kind, obj: Any, timeout: float, deferrable: bool = False
+    ) -> Future[Any]:
+        """Send a request and return a future of the deserialized reply (``deferrable``: see
+        ``Message.deferrable``).
 
         Raises:
             SerializationError: ``obj`` cannot be pickled (nothing was sent).
@@ -204,7 +207,7 @@ class RpcAgent:
                 self._accepted_by_reply[msg_id] = (dst, by_reply)
         if timeout > 0:
             pending.timer = self.world.call_later(timeout, lambda: self._on_timeout(msg_id, timeout))
-        self.world.send(Message(kind, msg_id, self.info.id, dst, payload, tensors))
+        self.world.send(Message(kind, msg_id, self.info.id, dst, payload, tensors, deferrable))
         return fut
 
     def call(self, to: Any, func: Any, args: Any, kwargs: Any, timeout: float) -> Future[Any]:
@@ -565,6 +568,10 @@ class RpcAgent:
         if request.kind not in CONTROL_KINDS:
             with self._lock:
                 self._served_requests += 1
+        elif request.kind is Kind.CONTEXT_CLEANUP:
+            # Nothing waits on a release's ack either: it rides with the next message back (in a
+            # training loop, the reply to the call the release itself rode with).
+            reply.deferrable = True
         self.world.send(reply)
 
     # -- collectives for shutdown ---------------------------------------------------------------

@@ -356,7 +356,12 @@ class DistAutogradContainer:
         # Best effort, as PyTorch: resent per CLEANUP_RETRY on the RRef control channel (so the receiver
         # handles it once however often it arrives); a final failure is only logged.
         try:
-            fut = self.agent.rrefs.send_control(dst, Kind.CONTEXT_CLEANUP, context_id, CLEANUP_RETRY)
+            # Deferrable: nothing waits on a release, and in a training loop the next iteration's
+            # first call to ``dst`` carries it (the gloo world), instead of a frame and a wake-up of
+            # its own on the critical path of both workers.
+            fut = self.agent.rrefs.send_control(
+                dst, Kind.CONTEXT_CLEANUP, context_id, CLEANUP_RETRY, deferrable=True
+            )
         except Exception as exc:  # the agent is shutting down
             _log.debug(
                 "twinrpc: could not send the release of context %d to rank %d: %s", context_id, dst, exc

@@ -61,6 +61,10 @@ class Message:
     dst: int
     payload: bytes
     tensors: list[torch.Tensor] = field(default_factory=list)
+    #: a hint to the world, not sent: nothing waits on this message soon (e.g. a context's release), so
+    #: it may wait briefly to travel with the next message to ``dst`` (the gloo world's riders; the
+    #: simulator sends it as any other, so traces do not depend on it). Order per link is kept.
+    deferrable: bool = False
 
     @property
     def nbytes(self) -> int:

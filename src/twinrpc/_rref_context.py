@@ -404,10 +404,11 @@ class RRefContext:
 
     # -- the control channel ----------------------------------------------------------------
     def send_control(
-        self, dst: int, kind: Kind, body: Any, policy: RetryPolicy = CONTROL_RETRY
+        self, dst: int, kind: Kind, body: Any, policy: RetryPolicy = CONTROL_RETRY, deferrable: bool = False
     ) -> Future[None]:
         """Send a control message to ``dst``, resending it per ``policy`` until acked (see the module
-        docstring). The receiver handles it once however often it arrives.
+        docstring). The receiver handles it once however often it arrives. ``deferrable``: the first
+        attempt may wait briefly to travel with the next message to ``dst`` (``Message.deferrable``).
 
         The returned future completes when the ack arrives, or fails when the peer is unreachable, this
         agent shuts down or the policy's retries are used up.
@@ -420,11 +421,19 @@ class RRefContext:
             out.unacked.add(seq)
         done: Future[None] = Future()
         done.label = f"ack of {kind.name} seq {seq} from rank {dst}"
-        self._attempt(dst, kind, seq, body, done, 0, policy)
+        self._attempt(dst, kind, seq, body, done, 0, policy, deferrable)
         return done
 
     def _attempt(
-        self, dst: int, kind: Kind, seq: int, body: Any, done: Future[None], attempt: int, policy: RetryPolicy
+        self,
+        dst: int,
+        kind: Kind,
+        seq: int,
+        body: Any,
+        done: Future[None],
+        attempt: int,
+        policy: RetryPolicy,
+        deferrable: bool = False,
     ) -> None:
         out = self._outboxes[dst]
         if self.closed and attempt:
@@ -437,7 +446,7 @@ class RRefContext:
         timeout = policy.ack_timeout(attempt, agent.rpc_timeout)
         sent_at = agent.world.now()
         try:
-            fut = agent.request(dst, kind, (seq, low, body), timeout)
+            fut = agent.request(dst, kind, (seq, low, body), timeout, deferrable and not attempt)
         except BaseException as exc:
             with self._lock:
                 out.unacked.discard(seq)

@@ -1,0 +1,47 @@
+"""Two PeerLinks over a real gloo pair in one process (rank 0 sends, rank 1 listens), for tests of the
+gloo world's link layer without starting processes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from twinrpc.impl._link import PeerLink, make_pair_group
+
+from twinrpc._message import Message
+
+WAIT = 10.0  # seconds: a bound for things that should take milliseconds
+
+
+def make_links(
+    on_message: Callable[[Message], None], failures: list[BaseException]
+) -> tuple[PeerLink, PeerLink]:
+    """Rank 0's link (the sender) and rank 1's (the listener, delivering to ``on_message``) over a
+    fresh gloo pair, not started; link failures on either side are appended to ``failures``."""
+    store = dist.HashStore()
+    groups: dict[int, Any] = {}
+
+    def make(me: int) -> None:
+        groups[me] = make_pair_group(store, me, 1 - me)
+
+    threads = [threading.Thread(target=make, args=(me,)) for me in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    sender = PeerLink(0, 1, groups[0], lambda m: None, lambda peer, exc: failures.append(exc))
+    listener = PeerLink(1, 0, groups[1], on_message, lambda peer, exc: failures.append(exc))
+    return sender, listener
+
+
+def close_links(*links: PeerLink) -> None:
+    """Close both sides (all marked closing first: a close frame reaching a link that is not closing
+    is reported as a failure) and wait for their receivers."""
+    for link in links:
+        link.closing = True
+    for link in links:
+        link.send_close(deadline=0.0)
+    for link in links:
+        link.join(WAIT)
