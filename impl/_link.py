@@ -69,8 +69,11 @@ _STAGED_BYTES = 1 << 20
 #: receive, so with one posted header a stream of messages pays a notify round trip per message
 _RING = 16
 #: header slots a receiver lets wait for this worker's next send before it posts their receives
-#: again itself (see PeerLink._repost); well below _RING, which bounds the slots claimed ahead
-_REPOST_BATCH = 4
+#: again itself (see PeerLink._repost): one is the usual backlog of a request and its reply; two mean
+#: messages arrive faster than this worker sends (many calls in flight), and a sender that posts
+#: receives for every reply would be the bottleneck (64 calls in flight: 2,100-2,500 calls/s with 4
+#: here, 2,550-2,950 with 2, the latency loop unchanged within noise)
+_REPOST_BATCH = 2
 #: threads per link in the receive loop: while one handles a message, another is already blocked in
 #: gloo on the next header, so a receiver that goes off to run a request (or to make a blocking send)
 #: wakes nobody; it rejoins when done. Messages are still dispatched one at a time, in order.
@@ -497,10 +500,10 @@ class PeerLink:
         by the receiver that has just taken a frame (it delivers the message first), nor right after
         that (it would hold the GIL while the thread it woke runs), but after this worker's next send
         on the link, while the peer is busy with that message (_repost_after_send). Receivers post
-        again themselves once _REPOST_BATCH slots are waiting (a peer that sends without hearing
-        back), and always before claiming a slot (see _next_header), so a frame never lands in a
-        slot whose receive is not posted again; a data frame's receive is posted on demand
-        (_recv_data) if it is still pending then."""
+        again themselves once _REPOST_BATCH slots are waiting (a peer that sends faster than it hears
+        back), and always before claiming a slot whose receive is still pending (see _next_header),
+        so a frame never lands in a slot whose receive is not posted again; a data frame's receive is
+        posted on demand (_recv_data) if it is still pending then."""
         if not self._repost_queue and self._staging_work is not None:
             return
         with self._post_lock:
