@@ -149,6 +149,21 @@ class _Outbox:
         self.unacked: set[int] = set()
 
 
+@dataclass(frozen=True, slots=True)
+class _Control:
+    """One control message being sent: what every (re)send of it needs."""
+
+    dst: int
+    kind: Kind
+    seq: int
+    body: Any
+    #: completes when the ack arrives, or fails (see send_control)
+    done: Future[None]
+    policy: RetryPolicy
+    #: its first attempt may ride with the next message to dst (Message.deferrable)
+    deferrable: bool
+
+
 class _Inbox:
     """Receiver side of the control channel from one peer: which sequence numbers were handled."""
 
@@ -421,86 +436,62 @@ class RRefContext:
             out.unacked.add(seq)
         done: Future[None] = Future()
         done.label = f"ack of {kind.name} seq {seq} from rank {dst}"
-        self._attempt(dst, kind, seq, body, done, 0, policy, deferrable)
+        self._attempt(_Control(dst, kind, seq, body, done, policy, deferrable), 0)
         return done
 
-    def _attempt(
-        self,
-        dst: int,
-        kind: Kind,
-        seq: int,
-        body: Any,
-        done: Future[None],
-        attempt: int,
-        policy: RetryPolicy,
-        deferrable: bool = False,
-    ) -> None:
-        out = self._outboxes[dst]
+    def _attempt(self, c: _Control, attempt: int) -> None:
+        out = self._outboxes[c.dst]
         if self.closed and attempt:
-            out.unacked.discard(seq)
-            done.try_set_exception(ShutdownError(f"{kind.name} to rank {dst} abandoned: RPC shut down"))
+            out.unacked.discard(c.seq)
+            c.done.try_set_exception(ShutdownError(f"{c.kind.name} to rank {c.dst} abandoned: RPC shut down"))
             return
         with self._lock:
             low = min(out.unacked)
         agent = self.agent
-        timeout = policy.ack_timeout(attempt, agent.rpc_timeout)
+        timeout = c.policy.ack_timeout(attempt, agent.rpc_timeout)
         sent_at = agent.world.now()
         try:
-            fut = agent.request(dst, kind, (seq, low, body), timeout, deferrable and not attempt)
+            fut = agent.request(c.dst, c.kind, (c.seq, low, c.body), timeout, c.deferrable and not attempt)
         except BaseException as exc:
             with self._lock:
-                out.unacked.discard(seq)
-            done.try_set_exception(exc)
+                out.unacked.discard(c.seq)
+            c.done.try_set_exception(exc)
             return
         if attempt:
             with self._lock:
                 self.control_resends += 1
-        fut.add_done_callback(
-            lambda f: self._attempt_done(f, dst, kind, seq, body, done, attempt, policy, sent_at)
-        )
+        fut.add_done_callback(lambda f: self._attempt_done(f, c, attempt, sent_at))
 
-    def _attempt_done(
-        self,
-        f: Future[Any],
-        dst: int,
-        kind: Kind,
-        seq: int,
-        body: Any,
-        done: Future[None],
-        attempt: int,
-        policy: RetryPolicy,
-        sent_at: float,
-    ) -> None:
+    def _attempt_done(self, f: Future[Any], c: _Control, attempt: int, sent_at: float) -> None:
+        policy = c.policy
         try:
             f.wait()
         except RPCTimeoutError as exc:
             if policy.max_retries is not None and attempt >= policy.max_retries:
                 with self._lock:
-                    self._outboxes[dst].unacked.discard(seq)
+                    self._outboxes[c.dst].unacked.discard(c.seq)
                 err = RPCError(
                     "The RPC has not succeeded after the specified number of max retries "
-                    f"({policy.max_retries}): {kind.name} to rank {dst}"
+                    f"({policy.max_retries}): {c.kind.name} to rank {c.dst}"
                 )
                 err.__cause__ = exc
-                done.try_set_exception(err)
+                c.done.try_set_exception(err)
                 return
-            _log.debug("twinrpc: no ack for %s seq %d to rank %d; resending", kind.name, seq, dst)
+            _log.debug("twinrpc: no ack for %s seq %d to rank %d; resending", c.kind.name, c.seq, c.dst)
             wait = sent_at + policy.next_send_after(attempt) - self.agent.world.now()
             if wait > 0:
-                self.agent.world.call_later(
-                    wait, lambda: self._attempt(dst, kind, seq, body, done, attempt + 1, policy)
-                )
+                self.agent.world.call_later(wait, lambda: self._attempt(c, attempt + 1))
             else:
-                self._attempt(dst, kind, seq, body, done, attempt + 1, policy)
+                self._attempt(c, attempt + 1)
             return
         except BaseException as exc:
             with self._lock:
-                self._outboxes[dst].unacked.discard(seq)
-            done.try_set_exception(exc)
+                self._outboxes[c.dst].unacked.discard(c.seq)
+            c.done.try_set_exception(exc)
             return
         with self._lock:
-            self._outboxes[dst].unacked.discard(seq)
-        done.try_set_result(None)
+            self._outboxes[c.dst].unacked.discard(c.seq)
+        c.done.try_set_result(None)
 
     def unsettled_controls(self) -> int:
         """Control messages sent and neither acked nor given up yet (what join() waits for)."""
