@@ -341,20 +341,22 @@ def _remote_error(ctx: Any) -> Any:
     da, rpc = ctx.dist_autograd, ctx.rpc
     a = torch.rand(3, requires_grad=True)
     with da.context() as cid:
-        r = rpc.rpc_sync(ctx.name(1), _fail_in_backward, args=(a,))
-        first = outcome(lambda: da.backward(cid, [r.sum()]))
-        # DAG-11: the same context can run another pass
-        loss = (rpc.rpc_sync(ctx.name(1), _mul_sin, args=(a, a)) * 0).sum() + (a * 3).sum()
-        second = outcome(lambda: da.backward(cid, [loss]))
+        r = rpc.rpc_sync(ctx.name(1), _fail_in_backward, args=(a,)).sum()
+        first = outcome(lambda: da.backward(cid, [r], retain_graph=True))
+        # DAG-11: the same context can run another pass (over the same graph, as PyTorch's own
+        # test_multiple_backward_with_errors does; a new RPC after the failure can hang PyTorch)
+        second = outcome(lambda: da.backward(cid, [r], retain_graph=True))
     return first, second
 
 
 @pytest.mark.spec("DAG-5", "DAG-11")
 def test_an_error_in_a_remote_backward_reaches_the_root(world: Any) -> None:
-    (kinds, msg), second = world.run_on(0, _remote_error)
+    (kinds, msg), (kinds2, msg2) = world.run_on(0, _remote_error)
     assert "RuntimeError" in kinds
     assert "Error on Node" in msg and "backward boom 42" in msg
-    assert second[0] != "ok" or second == ("ok", None)
+    # DAG-11: the context takes another pass, which fails the same way
+    assert "RuntimeError" in kinds2
+    assert "Error on Node" in msg2 and "backward boom 42" in msg2
 
 
 # -- DAG-7: the unused send (deviation DEV-2 on torch) ------------------------------------------------
