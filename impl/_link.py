@@ -247,14 +247,7 @@ class PeerLink:
         with self._send_lock:
             if self.failed is not None:  # failed while this thread waited for the lock
                 raise self.failed
-            riders = self._take_riders()
-            try:
-                inline, inline_tensors = encode_header(
-                    self._send_view, msg, self._consumed, _messages(riders)
-                )
-            except BaseException:
-                self._return_riders(riders)  # msg cannot be framed: they wait for the next one
-                raise
+            inline, inline_tensors, riders = self._encode(msg)
             try:
                 self._headers_sent += 1
                 self._wait_sent(pg.send([self._send_header], dst, _TAG), HEADER_BYTES)
@@ -272,12 +265,7 @@ class PeerLink:
                                 pg.send([t], dst, _DATA_TAG if n <= _STAGED_BYTES else _LARGE_TAG), n
                             )
             except RuntimeError as exc:
-                earlier = self.failed
-                if earlier is None:
-                    self._fail(exc)
-                _riders_failed(riders, self.failed or exc)
-                if earlier is not None:
-                    raise earlier from None  # woken by abandon(): the link's own error says why
+                self._frame_failed(exc, riders)
                 raise
         self._repost_after_send()
 
@@ -296,14 +284,7 @@ class PeerLink:
         try:
             if self.failed is not None or self._headers_sent - self._peer_acked >= _RING - 1:
                 return False
-            riders = self._take_riders()
-            try:
-                inline, inline_tensors = encode_header(
-                    self._send_view, msg, self._consumed, _messages(riders)
-                )
-            except BaseException:
-                self._return_riders(riders)
-                raise
+            inline, inline_tensors, riders = self._encode(msg)
             if not inline or not (inline_tensors or not any(t.numel() for t in msg.tensors)):
                 self._return_riders(riders)
                 return False  # more frames would follow: their receives are not posted yet
@@ -311,17 +292,37 @@ class PeerLink:
             try:
                 self._wait_sent(self.pg.send([self._send_header], self._peer_rank_in_pg, _TAG), HEADER_BYTES)
             except RuntimeError as exc:
-                earlier = self.failed
-                if earlier is None:
-                    self._fail(exc)
-                _riders_failed(riders, self.failed or exc)
-                if earlier is not None:
-                    raise earlier from None
+                self._frame_failed(exc, riders)
                 raise
         finally:
             self._send_lock.release()
         self._repost_after_send()
         return True
+
+    def _encode(
+        self, msg: Message
+    ) -> tuple[bool, bool, list[tuple[Message, Callable[[Message, BaseException], None]]]]:
+        """Fill the send header for ``msg`` with the riders waiting (under the send lock): whether its
+        payload and its storages are inline (see encode_header), and the riders taken."""
+        riders = self._take_riders()
+        try:
+            inline, inline_tensors = encode_header(self._send_view, msg, self._consumed, _messages(riders))
+        except BaseException:
+            self._return_riders(riders)  # msg cannot be framed: they wait for the next one
+            raise
+        return inline, inline_tensors, riders
+
+    def _frame_failed(
+        self, exc: RuntimeError, riders: list[tuple[Message, Callable[[Message, BaseException], None]]]
+    ) -> None:
+        """A frame of ours failed in gloo: fail the link (unless it had failed already) and report the
+        riders it carried; raises the link's own error if abandon() woke the send (it says why)."""
+        earlier = self.failed
+        if earlier is None:
+            self._fail(exc)
+        _riders_failed(riders, self.failed or exc)
+        if earlier is not None:
+            raise earlier from None
 
     # -- riders: deferrable messages that travel in the next header frame ---------------------------
     def defer(self, msg: Message, on_error: Callable[[Message, BaseException], None]) -> bool:
@@ -516,8 +517,6 @@ class PeerLink:
 
     def _repost_after_send(self) -> None:
         """See _repost. The message went out: a failure here is the receivers' to report."""
-        if not self._repost_queue and self._staging_work is not None:
-            return
         try:
             self._repost()
         except RuntimeError as exc:
