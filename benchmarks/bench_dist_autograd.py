@@ -12,7 +12,9 @@ twinrpc's rate against it shows what the RPC layer itself costs.
 Each launch of a system (two fresh processes) runs one warm-up round and ``--rounds`` measured rounds
 of ``--iters`` iterations. Launches alternate between the systems (``--repeat`` of each), because one
 system's rate moves by up to 30% from one launch to the next on a small machine (TensorPipe's most);
-each system's median is over all its measured rounds.
+each system's median is over all its measured rounds. Each system's CPU time per iteration (user and
+system, every thread of each worker process) is printed too: TensorPipe's threads poll while they
+wait, so it buys latency with CPU that a busy machine does not have.
 
     python benchmarks/bench_dist_autograd.py [--iters 300] [--rounds 2] [--repeat 3] [--only twinrpc]
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import resource
 import statistics
 import tempfile
 import time
@@ -45,6 +48,17 @@ def _mm(w: Any, x: torch.Tensor) -> torch.Tensor:
     return x @ w.local_value()
 
 
+def _cpu_seconds() -> float:
+    """CPU time (user and system, all threads) this process has used so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+#: what a launch reports: its system, then per measured round the rate (it/s) and each worker's CPU
+#: seconds per iteration
+Rounds = list[tuple[float, float, float]]
+
+
 def _worker(rank: int, system: str, init: str, iters: int, rounds: int, out: Any) -> None:
     torch.set_num_threads(1)
     rpc, dist_autograd, optim = (importlib.import_module(m) for m in SYSTEMS[system])
@@ -57,17 +71,20 @@ def _worker(rank: int, system: str, init: str, iters: int, rounds: int, out: Any
         w = rpc.remote("worker1", _weight)
         opt = optim.DistributedOptimizer(torch.optim.SGD, [w], lr=1e-6)
         x = torch.randn(256, 256)
-        rates = []
+        measured: Rounds = []
         for r in range(rounds + 1):
+            cpu0, cpu1 = _cpu_seconds(), rpc.rpc_sync("worker1", _cpu_seconds)
             t0 = time.perf_counter()
             for _ in range(iters):
                 with dist_autograd.context() as cid:
                     loss = rpc.rpc_sync("worker1", _mm, args=(w, x)).sum()
                     dist_autograd.backward(cid, [loss])
                     opt.step(cid)
+            elapsed = time.perf_counter() - t0
+            cpu0, cpu1 = _cpu_seconds() - cpu0, rpc.rpc_sync("worker1", _cpu_seconds) - cpu1
             if r:  # the first round warms up
-                rates.append(iters / (time.perf_counter() - t0))
-        out.put((system, rates))
+                measured.append((iters / elapsed, cpu0 / iters, cpu1 / iters))
+        out.put((system, measured))
     rpc.shutdown()
 
 
@@ -89,8 +106,9 @@ def _raw_worker(rank: int, init: str, iters: int, rounds: int, out: Any) -> None
         for t in receive:
             dist.recv(t, peer)
 
-    rates = []
+    measured: Rounds = []
     for r in range(rounds + 1):
+        cpu = _cpu_seconds()
         t0 = time.perf_counter()
         for _ in range(iters):
             if rank == 0:
@@ -109,14 +127,21 @@ def _raw_worker(rank: int, init: str, iters: int, rounds: int, out: Any) -> None
                     w.add_(grad, alpha=-1e-6)
                 exchange(header, receive=(header,))
                 exchange(header)
-        if r:
-            rates.append(iters / (time.perf_counter() - t0))
+        elapsed = time.perf_counter() - t0
+        spent = torch.tensor([(_cpu_seconds() - cpu) / iters], dtype=torch.float64)
+        if rank == 1:
+            dist.send(spent, 0)
+        else:
+            theirs = torch.empty(1, dtype=torch.float64)
+            dist.recv(theirs, 1)
+            if r:
+                measured.append((iters / elapsed, spent.item(), theirs.item()))
     if rank == 0:
-        out.put(("raw gloo", rates))
+        out.put(("raw gloo", measured))
     dist.destroy_process_group()
 
 
-def _launch(system: str, iters: int, rounds: int) -> list[float]:
+def _launch(system: str, iters: int, rounds: int) -> Rounds:
     q = mp.get_context("spawn").Queue()
     with tempfile.TemporaryDirectory() as d:
         worker, args = (
@@ -130,9 +155,9 @@ def _launch(system: str, iters: int, rounds: int) -> list[float]:
             nprocs=2,
             start_method="spawn",
         )
-    name, rates = q.get()
+    name, measured = q.get()
     assert name == system
-    return list(rates)
+    return list(measured)
 
 
 def main() -> None:
@@ -143,20 +168,26 @@ def main() -> None:
     parser.add_argument("--only", choices=RUNS, help="run one system (e.g. under a profiler)")
     args = parser.parse_args()
     systems = [args.only] if args.only else list(RUNS)
-    results: dict[str, list[float]] = {s: [] for s in systems}
+    results: dict[str, Rounds] = {s: [] for s in systems}
     for r in range(args.repeat):
         for system in systems if r % 2 == 0 else reversed(systems):
             results[system] += _launch(system, args.iters, args.rounds)
     print("distributed forward+backward+step, 2 workers, 256x256 matmul across the boundary (it/s)")
-    for name, rates in results.items():
+    medians: dict[str, float] = {}
+    for name, measured in results.items():
+        rates = [rate for rate, _, _ in measured]
+        medians[name] = statistics.median(rates)
+        cpu0 = statistics.median(c for _, c, _ in measured) * 1e3
+        cpu1 = statistics.median(c for _, _, c in measured) * 1e3
         print(
-            f"  {name:<8} median {statistics.median(rates):8.1f}  (min {min(rates):.1f}, max {max(rates):.1f})"
+            f"  {name:<8} median {medians[name]:8.1f}  (min {min(rates):.1f}, max {max(rates):.1f})"
+            f"  CPU per iteration: worker0 {cpu0:.2f} ms, worker1 {cpu1:.2f} ms"
         )
     if args.only:
         return
-    twinrpc = statistics.median(results["twinrpc"])
-    ratio = twinrpc / statistics.median(results["torch"])
-    floor = 1 / statistics.median(results["raw gloo"])
+    twinrpc = medians["twinrpc"]
+    ratio = twinrpc / medians["torch"]
+    floor = 1 / medians["raw gloo"]
     print(f"  twinrpc / torch: {ratio:.2f}x (target >= 0.8x)")
     print(
         f"  twinrpc's RPC layer: {(1 / twinrpc - floor) * 1e6:.0f} us per iteration above raw gloo "
