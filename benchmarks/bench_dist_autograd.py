@@ -73,7 +73,7 @@ def _worker(rank: int, system: str, init: str, iters: int, rounds: int, out: Any
         x = torch.randn(256, 256)
         measured: Rounds = []
         for r in range(rounds + 1):
-            cpu0, cpu1 = _cpu_seconds(), rpc.rpc_sync("worker1", _cpu_seconds)
+            start0, start1 = _cpu_seconds(), rpc.rpc_sync("worker1", _cpu_seconds)
             t0 = time.perf_counter()
             for _ in range(iters):
                 with dist_autograd.context() as cid:
@@ -81,9 +81,10 @@ def _worker(rank: int, system: str, init: str, iters: int, rounds: int, out: Any
                     dist_autograd.backward(cid, [loss])
                     opt.step(cid)
             elapsed = time.perf_counter() - t0
-            cpu0, cpu1 = _cpu_seconds() - cpu0, rpc.rpc_sync("worker1", _cpu_seconds) - cpu1
+            spent0 = _cpu_seconds() - start0
+            spent1 = rpc.rpc_sync("worker1", _cpu_seconds) - start1
             if r:  # the first round warms up
-                measured.append((iters / elapsed, cpu0 / iters, cpu1 / iters))
+                measured.append((iters / elapsed, spent0 / iters, spent1 / iters))
         out.put((system, measured))
     rpc.shutdown()
 
@@ -108,7 +109,7 @@ def _raw_worker(rank: int, init: str, iters: int, rounds: int, out: Any) -> None
 
     measured: Rounds = []
     for r in range(rounds + 1):
-        cpu = _cpu_seconds()
+        start = _cpu_seconds()
         t0 = time.perf_counter()
         for _ in range(iters):
             if rank == 0:
@@ -128,7 +129,7 @@ def _raw_worker(rank: int, init: str, iters: int, rounds: int, out: Any) -> None
                 exchange(header, receive=(header,))
                 exchange(header)
         elapsed = time.perf_counter() - t0
-        spent = torch.tensor([(_cpu_seconds() - cpu) / iters], dtype=torch.float64)
+        spent = torch.tensor([(_cpu_seconds() - start) / iters], dtype=torch.float64)
         if rank == 1:
             dist.send(spent, 0)
         else:
