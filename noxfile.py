@@ -134,8 +134,8 @@ def bench(session: nox.Session) -> None:
     """Benchmarks (~15 min on 2 cores): simulated round trips per wall-clock second; the gloo world vs
     TensorPipe vs raw gloo side by side (ratios); the simulator's models fitted to gloo and the training
     job's simulated vs real time; 256 simulated workers training (messages/s, virtual/wall);
-    distributed forward+backward+step and parameter-server training samples/s vs TensorPipe; an RRef
-    soak on gloo.
+    distributed forward+backward+step and parameter-server training samples/s vs TensorPipe, and what
+    handing a reply from a receiver thread to its waiter costs there; an RRef soak on gloo.
 
     Posargs go to the simulator benchmark. The soak runs 100,000 create/to_here/delete cycles on gloo
     (issue #4's bound; about 5 minutes) and prints owner-side state before and after; set
@@ -148,6 +148,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_calibration.py", "--out", network)
     session.run("python", "benchmarks/bench_sim_scale.py", "--network", network)
     session.run("python", "benchmarks/bench_dist_autograd.py")
+    session.run("python", "benchmarks/bench_reply_hop.py")
     session.run("python", "benchmarks/bench_ps.py")
     cycles = os.environ.get("TWINRPC_SOAK_CYCLES", "100000")
     session.run("python", "benchmarks/bench_rref_soak.py", "--world", "gloo", "--cycles", cycles)
