@@ -814,6 +814,18 @@ class PeerLink:
         if outbox is not None:
             outbox.join(timeout)
 
+    def join_threads(self, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` for the link's own threads (the first receiver, which may have
+        handed its role off and be finishing a reply, and the outbox) to exit; the names of those
+        still running. (Receivers on pool threads are the pool's to join.)"""
+        deadline = time.monotonic() + timeout
+        me = threading.current_thread()
+        threads = [t for t in (self._receiver, self._outbox_thread) if t is not None and t is not me]
+        for thread in threads:
+            if thread.ident is not None:  # started
+                thread.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in threads if t.is_alive()]
+
 
 def _messages(riders: list[tuple[Message, Callable[[Message, BaseException], None]]]) -> list[Message]:
     return [msg for msg, _ in riders]

@@ -14,6 +14,7 @@ import collections
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,8 @@ class RequestPool:
         self._idle: list[_Worker] = []
         self._stopped = False
         self._ids = itertools.count()
+        #: every thread started (they leave only at stop): see join
+        self._threads: list[threading.Thread] = []
         for _ in range(prestart):  # a few idle threads up front, so the first hand-offs start no thread
             worker = _Worker()
             self._idle.append(worker)
@@ -93,14 +96,41 @@ class RequestPool:
             worker.job = _STOP
             worker.wake.release()
 
+    def join(self, timeout: float) -> list[str]:
+        """After stop(): wait up to ``timeout`` seconds for every pool thread but the calling one to
+        exit; returns the names of those still running (a request that has not returned).
+
+        Why wait at all: a daemon thread that returns from a native call that released the GIL (a
+        gloo send or receive, a store operation) while the interpreter finalizes is ended by
+        ``pthread_exit``, which unwinds through pybind11's ``noexcept`` GIL guard and aborts the
+        process ("terminate called without an active exception"). A program that exits right after
+        ``rpc.shutdown()`` must find no thread of ours still in (or about to enter) such a call."""
+        deadline = time.monotonic() + timeout
+        me = threading.current_thread()
+        joined = 0
+        while True:
+            with self._lock:
+                threads = self._threads[joined:]  # a job given during the join may start a thread
+            if not threads or time.monotonic() >= deadline:
+                break
+            for thread in threads:
+                if thread is not me:
+                    thread.join(max(0.0, deadline - time.monotonic()))
+            joined += len(threads)
+        with self._lock:
+            return [t.name for t in self._threads if t is not me and t.is_alive()]
+
     # -- threads ----------------------------------------------------------------------------------
     def _thread(self, worker: _Worker, wait_first: bool = False) -> threading.Thread:
-        return threading.Thread(
+        thread = threading.Thread(
             target=self._main,
             args=(worker, wait_first),
             name=f"{self._name}-{next(self._ids)}",
             daemon=True,
         )
+        with self._lock:
+            self._threads.append(thread)
+        return thread
 
     def _give(self, worker: _Worker | None, job: tuple[int, Callable[..., Any], tuple[Any, ...]]) -> None:
         if worker is None:

@@ -81,9 +81,18 @@ class TimerThread:
         return handle
 
     def stop(self) -> None:
+        """No callback starts after this; one already running finishes (see join)."""
         with self._cond:
             self._stopped = True
             self._cond.notify()
+
+    def join(self, timeout: float) -> bool:
+        """After stop(): wait for the thread to exit (a running callback may still be in a gloo call,
+        see RequestPool.join); True when it has (or when called on the timer thread itself)."""
+        if threading.current_thread() is self._thread:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         from ._link import THREAD_ROLE

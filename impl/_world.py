@@ -27,6 +27,9 @@ _log = logging.getLogger("twinrpc.impl")
 _CLOSE_WAIT = 10.0
 #: after abandoning a link at shutdown, how long its threads get to leave gloo (they wake at once)
 _ABANDON_WAIT = 2.0
+#: how long stop() waits for the pool, timer and link threads to exit (they do at once, unless one is
+#: still running a request: possible after shutdown(graceful=False))
+_THREAD_EXIT_WAIT = 2.0
 #: seconds a deferrable message waits at most for another message to ride with (PeerLink.defer)
 RIDER_WAIT = 0.05
 
@@ -189,6 +192,20 @@ class GlooWorld:
                 link.join_outbox(_ABANDON_WAIT)
         self._pool.stop()
         self._timer.stop()
+        # No thread of ours may outlive stop(): a program that exits right after rpc.shutdown() would
+        # abort if one returned from a gloo call while the interpreter finalizes (RequestPool.join).
+        deadline = time.monotonic() + _THREAD_EXIT_WAIT
+        left = [name for link in links for name in link.join_threads(max(0.0, deadline - time.monotonic()))]
+        if not self._timer.join(max(0.0, deadline - time.monotonic())):
+            left.append(f"twinrpc-timer-{self.rank}")
+        left += self._pool.join(max(0.0, deadline - time.monotonic()))
+        if left:
+            _log.warning(
+                "twinrpc: %s still running %.0f s into shutdown (a request that has not returned); a process "
+                "that exits while one is inside native code may abort",
+                ", ".join(left),
+                _THREAD_EXIT_WAIT,
+            )
         if self._recorder is not None:
             self._recorder.close()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,14 @@ def check_rpc(step: str) -> None:
     ok(step)
 
 
+def shutdown() -> None:
+    """rpc.shutdown(), after which no thread of twinrpc's may be left running: one still inside a gloo
+    call when the program exits aborts the process ("terminate called without an active exception")."""
+    rpc.shutdown()
+    left = [t.name for t in threading.enumerate() if t.name.startswith("twinrpc-") and t.is_alive()]
+    assert left == [], f"threads left running after shutdown: {left}"
+
+
 def check_pg(step: str) -> None:
     t = torch.ones(2) * (RANK + 1)
     dist.all_reduce(t)
@@ -53,7 +62,7 @@ def reinit(directory: str, tcp_port: str) -> None:
     """env:// (rank and size from the environment), then tcp://, then two file:// worlds, in turn."""
     init_rpc("env://", from_env=True)
     check_rpc("env://")
-    rpc.shutdown()
+    shutdown()
     for i, init_method in enumerate(
         [f"tcp://127.0.0.1:{tcp_port}", f"file://{directory}/a", f"file://{directory}/b"]
     ):
@@ -63,7 +72,7 @@ def reinit(directory: str, tcp_port: str) -> None:
         except RuntimeError as exc:
             assert "already initialized" in str(exc), exc
         check_rpc(f"re-init {i + 1} {init_method.split(':')[0]}://")
-        rpc.shutdown()
+        shutdown()
 
 
 def pg_same_file(directory: str) -> None:

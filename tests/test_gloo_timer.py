@@ -36,3 +36,25 @@ def test_a_timer_cancelled_twice_counts_once() -> None:
         assert timer._cancelled == 1
     finally:
         timer.stop()
+
+
+def test_join_after_stop_waits_for_the_callback_running_at_stop() -> None:
+    """shutdown must not return while the timer thread is still inside a callback (it may be in a
+    gloo send: a daemon thread returning from one while the interpreter finalizes aborts it)."""
+    timer = TimerThread("test-timer")
+    started, finished = threading.Event(), threading.Event()
+    release = threading.Event()
+
+    def callback() -> None:
+        started.set()
+        release.wait(5.0)
+        finished.set()
+
+    timer.call_later(0.0, callback)
+    assert started.wait(5.0)
+    timer.stop()
+    assert not timer.join(0.05)  # still inside the callback
+    release.set()
+    assert timer.join(5.0)
+    assert finished.is_set()
+    assert not any(t.name == "test-timer" for t in threading.enumerate())
