@@ -82,7 +82,7 @@ def pg_same_file(directory: str) -> None:
     init_rpc(shared)
     check_pg("pg-then-rpc: pg")
     check_rpc("pg-then-rpc: rpc")
-    rpc.shutdown()
+    shutdown()
     check_pg("pg-then-rpc: pg after rpc shutdown")
     dist.destroy_process_group()
 
@@ -94,7 +94,7 @@ def pg_same_file(directory: str) -> None:
     dist.barrier()
     dist.destroy_process_group()
     check_rpc("rpc-then-pg: rpc after destroy_process_group")
-    rpc.shutdown()
+    shutdown()
 
 
 def pg_same_port(second_port: str, third_port: str) -> None:
@@ -107,14 +107,14 @@ def pg_same_port(second_port: str, third_port: str) -> None:
     dist.barrier()
     dist.destroy_process_group()
     check_rpc("pg-then-rpc: rpc after destroy_process_group")
-    rpc.shutdown()
+    shutdown()
 
     os.environ["MASTER_PORT"] = second_port
     init_rpc("env://")
     dist.init_process_group("gloo", init_method="env://", rank=RANK, world_size=WORLD)
     check_rpc("rpc-then-pg: rpc")
     check_pg("rpc-then-pg: pg")
-    rpc.shutdown()
+    shutdown()
     check_pg("rpc-then-pg: pg after rpc shutdown")
     dist.destroy_process_group()
 
@@ -136,7 +136,7 @@ def pg_same_port(second_port: str, third_port: str) -> None:
     dist.destroy_process_group()
     del store
     check_rpc("own-store: rpc after destroy_process_group")
-    rpc.shutdown()
+    shutdown()
 
 
 def network_namespace() -> str:
@@ -157,7 +157,7 @@ def two_hosts() -> None:
     rref = rpc.remote(PEER, torch.ones, args=([3],))
     assert rref.to_here().tolist() == [1.0, 1.0, 1.0]
     ok("tensors")
-    rpc.shutdown()
+    shutdown()
     ok("shutdown")
 
 
