@@ -800,6 +800,15 @@ class PeerLink:
         except RuntimeError:
             pass  # expected: "Timed out waiting 1ms for recv operation" (or the pair was closed already)
 
+    def close_now(self) -> None:
+        """End the link at once, for a process that exits without shutdown: no close frames, the
+        pair's connection closed (the peer sees it as when a process dies), nothing reported here;
+        the link's threads then exit (join_threads)."""
+        self.closing = True
+        self.abandon()
+        if self._outbox_thread is not None:
+            self._outbox.put(None)
+
     def join(self, timeout: float) -> bool:
         """Wait until receiving has ended (whichever thread receives by then)."""
         return self._receive_done.wait(timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -83,6 +84,7 @@ class GlooWorld:
         if heartbeat_interval > 0 and self.links:
             self._next_tick = time.monotonic() + heartbeat_interval
             self._timer.call_later(heartbeat_interval, self._heartbeat_tick)
+        atexit.register(self._close_at_exit)
 
     # -- World interface ---------------------------------------------------------------------------
     def now(self) -> float:
@@ -176,6 +178,7 @@ class GlooWorld:
                 return
             self._stopped = True
             self.agent = None
+        atexit.unregister(self._close_at_exit)
         deadline = time.monotonic() + _CLOSE_WAIT
         links = list(self.links.values())
         for link in links:
@@ -190,18 +193,44 @@ class GlooWorld:
                 link.abandon()  # wakes whatever still waits in gloo for this peer
                 link.join(_ABANDON_WAIT)
                 link.join_outbox(_ABANDON_WAIT)
+        self._stop_threads()
+
+    def _close_at_exit(self) -> None:
+        """The program exits without rpc.shutdown() (e.g. on an exception): before the interpreter
+        finalizes, close every link at once and wait for our threads to leave gloo. Otherwise a
+        receiver woken by the peer's next frame (a heartbeat, its close) during finalization aborts
+        the process (see _stop_threads). Peers see the connection close, as when the process dies."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self.agent = None
+        for link in self.links.values():
+            link.close_now()
+        self._stop_threads()
+
+    def _stop_threads(self) -> None:
+        """Stop the pool and the timer, then wait for every thread of ours to exit.
+
+        No thread of ours may outlive stop(): the world's threads are daemon threads that call into
+        gloo with the GIL released, and one that returns from such a call while the interpreter
+        finalizes is ended by pthread_exit, whose unwind through pybind11's GIL guard aborts the
+        process ("terminate called without an active exception"). A thread still running a request
+        after _THREAD_EXIT_WAIT is named in a warning."""
         self._pool.stop()
         self._timer.stop()
-        # No thread of ours may outlive stop(): a program that exits right after rpc.shutdown() would
-        # abort if one returned from a gloo call while the interpreter finalizes (RequestPool.join).
         deadline = time.monotonic() + _THREAD_EXIT_WAIT
-        left = [name for link in links for name in link.join_threads(max(0.0, deadline - time.monotonic()))]
+        left = [
+            name
+            for link in self.links.values()
+            for name in link.join_threads(max(0.0, deadline - time.monotonic()))
+        ]
         if not self._timer.join(max(0.0, deadline - time.monotonic())):
             left.append(f"twinrpc-timer-{self.rank}")
         left += self._pool.join(max(0.0, deadline - time.monotonic()))
         if left:
             _log.warning(
-                "twinrpc: %s still running %.0f s into shutdown (a request that has not returned); a process "
+                "twinrpc: %s still running %.0f s after RPC stopped (a request that has not returned); a process "
                 "that exits while one is inside native code may abort",
                 ", ".join(left),
                 _THREAD_EXIT_WAIT,

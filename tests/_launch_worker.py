@@ -11,6 +11,7 @@ import datetime
 import os
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -161,11 +162,46 @@ def two_hosts() -> None:
     ok("shutdown")
 
 
+class _SlowFinalizer:
+    """Held by a module global: its ``__del__`` runs while the interpreter finalizes and keeps that
+    phase open, so a peer's frames (heartbeats every 50 ms, its connection closing) arrive in it."""
+
+    def __del__(self) -> None:
+        time.sleep(0.5)
+
+
+_slow: _SlowFinalizer | None = None
+_checked = threading.Event()
+
+
+def _wait_checked() -> bool:
+    """Run on rank 1 for rank 0: returns once rank 1's own calls are done."""
+    return _checked.wait(60)
+
+
+def exit_without_shutdown() -> None:
+    """Both workers exit without rpc.shutdown(), rank 0 first, while rank 1 still sends heartbeats:
+    twinrpc closes its links and waits for its threads at exit, so no receiver returns from gloo
+    while the interpreter finalizes (that aborts the process)."""
+    global _slow
+    options = rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=60, heartbeat_interval=0.05)
+    rpc.init_rpc(f"w{RANK}", rank=RANK, world_size=WORLD, rpc_backend_options=options)
+    check_rpc("rpc")
+    _checked.set()
+    if RANK == 0:
+        assert rpc.rpc_sync("w1", _wait_checked)  # no call of rank 1's is left for rank 0 to answer
+        _slow = _SlowFinalizer()
+    else:
+        time.sleep(1.0)  # serving (and sending heartbeats) while rank 0 exits
+    ok("exiting without shutdown")
+
+
 SCENARIOS = {
     "reinit": reinit,
     "pg-same-file": pg_same_file,
     "pg-same-port": pg_same_port,
     "two-hosts": two_hosts,
+    "exit-without-shutdown": exit_without_shutdown,
 }
 
 if __name__ == "__main__":

@@ -51,6 +51,24 @@ def test_env_tcp_and_file_init_methods_and_reinit_after_graceful_shutdown(tmp_pa
     assert time.monotonic() - start < 120
 
 
+@pytest.mark.spec("SHUT-3")
+def test_a_program_that_exits_without_shutdown_exits_cleanly_while_its_peer_still_talks() -> None:
+    """Exiting without rpc.shutdown() (an exception in the training loop, a forgotten call) while a
+    peer's heartbeats keep arriving: no abort at interpreter exit on either side."""
+    results = run_workers(
+        WORKER,
+        "exit-without-shutdown",
+        cwd=ROOT,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    for r, res in enumerate(results):
+        res.check_clean()
+        assert _lines(results, r) == [f"rank {r}: rpc ok", f"rank {r}: exiting without shutdown ok"], (
+            res.describe()
+        )
+
+
 # -- a user's own default process group beside RPC ---------------------------------------------------
 @pytest.mark.spec("LIFE-6")
 def test_user_process_group_on_the_same_file_works_beside_rpc_in_either_order(tmp_path: Path) -> None:
