@@ -98,13 +98,8 @@ class RequestPool:
 
     def join(self, timeout: float) -> list[str]:
         """After stop(): wait up to ``timeout`` seconds for every pool thread but the calling one to
-        exit; returns the names of those still running (a request that has not returned).
-
-        Why wait at all: a daemon thread that returns from a native call that released the GIL (a
-        gloo send or receive, a store operation) while the interpreter finalizes is ended by
-        ``pthread_exit``, which unwinds through pybind11's ``noexcept`` GIL guard and aborts the
-        process ("terminate called without an active exception"). A program that exits right after
-        ``rpc.shutdown()`` must find no thread of ours still in (or about to enter) such a call."""
+        exit (why: GlooWorld._stop_threads); returns the names of those still running (a request that
+        has not returned)."""
         deadline = time.monotonic() + timeout
         me = threading.current_thread()
         joined = 0

@@ -88,7 +88,7 @@ class TimerThread:
 
     def join(self, timeout: float) -> bool:
         """After stop(): wait for the thread to exit (a running callback may still be in a gloo call,
-        see RequestPool.join); True when it has (or when called on the timer thread itself)."""
+        see GlooWorld._stop_threads); True when it has (or when called on the timer thread itself)."""
         if threading.current_thread() is self._thread:
             return True
         self._thread.join(timeout)
