@@ -818,11 +818,6 @@ class PeerLink:
         outbox = self._outbox_thread
         return self._receive_done.is_set() and (outbox is None or not outbox.is_alive())
 
-    def join_outbox(self, timeout: float) -> None:
-        outbox = self._outbox_thread
-        if outbox is not None:
-            outbox.join(timeout)
-
     def join_threads(self, timeout: float) -> list[str]:
         """Wait up to ``timeout`` for the link's own threads (the first receiver, which may have
         handed its role off and be finishing a reply, and the outbox) to exit; the names of those

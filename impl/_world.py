@@ -168,16 +168,14 @@ class GlooWorld:
             agent.on_peer_failed(peer, err)
 
     def stop(self, graceful: bool = False) -> None:
-        """Close every link (peers' receivers for us stop), then stop the pool and timer.
+        """Close every link (peers' receivers for us stop), then stop the pool and timer and wait for
+        every thread of ours to exit (_stop_threads).
 
         Bounded: a peer that has not closed its side within ``_CLOSE_WAIT`` (stopped, or still
         running after a non-graceful shutdown) has its link abandoned, so no thread of ours is left
         blocked in gloo."""
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-            self.agent = None
+        if not self._mark_stopped():
+            return
         atexit.unregister(self._close_at_exit)
         deadline = time.monotonic() + _CLOSE_WAIT
         links = list(self.links.values())
@@ -190,9 +188,8 @@ class GlooWorld:
                 _log.debug("twinrpc: receiver for rank %d still running at shutdown", link.peer)
         for link in links:
             if not link.threads_done():
-                link.abandon()  # wakes whatever still waits in gloo for this peer
+                link.abandon()  # wakes whatever still waits in gloo for this peer (joined below)
                 link.join(_ABANDON_WAIT)
-                link.join_outbox(_ABANDON_WAIT)
         self._stop_threads()
 
     def _close_at_exit(self) -> None:
@@ -200,14 +197,20 @@ class GlooWorld:
         finalizes, close every link at once and wait for our threads to leave gloo. Otherwise a
         receiver woken by the peer's next frame (a heartbeat, its close) during finalization aborts
         the process (see _stop_threads). Peers see the connection close, as when the process dies."""
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-            self.agent = None
+        if not self._mark_stopped():
+            return
         for link in self.links.values():
             link.close_now()
         self._stop_threads()
+
+    def _mark_stopped(self) -> bool:
+        """Stop delivering to the agent; False if the world was stopped already."""
+        with self._lock:
+            if self._stopped:
+                return False
+            self._stopped = True
+            self.agent = None
+        return True
 
     def _stop_threads(self) -> None:
         """Stop the pool and the timer, then wait for every thread of ours to exit.
