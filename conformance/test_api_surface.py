@@ -240,3 +240,127 @@ def test_worker_info_repr_equality_hash_and_pickle_match_torch() -> None:
         clone = pickle.loads(pickle.dumps(value))
         assert clone == value and hash(clone) == hash(value) and type(clone) is type(value)
     assert copy.deepcopy(ours) == ours
+
+
+# -- the exported names, pinned (a name added or dropped is a decision: update the list here) ------
+TWIN_RPC_NAMES = [
+    "DEFAULT_INIT_METHOD",
+    "DEFAULT_NUM_SEND_RECV_THREADS",  # PyTorch 1.6 (LIFE-8)
+    "DEFAULT_NUM_WORKER_THREADS",
+    "DEFAULT_RPC_TIMEOUT_SEC",
+    "DEFAULT_SHUTDOWN_TIMEOUT",
+    "UNSET_RPC_TIMEOUT",
+    "BackendType",
+    "NotInitializedError",
+    "ProcessGroupRpcBackendOptions",  # PyTorch 1.4-1.7 (LIFE-8)
+    "PyRRef",
+    "RPCError",
+    "RPCTimeoutError",
+    "RRef",
+    "RemoteError",
+    "RpcBackendOptions",
+    "SerializationError",
+    "ShutdownError",
+    "TensorPipeRpcBackendOptions",
+    "WorkerInfo",
+    "WorkerUnavailableError",
+    "_get_debug_info",
+    "_rref_context_get_debug_info",
+    "_set_rpc_timeout",
+    "_wait_all",
+    "functions",
+    "get_rpc_timeout",
+    "get_worker_info",
+    "get_worker_infos",
+    "init_rpc",
+    "is_available",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+]
+#: the names of torch.distributed.rpc.__all__ that are its user API (the rest of that list is its
+#: backend registry's machinery: register_backend, BackendValue, AllGatherStates, ...)
+TORCH_RPC_USER_NAMES = [
+    "is_available",
+    "init_rpc",
+    "BackendType",
+    "TensorPipeRpcBackendOptions",
+    "shutdown",
+    "get_worker_info",
+    "remote",
+    "rpc_sync",
+    "rpc_async",
+    "RRef",
+]
+
+
+@pytest.mark.spec("RPC-18", "LIFE-8")
+def test_exported_names_are_pinned() -> None:
+    """Pins twinrpc's ``__all__`` lists (httpx's test_exported_members); compares modules, no world."""
+    import twinrpc.autograd
+    import twinrpc.optim
+
+    assert _twin().__all__ == TWIN_RPC_NAMES
+    assert all(hasattr(_twin(), name) for name in TWIN_RPC_NAMES)
+    assert twinrpc.autograd.__all__ == [
+        "DistAutogradContext",
+        "backward",
+        "context",
+        "get_gradients",
+        "is_available",
+    ]
+    assert twinrpc.optim.__all__ == ["DistributedOptimizer", "register_functional_optim"]
+
+
+@pytest.mark.spec("RPC-18")
+def test_torch_rpc_user_names_are_all_exported() -> None:
+    """Every user-facing name of torch.distributed.rpc.__all__ is in twinrpc.rpc.__all__; no world."""
+    assert set(TORCH_RPC_USER_NAMES) <= set(torch_rpc.__all__), "torch's list changed: review this test"
+    assert set(TORCH_RPC_USER_NAMES) <= set(_twin().__all__)
+
+
+@pytest.mark.spec("RPC-18", "LIFE-8")
+def test_process_group_names_have_pytorch_1_6_signature_and_values() -> None:
+    """PyTorch 2.13 has no ProcessGroupRpcBackendOptions to compare with: the expected values are
+    PyTorch 1.6's (torch/csrc/distributed/rpc/init.cpp of v1.6), pinned here; no world."""
+    twin = _twin()
+    params = _params(twin.ProcessGroupRpcBackendOptions)
+    assert params[:3] == [
+        ("num_send_recv_threads", _POSITIONAL, "4"),
+        ("rpc_timeout", _POSITIONAL, "60.0"),
+        ("init_method", _POSITIONAL, "'env://'"),
+    ]
+    assert all(kind == "KEYWORD_ONLY" and default is not None for _, kind, default in params[3:]), params
+    assert issubclass(twin.ProcessGroupRpcBackendOptions, twin.RpcBackendOptions)
+    assert [m.name for m in twin.BackendType] == ["TENSORPIPE", "PROCESS_GROUP"]
+    assert repr(twin.BackendType.PROCESS_GROUP) == "BackendType.PROCESS_GROUP"
+    assert repr(twin.BackendType.TENSORPIPE) == repr(torch_rpc.BackendType.TENSORPIPE)
+    assert not hasattr(torch_rpc.BackendType, "PROCESS_GROUP"), "torch has it again: compare directly"
+
+
+@pytest.mark.spec("RPC-18", "OPT-6", "DAG-13")
+def test_older_forms_widen_torch_signatures_only_with_defaults() -> None:
+    """The 1.4 forms make a required parameter optional (step's context_id, backward's roots); kinds
+    and the other defaults are torch's (names aside: torch's binding calls backward's first parameter
+    ``contextId``, its documentation ``context_id``, as twinrpc does). Compares directly; no world."""
+    import torch.distributed.autograd as torch_autograd
+    import torch.distributed.optim as torch_optim
+
+    import twinrpc.autograd
+    import twinrpc.optim
+
+    assert _params(torch_optim.DistributedOptimizer.step) == [("context_id", _POSITIONAL, None)]
+    assert _params(twinrpc.optim.DistributedOptimizer.step) == [("context_id", _POSITIONAL, "None")]
+    ours = _params(twinrpc.autograd.backward)
+    theirs = _params(torch_autograd.backward)
+    assert [(kind, default) for _, kind, default in theirs] == [
+        (_POSITIONAL, None),
+        (_POSITIONAL, None),
+        (_POSITIONAL, "False"),
+    ]
+    assert ours == [
+        ("context_id", _POSITIONAL, None),
+        ("roots", _POSITIONAL, "None"),
+        ("retain_graph", _POSITIONAL, "False"),
+    ]

@@ -1,7 +1,7 @@
 """``twinrpc.optim``: PyTorch's ``torch.distributed.optim.DistributedOptimizer``, served by twinrpc.
 
-Semantics: spec/optim.md (OPT-1..OPT-5). One local optimizer per owner of the parameters, built on
-the owner; ``step(context_id)`` steps all of them concurrently from the gradients each owner holds in
+Semantics: spec/optim.md (OPT-1..OPT-6). One local optimizer per owner of the parameters, built on
+the owner; ``step(context_id)`` (or PyTorch 1.4's ``step()``: the current context) steps all of them concurrently from the gradients each owner holds in
 that distributed autograd context. On every worker, steps are serialised by one lock per worker, for
 every optimizer class (twinrpc's decision in OPT-4: PyTorch locks only the plain variant).
 """
@@ -167,13 +167,19 @@ class DistributedOptimizer:
         ]
         self.remote_optimizers: list[Any] = _wait_for_all(futures)
 
-    def step(self, context_id: int) -> None:
+    def step(self, context_id: int | None = None) -> None:
         """One step of every owner's optimizer from the gradients in ``context_id``; blocks.
+
+        ``step()`` without a context id is PyTorch 1.4's form: it uses the calling thread's current
+        distributed autograd context (OPT-6). PyTorch 2.x requires the id.
 
         Raises:
             RuntimeError: "Could not find autograd context with id: N" when the context does not exist
-                on this worker (nothing is sent); an owner's error otherwise.
+                on this worker (nothing is sent); "Current thread doesn't have a valid autograd context"
+                for ``step()`` outside ``with dist_autograd.context():``; an owner's error otherwise.
         """
+        if context_id is None:
+            context_id = dist_autograd._current_context()._context_id()
         dist_autograd._is_valid_context(context_id)
         futures = [
             rpc.rpc_async(optimizer.owner(), _local_optimizer_step, args=(optimizer, context_id))

@@ -31,11 +31,13 @@ from .api import (
 )
 from .options import (
     DEFAULT_INIT_METHOD,
+    DEFAULT_NUM_SEND_RECV_THREADS,
     DEFAULT_NUM_WORKER_THREADS,
     DEFAULT_RPC_TIMEOUT_SEC,
     DEFAULT_SHUTDOWN_TIMEOUT,
     UNSET_RPC_TIMEOUT,
     BackendType,
+    ProcessGroupRpcBackendOptions,
     RpcBackendOptions,
     TensorPipeRpcBackendOptions,
 )
@@ -44,12 +46,14 @@ PyRRef = RRef
 
 __all__ = [
     "DEFAULT_INIT_METHOD",
+    "DEFAULT_NUM_SEND_RECV_THREADS",
     "DEFAULT_NUM_WORKER_THREADS",
     "DEFAULT_RPC_TIMEOUT_SEC",
     "DEFAULT_SHUTDOWN_TIMEOUT",
     "UNSET_RPC_TIMEOUT",
     "BackendType",
     "NotInitializedError",
+    "ProcessGroupRpcBackendOptions",
     "PyRRef",
     "RPCError",
     "RPCTimeoutError",

@@ -12,6 +12,8 @@ import datetime
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import torch
+
 from .._agent import RpcAgent
 from .._current import current_agent, current_slot
 from .._future import Future
@@ -21,7 +23,9 @@ from .options import (
     DEFAULT_SHUTDOWN_TIMEOUT,
     UNSET_RPC_TIMEOUT,
     BackendType,
+    ProcessGroupRpcBackendOptions,
     RpcBackendOptions,
+    TensorPipeRpcBackendOptions,
 )
 
 T = TypeVar("T")
@@ -52,6 +56,7 @@ def init_rpc(
     if world_size is not None and (not isinstance(world_size, int) or isinstance(world_size, bool)):
         raise TypeError(f"Argument world_size must be an int, but got {type(world_size).__name__}")
     check_worker_name(name)
+    _check_options_match_backend(backend, rpc_backend_options)
     if isinstance(getattr(rpc_backend_options, "rpc_timeout", None), datetime.timedelta):
         raise TypeError("rpc_timeout must be a float number of seconds, not a timedelta")
     options = rpc_backend_options if rpc_backend_options is not None else RpcBackendOptions()
@@ -65,6 +70,30 @@ def init_rpc(
     agent = RpcAgent(world, info, workers, options.rpc_timeout, options.num_worker_threads)
     slot.agent = agent
     world.start(agent)
+
+
+#: the options class PyTorch requires for each backend (its ``*_init_backend_handler``s check it)
+_OPTIONS_OF_BACKEND: dict[BackendType, type[RpcBackendOptions]] = {
+    BackendType.TENSORPIPE: TensorPipeRpcBackendOptions,
+    BackendType.PROCESS_GROUP: ProcessGroupRpcBackendOptions,
+}
+
+
+def _check_options_match_backend(backend: BackendType | None, options: RpcBackendOptions | None) -> None:
+    """PyTorch's check (LIFE-3, LIFE-8): options of the other backend's class are a TypeError.
+
+    Both backends select the same twinrpc world; the check only keeps a program that PyTorch refuses
+    from running here. twinrpc's base :class:`RpcBackendOptions` goes with either backend.
+    """
+    if backend is None or options is None:
+        return
+    expected = _OPTIONS_OF_BACKEND[backend]
+    for other_backend, other in _OPTIONS_OF_BACKEND.items():
+        if other is not expected and isinstance(options, other) and not isinstance(options, expected):
+            raise TypeError(
+                f"`rpc_backend_options` must be a `{expected.__name__}`. {options} (backend={backend!r} "
+                f"takes {expected.__name__}; {type(options).__name__} goes with {other_backend!r})"
+            )
 
 
 def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
@@ -114,6 +143,33 @@ def _check_callable(func: Any) -> None:
         raise TypeError("function should be callable.")
 
 
+def _check_builtin_arguments(
+    to: str | int | WorkerInfo, func: Any, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None
+) -> None:
+    """A builtin operator's arguments must match one of its schemas, checked on the caller before
+    anything is sent (RPC-3), with PyTorch's matcher and its message."""
+    qualified_name = _find_builtin(func)
+    if qualified_name is None or not isinstance(args, (tuple, list, type(None))):
+        return  # not a builtin, or arguments the agent refuses with its own error
+    if not isinstance(kwargs, (dict, type(None))):
+        return
+    try:
+        torch._C._jit_resolve_packet(qualified_name, *(args or ()), **(kwargs or {}))
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"{exc}\n(twinrpc: the arguments of {qualified_name} match none of its schemas, so the call "
+            f"to {to!r} was not sent)"
+        ) from exc
+
+
+def _find_builtin(func: Any) -> str | None:
+    try:
+        name = torch.jit._builtins._find_builtin(func)  # type: ignore[no-untyped-call]
+    except Exception:  # an unhashable callable
+        return None
+    return name if isinstance(name, str) else None
+
+
 def rpc_async(
     to: str | int | WorkerInfo,
     func: Callable[..., T],
@@ -128,6 +184,7 @@ def rpc_async(
     """
     agent = current_agent()
     _check_callable(func)
+    _check_builtin_arguments(to, func, args, kwargs)
     fut = agent.call(to, func, args, kwargs, timeout)
     _track(fut)
     return fut
@@ -144,6 +201,7 @@ def rpc_sync(
     exception with its original type, the remote worker and traceback in the message."""
     agent = current_agent()
     _check_callable(func)
+    _check_builtin_arguments(to, func, args, kwargs)
     result: T = agent.call(to, func, args, kwargs, timeout).wait()
     return result
 
@@ -158,6 +216,7 @@ def remote(
     """Run ``func`` on ``to``, which owns the result; returns an RRef to it at once."""
     agent = current_agent()
     _check_callable(func)
+    _check_builtin_arguments(to, func, args, kwargs)
     return agent.remote(to, func, args, kwargs, timeout)
 
 

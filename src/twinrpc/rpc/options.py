@@ -8,6 +8,9 @@ from typing import Any
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_INIT_METHOD = "env://"
 DEFAULT_NUM_WORKER_THREADS = 16
+#: PyTorch 1.6's default ``num_send_recv_threads`` of ``ProcessGroupRpcBackendOptions``
+#: (``kDefaultNumSendRecvThreads`` in torch/csrc/distributed/rpc/process_group_agent.h)
+DEFAULT_NUM_SEND_RECV_THREADS = 4
 UNSET_RPC_TIMEOUT = -1.0
 DEFAULT_SHUTDOWN_TIMEOUT = 0
 #: seconds between the gloo world's liveness frames on every link (0 = no heartbeats)
@@ -17,10 +20,19 @@ DEFAULT_HEARTBEAT_MISSES = 10
 
 
 class BackendType(enum.Enum):
-    """The RPC backends. ``TENSORPIPE`` (PyTorch's name) selects the world the program runs in:
-    the simulator inside a simulation, the gloo world otherwise."""
+    """The RPC backends. Both members select the world the program runs in: the simulator inside a
+    simulation, the gloo world otherwise.
+
+    ``TENSORPIPE`` is PyTorch 2.x's name (and its default). ``PROCESS_GROUP`` is the name PyTorch 1.4 to
+    1.7 used (the default of ``init_rpc`` up to 1.6), kept so programs written for those versions run
+    unchanged (spec/lifecycle.md, LIFE-8); it pairs with :class:`ProcessGroupRpcBackendOptions`.
+    """
 
     TENSORPIPE = "TENSORPIPE"
+    PROCESS_GROUP = "PROCESS_GROUP"
+
+    def __repr__(self) -> str:
+        return f"BackendType.{self.name}"  # PyTorch's repr (its members are generated at import time)
 
 
 class RpcBackendOptions:
@@ -120,3 +132,62 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
 
     def set_devices(self, devices: list[Any]) -> None:
         self.devices = list(devices)
+
+
+class ProcessGroupRpcBackendOptions(RpcBackendOptions):
+    """PyTorch 1.6's options class of the ``PROCESS_GROUP`` backend, accepted so programs written for
+    PyTorch 1.4 to 1.7 run unchanged (LIFE-8). Removed from PyTorch in 1.9; TensorPipe's options are the
+    2.x form.
+
+    Args:
+        num_send_recv_threads: the size of the thread pool of PyTorch's ProcessGroupAgent (default 4,
+            as in PyTorch 1.6). twinrpc has one pool serving incoming requests, so this is its
+            ``num_worker_threads``: the number of requests a worker executes concurrently (LIFE-7). The
+            attributes ``num_send_recv_threads`` and ``num_worker_threads`` are one value.
+        rpc_timeout: default timeout of every RPC in seconds (0 = never time out).
+        init_method: rendezvous URL (``env://``, ``tcp://host:port``, ``file://path``).
+        heartbeat_interval: twinrpc only: see :class:`RpcBackendOptions`.
+        heartbeat_misses: twinrpc only: see :class:`RpcBackendOptions`.
+    """
+
+    def __init__(
+        self,
+        num_send_recv_threads: int = DEFAULT_NUM_SEND_RECV_THREADS,
+        rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
+        init_method: str = DEFAULT_INIT_METHOD,
+        *,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        heartbeat_misses: int = DEFAULT_HEARTBEAT_MISSES,
+    ) -> None:
+        if (
+            not isinstance(num_send_recv_threads, int)
+            or isinstance(num_send_recv_threads, bool)
+            or num_send_recv_threads < 1
+        ):
+            raise ValueError(
+                f"num_send_recv_threads must be a positive int, but got {num_send_recv_threads!r}"
+            )
+        super().__init__(
+            rpc_timeout,
+            init_method,
+            num_worker_threads=num_send_recv_threads,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_misses=heartbeat_misses,
+        )
+
+    @property
+    def num_send_recv_threads(self) -> int:
+        """The number of requests this worker executes concurrently (= ``num_worker_threads``)."""
+        return self.num_worker_threads
+
+    @num_send_recv_threads.setter
+    def num_send_recv_threads(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"num_send_recv_threads must be a positive int, but got {value!r}")
+        self.num_worker_threads = value
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(num_send_recv_threads={self.num_send_recv_threads}, "
+            f"rpc_timeout={self.rpc_timeout}, init_method={self.init_method!r})"
+        )
