@@ -16,10 +16,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import greenlet
+import torch
 
 from twinrpc._world import TimerHandle
 
 from ._errors import SimulationDeadlock, SimulationError
+
+_is_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
 
 if TYPE_CHECKING:
     from ._compute import ComputeMeter
@@ -119,6 +123,7 @@ class Scheduler:
         assert hub is not None
         while True:
             try:
+                _set_grad_enabled(True)  # a new task starts as a new thread does (see park)
                 fn(*args)
             except greenlet.GreenletExit:
                 raise
@@ -163,7 +168,12 @@ class Scheduler:
             )
         task.waiting_on = waiting_on
         assert self.hub is not None
+        # Grad mode is per OS thread in torch and every task shares this one: a task parked inside
+        # autograd's engine (a hook waiting for a simulated collective) has it off. Each task keeps
+        # its own, as each thread of a real worker does.
+        grad_enabled = _is_grad_enabled()
         self.hub.switch()
+        _set_grad_enabled(grad_enabled)
         task.waiting_on = None
 
     def wake(self, task: Task) -> None:

@@ -21,6 +21,7 @@ from ._fault_engine import NetworkFaults
 from ._faults import DEFAULT_GC_DELAY, Crash, Delay, Drop, Duplicate, Fault, FaultPlan, Hold, Partition, Pause
 from ._monitors import RRefMonitor
 from ._network import NetworkModel
+from ._process_group import serve_process_groups
 from ._scheduler import Scheduler
 from ._swarm import Swarm
 from ._trace import Trace
@@ -187,7 +188,8 @@ class Simulation:
         try:
             # Wall-clock reads, wall-time sleeps and OS threads in the program are reported
             # (SimulationWarning); the CLI's virtual time, installed around this, takes precedence.
-            with simulated_time(virtual=False):
+            # torch.distributed process groups are simulated per worker (SIM-8).
+            with simulated_time(virtual=False), serve_process_groups(self):
                 self.sched.run(until=lambda: remaining[0] == 0)
         finally:
             gc.set_threshold(*threshold)

@@ -171,11 +171,6 @@ class DistAutogradContext:
         with self.lock:
             return set(self.known_workers)
 
-    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
-        with self.lock:
-            old = self.grads.get(leaf)
-            self.grads[leaf] = grad.detach() if old is None else old + grad
-
     def __repr__(self) -> str:
         return f"<DistAutogradContext {self.context_id} on rank {self.container.rank}>"
 

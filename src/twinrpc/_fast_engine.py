@@ -3,17 +3,19 @@
 One :class:`GraphPass` per (context, pass, worker). At its start a worker discovers its part of the
 graph from its seeds: the roots (on the root worker) and every send function of the context it holds.
 Each edge counts as one dependency of its target; a node runs once, when every dependency delivered
-(a gradient or nothing). Leaves (AccumulateGrad) add into the context, never into ``.grad``; the
-tensors of one recv function are collected and sent back to the sender in ONE gradient message.
+(a gradient or nothing). Leaves' AccumulateGrad nodes run, hooks included, but add into the context,
+never into ``.grad`` (``_leaf_grads``); the tensors of one recv function are collected and sent back to
+the sender in ONE gradient message.
 
 Nodes run through PyTorch's own engine, so hooks, saved-tensor checks and custom Functions behave as
 in local autograd:
 
 * **bulk mode** (the common case): when no node is reachable from two seeds, each seed's region runs
-  as one ``torch.autograd.grad`` call whose inputs are the region's leaves and recv nodes;
+  as one engine call whose inputs are the region's leaves and recv nodes;
 * **per-node mode** otherwise (a node waits for a gradient that only another worker can produce,
   e.g. a value used locally and also sent away): each node runs alone, as ``torch.autograd.grad`` from
   its inputs; a post-hook on the node takes its outputs and stops the engine before it goes further.
+  The leaves made ready by one step run together in one engine call.
 
 Termination follows PyTorch: the first gradient request that makes a worker busy is answered only when
 the worker is quiescent (no runnable node, no unanswered gradient RPC of its own); requests arriving
@@ -42,6 +44,7 @@ from ._dist_autograd import (
 )
 from ._fork import on_fork_survivor
 from ._future import Future
+from ._leaf_grads import context_grads_in_leaves
 from ._message import Kind, Message
 
 if TYPE_CHECKING:
@@ -62,15 +65,32 @@ _SECOND_PASS = (
 _ENGINE_RUN_BACKWARD: Any = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
-def _grad(outputs: list[Any], inputs: list[Any], grads: list[torch.Tensor], retain_graph: bool) -> Any:
-    """``torch.autograd.grad(outputs, inputs, grads, retain_graph, allow_unused=True)`` without its
-    argument normalisation and Python-side shape checks: the edges and gradients here come from the
-    graph itself, the engine still checks each gradient's shape against its edge, and the checks
-    cost about 100 us per call, on the critical path of every distributed backward (twice per
-    forward+backward+step of the benchmark)."""
+def _run_engine(
+    outputs: list[Any], grads: list[torch.Tensor], retain_graph: bool, inputs: list[Any] | None = None
+) -> None:
+    """PyTorch's engine from ``outputs`` with ``grads``, accumulating: AccumulateGrad nodes run (their
+    hooks with them), and with ``inputs`` only the nodes on a path to them run. The private entry
+    under ``torch.autograd.backward`` skips its argument normalisation and Python-side shape checks:
+    the edges and gradients here come from the graph itself, the engine still checks each gradient's
+    shape against its edge, and the checks cost about 100 us per call, on the critical path of every
+    distributed backward."""
     if _ENGINE_RUN_BACKWARD is None:
-        return torch.autograd.grad(outputs, inputs, grads, retain_graph=retain_graph, allow_unused=True)
-    return _ENGINE_RUN_BACKWARD(tuple(outputs), tuple(grads), retain_graph, False, tuple(inputs), True, False)
+        torch.autograd.backward(outputs, grads, retain_graph=retain_graph, inputs=inputs)
+        return
+    _ENGINE_RUN_BACKWARD(tuple(outputs), tuple(grads), retain_graph, False, tuple(inputs or ()), True, True)
+
+
+class _Take:
+    """A recv node's pre-hook: keeps the gradient the node is handed (after tensor hooks)."""
+
+    __slots__ = ("node", "taken")
+
+    def __init__(self, taken: dict[Any, torch.Tensor | None], node: Any) -> None:
+        self.taken = taken
+        self.node = node
+
+    def __call__(self, grad_outputs: Any) -> None:
+        self.taken[self.node] = grad_outputs[0]
 
 
 class _StopAfterNode(Exception):
@@ -124,6 +144,8 @@ class GraphPass:
         with ctx.lock:
             self.sends: dict[int, SendRpcBackward] = dict(ctx.sends)
         self.graded: set[int] = set()
+        #: per-node mode: leaves whose gradient is complete, accumulated together after each step
+        self.leaves_ready: list[tuple[Any, torch.Tensor]] = []
         self.root_edges: list[tuple[Any, int]] = [(r.grad_fn, r.output_nr) for r in roots or ()]
         self._discover(list(roots) if roots is not None else [])
 
@@ -215,8 +237,19 @@ class GraphPass:
         for (node, nr), g in zip(edges, grads, strict=True):
             if node is not None:
                 self._contribute(node, nr, g, ready)
-        while ready:
-            self._execute(ready.pop(), ready)
+        try:
+            while ready:
+                self._execute(ready.pop(), ready)
+        finally:
+            leaves, self.leaves_ready = self.leaves_ready, []
+        if leaves:
+            self._accumulate(leaves)
+
+    def _accumulate(self, leaves: list[tuple[Any, torch.Tensor]]) -> None:
+        """Run the ready leaves' AccumulateGrad nodes in one engine call (as roots), into the context:
+        their hooks see every leaf's gradient in the context, as in bulk mode."""
+        with context_grads_in_leaves(self.ctx, [node.variable for node, _ in leaves]):
+            _run_engine([GradientEdge(node, 0) for node, _ in leaves], [g for _, g in leaves], False)
 
     def _contribute(self, node: Any, nr: int, g: torch.Tensor | None, ready: list[Any]) -> None:
         buf = self.buffers.get(node)
@@ -232,6 +265,8 @@ class GraphPass:
 
     # -- bulk mode -------------------------------------------------------------------------------
     def _run_region(self, key: Any, edges: list[tuple[Any, int]], grads: list[torch.Tensor | None]) -> None:
+        """One engine call for the region: its leaves' AccumulateGrad nodes run (hooks included) into
+        the context, and a pre-hook on each recv node takes the gradient it is handed."""
         outputs: dict[tuple[Any, int], torch.Tensor | None] = {}
         for (node, nr), g in zip(edges, grads, strict=True):
             if node is not None and g is not None:
@@ -239,32 +274,31 @@ class GraphPass:
         terminals = [n for n in self.region.get(key, ()) if _is_terminal(n)]
         if not outputs or not terminals:
             return
-        captured = _grad(
-            [GradientEdge(n, nr) for n, nr in outputs],
-            [GradientEdge(n, 0) for n in terminals],
-            list(outputs.values()),  # type: ignore[arg-type]  # None was filtered out above
-            self.retain_graph,
-        )
-        for node, g in zip(terminals, captured, strict=True):
-            if type(node) is _ACC_TYPE:
-                if g is not None:
-                    self.ctx.accumulate(node.variable, g)
-            else:
-                self._recv_slot_done(node, g)
+        leaves = [n.variable for n in terminals if type(n) is _ACC_TYPE]
+        recvs = [n for n in terminals if type(n) is RECV_NODE_TYPE]
+        taken: dict[Any, torch.Tensor | None] = {}
+        handles = [node.register_prehook(_Take(taken, node)) for node in recvs]
+        try:
+            with context_grads_in_leaves(self.ctx, leaves):
+                _run_engine(
+                    [GradientEdge(n, nr) for n, nr in outputs],
+                    list(outputs.values()),  # type: ignore[arg-type]  # None was filtered out above
+                    self.retain_graph,
+                    inputs=[GradientEdge(n, 0) for n in terminals],
+                )
+        finally:
+            for handle in handles:
+                handle.remove()
+        for node in recvs:
+            self._recv_slot_done(node, taken.get(node))
 
     # -- per-node mode ---------------------------------------------------------------------------
     def _execute(self, node: Any, ready: list[Any]) -> None:
         buf = self.buffers.pop(node, [])
         if type(node) is _ACC_TYPE:
             g = buf[0] if buf else None
-            if g is None:
-                return
-            leaf = node.variable
-            for hook in (leaf._backward_hooks or {}).values():
-                out = hook(g)
-                if out is not None:
-                    g = out
-            self.ctx.accumulate(leaf, g)
+            if g is not None:
+                self.leaves_ready.append((node, g))
             return
         outs = self._run_node(node, buf)
         if type(node) is RECV_NODE_TYPE:

@@ -1,0 +1,477 @@
+"""``torch.distributed`` process groups inside a simulation (spec SIM-8).
+
+Programs that combine RPC with ``DistributedDataParallel`` (PyTorch's "DDP with the distributed RPC
+framework" pattern) call ``torch.distributed.init_process_group`` on some of their workers. In a
+simulation every worker is a task of one process, while c10d keeps its groups in process-wide state,
+and a real gloo group would block the one thread every simulated worker runs on. So, for the run:
+
+* c10d's state (the default group and its registry) is kept per simulated worker;
+* ``init_process_group`` makes a :class:`SimProcessGroup`, whatever backend and ``init_method`` it
+  names (``dist.get_backend()`` still answers the backend the program asked for);
+* a collective parks the calling task until every member of the group has made the same call, then
+  the last one to arrive computes the result for all; meanwhile the other workers run. Collectives
+  take no virtual time and their traffic is not on the simulated network.
+
+Members that call different collectives in the same position get an error naming both calls (a real
+gloo group would fail or hang). A collective the simulator does not model raises an error naming it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
+
+from twinrpc._future import Future
+
+from ._current import CURRENT_SIMULATION
+
+if TYPE_CHECKING:
+    from ._simulation import Simulation
+
+#: what the DDP logger and other C++ code read as the backend's name
+BACKEND_NAME = "twinrpc-sim"
+
+
+class _WorkerC10d:
+    """One simulated worker's c10d state: what ``c10d._World`` keeps for the whole process."""
+
+    def __init__(self) -> None:
+        #: how many default groups this worker has made (the k-th one of every worker meets the others')
+        self.default_groups = 0
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every group (``destroy_process_group()``)."""
+        self.default_pg: Any = None
+        self.pg_map: dict[Any, tuple[str, Any]] = {}
+        self.pg_names: dict[Any, str] = {}
+        self.pg_group_ranks: dict[Any, dict[int, int]] = {}
+        self.pg_backend_config: dict[Any, str] = {}
+        self.group_count = 0
+        self.tags_to_pg: dict[str, list[Any]] = {}
+        self.pg_to_tag: dict[Any, str] = {}
+        self.pg_coalesce_state: dict[Any, list[Any]] = {}
+        self.comms: list[Any] = []
+
+
+class _PerWorkerWorld(c10d._World):
+    """c10d's ``_world`` for the run: the calling simulated worker's state, or the process's outside
+    the simulation's tasks."""
+
+    def __init__(self, sim: Simulation, states: list[_WorkerC10d], outside: c10d._World) -> None:
+        self._sim = sim
+        self._states = states
+        self._outside = outside
+
+    def _state(self) -> Any:
+        task = self._sim.sched.current_task()
+        if task is None or CURRENT_SIMULATION.get() is not self._sim:
+            return self._outside
+        return self._states[task.worker]
+
+    @property
+    def default_pg(self) -> Any:
+        return self._state().default_pg
+
+    @default_pg.setter
+    def default_pg(self, value: Any) -> None:
+        self._state().default_pg = value
+
+    @property
+    def pg_map(self) -> Any:
+        return self._state().pg_map
+
+    @property
+    def pg_names(self) -> Any:
+        return self._state().pg_names
+
+    @property
+    def pg_group_ranks(self) -> Any:
+        return self._state().pg_group_ranks
+
+    @property
+    def pg_backend_config(self) -> Any:
+        return self._state().pg_backend_config
+
+    @property
+    def group_count(self) -> int:
+        return self._state().group_count  # type: ignore[no-any-return]
+
+    @group_count.setter
+    def group_count(self, value: int) -> None:
+        self._state().group_count = value
+
+    @property
+    def tags_to_pg(self) -> Any:
+        return self._state().tags_to_pg
+
+    @property
+    def pg_to_tag(self) -> Any:
+        return self._state().pg_to_tag
+
+    @property
+    def pg_coalesce_state(self) -> Any:
+        return self._state().pg_coalesce_state
+
+    @property
+    def comms(self) -> Any:
+        return self._state().comms
+
+
+class _Meeting:
+    """One collective call of a group, waiting for its members."""
+
+    __slots__ = ("arrivals", "op", "waiting")
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+        self.arrivals: dict[int, Any] = {}
+        #: members parked until the call completes, in arrival order
+        self.waiting: list[Future[None]] = []
+
+
+class Collectives:
+    """The meeting point of every simulated process group of one simulation.
+
+    A member that cannot go on before the others arrive parks; the member that completes a call
+    wakes them latest-first. DDP makes some collectives from inside C++ functions that Python called
+    (its bucket rebuild), and pybind11 keeps one stack of such calls per thread: the members parked
+    inside them must resume in the reverse order of their arrival, and a broadcast's root never waits.
+    """
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.states = [_WorkerC10d() for _ in range(sim.world_size)]
+        self._meetings: dict[tuple[Any, int], _Meeting] = {}
+
+    def _join(self, key: tuple[Any, int], rank: int, op: str, payload: Any) -> _Meeting:
+        meeting = self._meetings.get(key)
+        if meeting is None:
+            meeting = self._meetings[key] = _Meeting(op)
+        elif meeting.op != op:
+            other = min(meeting.arrivals)
+            raise RuntimeError(
+                f"twinrpc.simulator: collective #{key[1]} of process group {key[0]!r}: rank {rank} "
+                f"called {op} while rank {other} called {meeting.op}; every member must make the same "
+                "collective calls in the same order"
+            )
+        meeting.arrivals[rank] = payload
+        return meeting
+
+    def _park(self, meeting: _Meeting) -> None:
+        done: Future[None] = Future()
+        meeting.waiting.append(done)
+        done.wait()
+
+    @staticmethod
+    def _wake(meeting: _Meeting, error: BaseException | None = None) -> None:
+        for done in reversed(meeting.waiting):
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+    def meet(
+        self,
+        key: tuple[Any, int],
+        rank: int,
+        size: int,
+        op: str,
+        payload: Any,
+        finish: Callable[[list[Any]], None],
+    ) -> None:
+        """Take part in collective ``key`` as ``rank``; return once all ``size`` members did and
+        ``finish`` (given the payloads in rank order) has run."""
+        meeting = self._join(key, rank, op, payload)
+        if len(meeting.arrivals) < size:
+            self._park(meeting)
+            return
+        del self._meetings[key]
+        try:
+            finish([meeting.arrivals[r] for r in range(size)])
+        except BaseException as exc:
+            self._wake(meeting, exc)
+            raise
+        self._wake(meeting)
+
+    def broadcast(
+        self, key: tuple[Any, int], rank: int, size: int, root: int, tensors: list[torch.Tensor]
+    ) -> None:
+        """Broadcast ``root``'s tensors: the root goes on at once (its tensors are copied), a member
+        arriving after it takes them at once, one arriving before it waits for it."""
+        meeting = self._join(key, rank, f"broadcast from {root}", tensors)
+        if rank == root:
+            sent = [t.clone() for t in tensors]
+            meeting.arrivals[root] = sent
+            for r, theirs in meeting.arrivals.items():
+                if r != root:
+                    _copy_all(theirs, sent)
+            self._wake(meeting)
+            meeting.waiting.clear()
+        elif root in meeting.arrivals:
+            _copy_all(tensors, meeting.arrivals[root])
+        else:
+            self._park(meeting)
+            return
+        if len(meeting.arrivals) == size:
+            del self._meetings[key]
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
+
+
+def _work(result: Any) -> Any:
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+def _reduce(op: Any, tensors: list[torch.Tensor]) -> torch.Tensor:
+    R = dist.ReduceOp
+    if op == R.SUM or op == R.AVG:
+        out = torch.stack(tensors).sum(0)
+        return out / len(tensors) if op == R.AVG else out
+    if op == R.PRODUCT:
+        return torch.stack(tensors).prod(0)
+    if op == R.MIN:
+        return torch.stack(tensors).amin(0)
+    if op == R.MAX:
+        return torch.stack(tensors).amax(0)
+    raise NotImplementedError(
+        f"twinrpc.simulator: reduce op {op} is not modelled by the simulated process group "
+        "(SUM, AVG, PRODUCT, MIN and MAX are)"
+    )
+
+
+class SimProcessGroup(dist.ProcessGroup):
+    """A process group whose members are simulated workers; see the module docstring."""
+
+    def __init__(self, collectives: Collectives, key: Any, rank: int, size: int) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # (rank, size) is the Python form
+        self._collectives = collectives
+        self._key = key
+        self._rank = rank
+        self._size = size
+        self._seq = itertools.count()
+
+    def _meet(self, op: str, payload: Any, finish: Callable[[list[Any]], None]) -> None:
+        key = (self._key, next(self._seq))
+        self._collectives.meet(key, self._rank, self._size, op, payload, finish)
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]  # the form c10d calls
+        op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
+
+        def finish(members: list[list[torch.Tensor]]) -> None:
+            for i in range(len(members[0])):
+                if members[0][i].is_sparse:
+                    raise NotImplementedError(
+                        "twinrpc.simulator: allreduce of sparse tensors is not modelled by the simulated "
+                        "process group"
+                    )
+                result = _reduce(op, [m[i] for m in members])
+                for m in members:
+                    m[i].copy_(result)
+
+        self._meet("allreduce", list(tensors), finish)
+        return _work(tensors)
+
+    allreduce_coalesced = allreduce
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]  # the form c10d calls
+        self.broadcast_tensors(tensors, opts.rootRank)
+        return _work(tensors)
+
+    def allgather(  # type: ignore[override]  # the form c10d calls
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        def finish(members: list[tuple[list[list[torch.Tensor]], list[torch.Tensor]]]) -> None:
+            for outs, _ in members:
+                for i, slots in enumerate(outs):
+                    for r, slot in enumerate(slots):
+                        slot.copy_(members[r][1][i])
+
+        self._meet("allgather", (outputs, list(inputs)), finish)
+        return _work(outputs)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        def finish(members: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+            whole = torch.cat([inp.reshape(-1) for _, inp in members])
+            for out, _ in members:
+                out.copy_(whole.view_as(out))
+
+        self._meet("allgather", (output, input), finish)
+        return _work([output])
+
+    def broadcast_tensors(self, tensors: list[torch.Tensor], root: int) -> None:
+        """``torch.distributed._broadcast_coalesced`` for this group (DDP's start, its buffers)."""
+        key = (self._key, next(self._seq))
+        self._collectives.broadcast(key, self._rank, self._size, root, list(tensors))
+
+    def verify_params(self, params: list[torch.Tensor]) -> None:
+        """``torch.distributed._verify_params_across_processes`` for this group: every member's
+        parameters have the same shapes (DDP's start), else each member raises."""
+        mine = [(tuple(p.shape), tuple(p.stride())) for p in params]
+
+        def finish(members: list[list[tuple[tuple[int, ...], tuple[int, ...]]]]) -> None:
+            for r, theirs in enumerate(members):
+                if theirs != members[0]:
+                    raise RuntimeError(
+                        f"DDP expects same model across all ranks, but rank {r} has parameters of shapes "
+                        f"{[s for s, _ in theirs]} where rank 0 has {[s for s, _ in members[0]]}"
+                    )
+
+        self._meet("verify params", mine, finish)
+
+    def barrier(self, opts: Any = None) -> Any:
+        self._meet("barrier", None, lambda _members: None)
+        return _work([])
+
+    def _unsupported(name: str) -> Callable[..., Any]:  # type: ignore[misc]  # a class-body helper
+        def call(self: SimProcessGroup, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError(
+                f"twinrpc.simulator: {name} is not modelled by the simulated process group (allreduce, "
+                "broadcast, allgather and barrier are); run this program in real processes"
+            )
+
+        call.__name__ = name
+        return call
+
+    gather = _unsupported("gather")
+    scatter = _unsupported("scatter")
+    reduce = _unsupported("reduce")
+    reduce_scatter = _unsupported("reduce_scatter")
+    _reduce_scatter_base = _unsupported("reduce_scatter")
+    alltoall = _unsupported("alltoall")
+    alltoall_base = _unsupported("alltoall")
+    send = _unsupported("send")
+    recv = _unsupported("recv")
+    recv_anysource = _unsupported("recv")
+    del _unsupported
+
+
+class _ProcessGroups:
+    """``init_process_group`` and ``destroy_process_group`` as the simulation serves them."""
+
+    def __init__(self, collectives: Collectives) -> None:
+        self.collectives = collectives
+
+    def init_process_group(
+        self,
+        backend: Any = None,
+        init_method: str | None = None,
+        timeout: timedelta | None = None,
+        world_size: int = -1,
+        rank: int = -1,
+        store: Any = None,
+        group_name: str = "",
+        pg_options: Any = None,
+        device_id: Any = None,
+        **_ignored: Any,
+    ) -> None:
+        sim = self.collectives.sim
+        task = sim.sched.current_task()
+        if task is None:
+            raise RuntimeError("twinrpc.simulator: init_process_group outside a simulated worker")
+        state = self.collectives.states[task.worker]
+        if state.default_pg is not None:
+            raise ValueError("trying to initialize the default process group twice!")
+        if world_size < 0 or rank < 0:
+            raise ValueError(
+                "twinrpc.simulator: init_process_group needs rank and world_size (the simulation has no "
+                f"environment rendezvous for process groups); got rank={rank}, world_size={world_size}"
+            )
+        state.default_groups += 1
+        pg = SimProcessGroup(self.collectives, ("default", state.default_groups), rank, world_size)
+        name = group_name or str(state.group_count)
+        state.group_count += 1
+        state.default_pg = pg
+        state.pg_map[pg] = (str(backend or "gloo").lower(), store)
+        state.pg_names[pg] = name
+        state.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+        state.pg_backend_config[pg] = f"cpu:{BACKEND_NAME}"
+        tag = f"ptd:{name}"
+        state.tags_to_pg.setdefault(tag, []).append(pg)
+        state.tags_to_pg.setdefault("", []).append(pg)
+        state.pg_to_tag[pg] = tag
+
+    @staticmethod
+    def _broadcast_coalesced(group: Any, tensors: list[torch.Tensor], buffer_size: int, src: int = 0) -> None:
+        _simulated(group, "_broadcast_coalesced").broadcast_tensors(tensors, src)
+
+    @staticmethod
+    def _verify_params_across_processes(group: Any, params: list[torch.Tensor], logger: Any = None) -> None:
+        _simulated(group, "_verify_params_across_processes").verify_params(params)
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        sim = self.collectives.sim
+        task = sim.sched.current_task()
+        if task is None:
+            raise RuntimeError("twinrpc.simulator: destroy_process_group outside a simulated worker")
+        state = self.collectives.states[task.worker]
+        if group is None or group is state.default_pg:
+            if state.default_pg is None:
+                raise ValueError(
+                    "Default process group has not been initialized, please make sure to call "
+                    "init_process_group."
+                )
+            state.clear()
+            return
+        for table in (state.pg_map, state.pg_names, state.pg_group_ranks, state.pg_backend_config):
+            table.pop(group, None)
+        state.pg_to_tag.pop(group, None)
+
+
+def _simulated(group: Any, what: str) -> SimProcessGroup:
+    if not isinstance(group, SimProcessGroup):
+        raise RuntimeError(
+            f"twinrpc.simulator: {what} on {group!r}, which is not a simulated process group; inside a "
+            "simulation, make groups with torch.distributed.init_process_group"
+        )
+    return group
+
+
+#: what the simulation serves in torch.distributed (and c10d) for a run. The two private helpers are
+#: C++ functions that DDP calls to start: a task blocked inside a C++ call that another task's C++ call
+#: outlives breaks pybind11's per-thread bookkeeping, so they become Python calls of the group.
+_SERVED = (
+    "init_process_group",
+    "destroy_process_group",
+    "_broadcast_coalesced",
+    "_verify_params_across_processes",
+)
+
+
+@contextmanager
+def serve_process_groups(sim: Simulation) -> Iterator[None]:
+    """For the block, c10d's state is per simulated worker and process groups are simulated."""
+    collectives = Collectives(sim)
+    groups = _ProcessGroups(collectives)
+    outside = c10d._world
+    saved = {
+        (module, name): getattr(module, name)
+        for module in (c10d, dist)
+        for name in _SERVED
+        if hasattr(module, name)
+    }
+    c10d._world = _PerWorkerWorld(sim, collectives.states, outside)
+    for module, name in saved:
+        setattr(module, name, getattr(groups, name))
+    try:
+        yield
+    finally:
+        c10d._world = outside
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)

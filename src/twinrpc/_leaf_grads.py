@@ -1,0 +1,58 @@
+"""Leaf gradients of a distributed backward pass go into the context through PyTorch's own
+AccumulateGrad nodes (spec DAG-9, DAG-13).
+
+PyTorch's distributed engine never writes ``.grad``: it accumulates each leaf's gradient into the
+autograd context, and it still runs the leaf's AccumulateGrad hooks (tensor hooks, Python post-hooks,
+and C++ hooks such as ``DistributedDataParallel``'s reducer, which all-reduces the gradient and writes
+the average back). twinrpc gets the same by letting the real AccumulateGrad node run with the leaf's
+``.grad`` swapped for the context's gradient for the duration of one engine call:
+
+* every hook sees and edits the context's gradient, so a DDP module inside a context all-reduces it;
+* PyTorch's own accumulation rules decide when a gradient is copied: an incoming gradient that is
+  shared, non-contiguous or expanded (stride 0) is cloned, one exclusively owned is adopted, and a
+  later pass adds in place, so no two gradients of a context share memory;
+* the leaf's own ``.grad`` is put back afterwards: a distributed backward leaves it untouched.
+
+The swap holds one lock per worker, so two passes that reach the same leaf (two trainers' backward
+passes on a parameter server) accumulate one after the other, as PyTorch's single CPU engine thread
+serialises them. Code on another thread reading ``.grad`` of such a leaf during the engine call sees
+the context's gradient.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ._dist_autograd import DistAutogradContext
+
+#: One per process: a leaf tensor belongs to one worker. Reentrant because the simulator's workers are
+#: tasks on one thread: a hook that blocks inside an engine call (a simulated DDP all-reduce) lets the
+#: other workers run, and their passes, over leaves of their own, take the lock again.
+_SWAP_LOCK = threading.RLock()
+
+
+@contextmanager
+def context_grads_in_leaves(ctx: DistAutogradContext, leaves: Sequence[torch.Tensor]) -> Iterator[None]:
+    """For the block, each leaf's ``.grad`` is its gradient in ``ctx``; after it, whatever the block
+    left there is the context's gradient and ``.grad`` is what it was before."""
+    with _SWAP_LOCK:
+        saved: list[torch.Tensor | None] = []
+        with ctx.lock:
+            for leaf in leaves:
+                saved.append(leaf.grad)
+                leaf.grad = ctx.grads.get(leaf)
+        try:
+            yield
+        finally:
+            with ctx.lock:
+                for leaf, old in zip(leaves, saved, strict=True):
+                    grad = leaf.grad
+                    if grad is not None:
+                        ctx.grads[leaf] = grad
+                    leaf.grad = old
