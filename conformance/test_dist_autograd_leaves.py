@@ -1,5 +1,5 @@
 """Leaves in a distributed backward: their AccumulateGrad hooks run, DDP inside a context all-reduces,
-and gradients in a context never share memory (DAG-14..DAG-16).
+and gradients in a context never share memory (DAG-15..DAG-17).
 
 A DDP program sets up its own gloo process group beside RPC, as PyTorch's "DDP with the distributed
 RPC framework" pattern does; the test hands every rank the same ``file://`` rendezvous (the simulator
@@ -84,7 +84,7 @@ def _hooks_on_both_sides(ctx: Any) -> dict[str, Any]:
     }
 
 
-@pytest.mark.spec("DAG-14")
+@pytest.mark.spec("DAG-15")
 def test_leaf_tensor_hooks_and_accumulate_grad_post_hooks_run_once_on_every_worker(world: Any) -> None:
     got = world.run_on(0, _hooks_on_both_sides)
     for side, ref in (("mine", "ref_local"), ("theirs", "ref_remote")):
@@ -155,7 +155,7 @@ def _assert_same(a: list[list[list[float]]], b: list[list[list[float]]]) -> None
             assert torch.allclose(torch.tensor(pa), torch.tensor(pb), atol=1e-5), (pa, pb)
 
 
-@pytest.mark.spec("DAG-15")
+@pytest.mark.spec("DAG-16")
 def test_ddp_inside_a_context_all_reduces_and_its_gradients_equal_local_ddp(world: Any, tmp_path: Any) -> None:
     results = world.run(_ddp_under_dist_autograd, str(tmp_path / "pg"), [2, 2])
     for got in results:
@@ -165,7 +165,7 @@ def test_ddp_inside_a_context_all_reduces_and_its_gradients_equal_local_ddp(worl
         assert not torch.allclose(torch.tensor(got["dist"][0][0]), torch.tensor(got["own"][0][0]))
 
 
-@pytest.mark.spec("DAG-15")
+@pytest.mark.spec("DAG-16")
 def test_ddp_join_with_uneven_inputs_inside_contexts_equals_local_ddp(world: Any, tmp_path: Any) -> None:
     results = world.run(_ddp_under_dist_autograd, str(tmp_path / "pg"), [3, 1])
     for got in results:
@@ -204,7 +204,7 @@ def _aliasing(ctx: Any) -> dict[str, Any]:
     }
 
 
-@pytest.mark.spec("DAG-16", "DAG-8")
+@pytest.mark.spec("DAG-17", "DAG-8")
 def test_gradients_in_a_context_never_share_memory_and_can_be_edited_in_place(world: Any) -> None:
     got = world.run_on(0, _aliasing)
     assert got["shared"] is False

@@ -1,5 +1,5 @@
 """Leaf gradients of a distributed backward pass go into the context through PyTorch's own
-AccumulateGrad nodes (spec DAG-9, DAG-13).
+AccumulateGrad nodes (spec DAG-15..DAG-17).
 
 PyTorch's distributed engine never writes ``.grad``: it accumulates each leaf's gradient into the
 autograd context, and it still runs the leaf's AccumulateGrad hooks (tensor hooks, Python post-hooks,
