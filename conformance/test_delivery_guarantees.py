@@ -174,7 +174,7 @@ def _owner_forgets_after_lossy_delete(rank: int) -> Any:
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
     out = None
     if rank == 0:
-        rref = rpc.remote("worker1", torch.ones, args=(3,))
+        rref = rpc.remote("worker1", torch.ones, args=([3],))
         assert rref.to_here().tolist() == [1.0, 1.0, 1.0]
         del rref  # its RREF_USER_DELETE (and the retries) cross a lossy network
         from twinrpc.simulator import sleep

@@ -27,7 +27,9 @@ from ._errors import (
     ShutdownError,
     WorkerUnavailableError,
     original_type,
+    remote_repr,
     serialization_error,
+    unpickle_error,
 )
 from ._future import Future
 from ._message import CONTROL_KINDS, REQUEST_KINDS, RREF_CONTROL_KINDS, Kind, Message
@@ -415,8 +417,11 @@ class RpcAgent:
             self._reply_error(
                 msg,
                 SerializationError(
-                    f"{self.info} could not unpickle a {msg.kind.name} request from "
-                    f"{self._by_id.get(msg.src, msg.src)}: {exc!r}"
+                    unpickle_error(
+                        exc,
+                        f"{self.info} could not unpickle a {msg.kind.name} request from "
+                        f"{self._by_id.get(msg.src, msg.src)}",
+                    )
                 ),
             )
             return
@@ -553,9 +558,8 @@ class RpcAgent:
         if self.autograd.replies:  # hook: no reply will join the context
             self.autograd.forget_reply(msg)
         text = "".join(traceback.format_exception(exc))
-        remote = _RemoteException(
-            original_type(exc), f"On {self.info}:\n{exc!r}\n{text}", isinstance(exc, SerializationError)
-        )
+        message = f"On {self.info}:\n{remote_repr(exc)}\n{text}"  # PyTorch's form (ERR-1)
+        remote = _RemoteException(original_type(exc), message, isinstance(exc, SerializationError))
         try:
             payload, tensors = _serialize.dumps(remote)
         except BaseException:  # the type itself cannot travel (e.g. a local class)

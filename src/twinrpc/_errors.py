@@ -83,3 +83,36 @@ def serialization_error(message: str, like: type[BaseException] | None = None) -
 def original_type(exc: BaseException) -> type[BaseException]:
     """The builtin a SerializationError stands for (itself for any other error)."""
     return getattr(type(exc), "original_type", type(exc))
+
+
+#: PyTorch's words when a request names a function or class the callee does not have (RPC-8); its
+#: ``_InternalRPCPickler.deserialize`` appends them to the unpickler's ``AttributeError``
+NOT_SERIALIZED_HINT = (
+    "Default RPC pickler does not serialize function code. Ensure that UDFs are defined on both caller "
+    "and callee modules."
+)
+
+
+def unpickle_error(exc: BaseException, what: str) -> str:
+    """The message of a request that the callee cannot unpickle: ``what`` (which request, from whom)
+    and the unpickler's error; an ``AttributeError`` (a function missing on the callee) gets PyTorch's
+    "RPC pickler does not serialize" hint after it."""
+    text = f"{what}: {remote_repr(exc)}"
+    if isinstance(exc, AttributeError):
+        text += f" {NOT_SERIALIZED_HINT}"
+    return text
+
+
+def remote_repr(exc: BaseException) -> str:
+    """``repr(exc)`` with its escapes undone, so the message reads as the remote raised it.
+
+    PyTorch builds the remote error's text from ``repr(e)`` and decodes it with ``unicode_escape``
+    (torch/distributed/rpc/internal.py, ``_handle_exception``): quotes, newlines, tabs and backslashes
+    arrive as written, e.g. ``ValueError('he said "it's"`` and a real line break. Escaping non-ASCII
+    characters first keeps them intact too (PyTorch's decoding garbles them).
+    """
+    text = repr(exc)
+    try:
+        return text.encode("ascii", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError:  # a repr that is not a plain Python literal
+        return text

@@ -14,9 +14,11 @@ def check_worker_name(name: object) -> str:
     if not isinstance(name, str):
         raise TypeError(f"Worker name must be a str, but got {type(name).__name__}: {name!r}")
     if not name or len(name) >= MAX_NAME_LEN or not _NAME_RE.match(name):
+        # PyTorch's text first (torch/csrc/distributed/rpc/types.cpp, WorkerInfo::WorkerInfo), then ours
         raise RuntimeError(
-            f"Worker name must match ^[A-Za-z0-9-_:]*$ and be non-empty and shorter than {MAX_NAME_LEN} "
-            f"chars, but got {name!r} ({len(name)} chars); use only letters, digits, '-', '_' and ':'"
+            f"Worker name must match ^[A-Za-z0-9-_:]*$, and must be non-empty and shorter than "
+            f"{MAX_NAME_LEN} chars, but got {name} (twinrpc: {name!r}, {len(name)} chars; use only ASCII "
+            f"letters, digits, '-', '_' and ':')"
         )
     return name
 
