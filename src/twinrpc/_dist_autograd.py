@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from . import _serialize
 from ._errors import NotInitializedError, ShutdownError, WorkerUnavailableError
@@ -60,6 +60,27 @@ def context_not_found(context_id: int) -> RuntimeError:
     return RuntimeError(f"Could not find autograd context with id: {context_id}")
 
 
+class _LeafEdge(torch.autograd.Function):
+    """Its node's only edge is the gradient edge of its input: of a sparse leaf too, which
+    ``get_gradient_edge`` cannot find (it goes through ``view_as``, which sparse layouts lack)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _gradient_edge(t: torch.Tensor) -> Any:
+    if t.layout == torch.strided or t.grad_fn is not None:
+        return get_gradient_edge(t)
+    with torch.enable_grad():
+        node, nr = _LeafEdge.apply(t).grad_fn.next_functions[0]  # type: ignore[no-untyped-call]
+    return GradientEdge(node, nr)
+
+
 class SendRpcBackward:
     """A send function: the gradients of ``tensors`` come back from ``peer`` (DAG-4).
 
@@ -72,7 +93,7 @@ class SendRpcBackward:
         self.autograd_message_id = message_id
         self.peer = peer
         self.what = what
-        edges = [get_gradient_edge(t) for t in tensors]
+        edges = [_gradient_edge(t) for t in tensors]
         self.next_functions: tuple[tuple[Any, int], ...] = tuple((e.node, e.output_nr) for e in edges)
 
     @staticmethod
@@ -102,13 +123,41 @@ RECV_NODE_TYPE: Any = _RecvRpc._backward_cls
 _ANCHOR = torch.zeros((), requires_grad=True)
 
 
+def _sparse_zeros_builder(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Builds a tensor like the sparse ``t`` with no stored entry: same layout, shape, dtype, index
+    dtype, batch, block and dense dimensions. Keeps only that metadata, not ``t``."""
+    layout, size, dtype = t.layout, t.shape, t.dtype
+    if layout == torch.sparse_coo:
+        sparse_dim = t.sparse_dim()
+        dense_shape = tuple(size[sparse_dim:])
+        return lambda: torch.sparse_coo_tensor(
+            torch.zeros((sparse_dim, 0), dtype=torch.long),
+            torch.zeros((0, *dense_shape), dtype=dtype),
+            size,
+            check_invariants=False,
+        )
+    compressed = t.crow_indices() if layout in (torch.sparse_csr, torch.sparse_bsr) else t.ccol_indices()
+    batch = tuple(compressed.shape[:-1])
+    n_compressed = compressed.shape[-1]
+    index_dtype = compressed.dtype
+    value_tail = tuple(t.values().shape[len(batch) + 1 :])  # block and dense dimensions
+    return lambda: torch.sparse_compressed_tensor(
+        torch.zeros((*batch, n_compressed), dtype=index_dtype),
+        torch.zeros((*batch, 0), dtype=index_dtype),
+        torch.zeros((*batch, 0, *value_tail), dtype=dtype),
+        size,
+        layout=layout,
+        check_invariants=False,
+    )
+
+
 class RecvRpcBackward:
     """A recv function: the tensors of one message from ``peer`` that require grad (DAG-4).
 
     A backward pass sends exactly one gradient message for it, with one gradient per tensor.
     """
 
-    __slots__ = ("autograd_message_id", "meta", "nodes", "peer", "what")
+    __slots__ = ("autograd_message_id", "meta", "nodes", "peer", "sparse_zeros", "what")
 
     next_functions: tuple[tuple[Any, int], ...] = ()
 
@@ -118,6 +167,8 @@ class RecvRpcBackward:
         self.what = what
         self.nodes: list[Any] = []
         self.meta: list[tuple[torch.Size, torch.dtype]] = []
+        #: slot -> builder of its zero gradient, for the slots holding a sparse tensor (DAG-14)
+        self.sparse_zeros: dict[int, Callable[[], torch.Tensor]] | None = None
 
     def attach(self, t: torch.Tensor) -> torch.Tensor:
         slot = len(self.nodes)
@@ -125,7 +176,22 @@ class RecvRpcBackward:
             out = _RecvRpc.apply(_ANCHOR, [t], self, slot)  # type: ignore[no-untyped-call]
         self.nodes.append(out.grad_fn)
         self.meta.append((t.shape, t.dtype))
+        if t.layout != torch.strided:
+            if self.sparse_zeros is None:
+                self.sparse_zeros = {}
+            self.sparse_zeros[slot] = _sparse_zeros_builder(t)
         return out  # type: ignore[no-any-return]
+
+    def zero_gradient(self, slot: int) -> torch.Tensor:
+        """The gradient sent back for the tensor in ``slot`` when the pass gave it none: zeros of its
+        shape, dtype and layout (a sparse tensor's without any stored entry), as PyTorch's recv
+        function sends (DAG-6, DAG-14)."""
+        if self.sparse_zeros is not None:
+            build = self.sparse_zeros.get(slot)
+            if build is not None:
+                return build()
+        shape, dtype = self.meta[slot]
+        return torch.zeros(shape, dtype=dtype)
 
     @staticmethod
     def name() -> str:

@@ -106,6 +106,8 @@ def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
         return b
     if b is None:
         return a
+    if a.layout != torch.strided:  # as PyTorch's input buffer: add(sparse, dense) does not exist
+        return b + a
     return a + b
 
 
@@ -348,10 +350,7 @@ class GraphPass:
         left = self.recv_expected[entry] - 1
         self.recv_expected[entry] = left
         if left == 0:
-            grads = [
-                s if s is not None else torch.zeros(shape, dtype=dtype)
-                for s, (shape, dtype) in zip(slots, entry.meta, strict=True)
-            ]
+            grads = [s if s is not None else entry.zero_gradient(i) for i, s in enumerate(slots)]
             self._send_gradients(entry, grads)
 
     def _send_gradients(self, entry: RecvRpcBackward, grads: list[torch.Tensor]) -> None:

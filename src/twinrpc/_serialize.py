@@ -3,8 +3,10 @@
 Tensors leave the byte stream: each distinct storage in a message becomes one flat ``uint8`` tensor in
 the message's tensor list, and each tensor becomes a small record (storage index, dtype, size, stride,
 storage offset, requires_grad), so views, strides and storage sharing within one message survive as in
-PyTorch (RPC-9). RRefs go through the fork protocol (RREF-F1) via a hook the agent installs. Functions
-and classes travel by reference, as with PyTorch's pickler.
+PyTorch (RPC-9). A sparse tensor (COO, CSR, CSC, BSR, BSC) travels as its layout, shape and
+requires_grad with its index and value tensors, which go out of band like any other (RPC-19). RRefs go
+through the fork protocol (RREF-F1) via a hook the agent installs. Functions and classes travel by
+reference, as with PyTorch's pickler.
 """
 
 from __future__ import annotations
@@ -84,6 +86,37 @@ def _rebuild_tensor(
     return t
 
 
+#: the compressed sparse layouts and their (compressed, plain) index accessors
+_COMPRESSED_INDICES: dict[torch.layout, tuple[Callable[[torch.Tensor], torch.Tensor], ...]] = {
+    torch.sparse_csr: (torch.Tensor.crow_indices, torch.Tensor.col_indices),
+    torch.sparse_csc: (torch.Tensor.ccol_indices, torch.Tensor.row_indices),
+    torch.sparse_bsr: (torch.Tensor.crow_indices, torch.Tensor.col_indices),
+    torch.sparse_bsc: (torch.Tensor.ccol_indices, torch.Tensor.row_indices),
+}
+
+
+def _rebuild_sparse(
+    layout: torch.layout, parts: tuple[torch.Tensor, ...], size: tuple[int, ...], requires_grad: bool
+) -> torch.Tensor:
+    state = _LOAD.state
+    if state is None:
+        raise SerializationError("a twinrpc sparse tensor record was unpickled outside an RPC message")
+    if layout == torch.sparse_coo:
+        indices, values = parts
+        # Coalesced only with fewer than two entries, whatever the sender's was: as PyTorch (RPC-19).
+        t = torch.sparse_coo_tensor(indices, values, size, check_invariants=False)
+    else:
+        compressed, plain, values = parts
+        t = torch.sparse_compressed_tensor(
+            compressed, plain, values, size, layout=layout, check_invariants=False
+        )
+    if requires_grad:
+        if state.autograd is not None:  # distributed autograd hook (DAG-4)
+            return state.autograd(t)
+        t.requires_grad_(True)
+    return t
+
+
 def current_load_state() -> LoadState | None:
     """The state of the message being unpickled on this thread (for reduce hooks), or None."""
     return _LOAD.state
@@ -121,13 +154,12 @@ class _RpcPickler(pickle.Pickler):
         return NotImplemented
 
     def _reduce_tensor(self, t: torch.Tensor) -> Any:
-        if t.layout != torch.strided or type(t) not in (torch.Tensor, torch.nn.Parameter):
-            return NotImplemented  # sparse and subclasses: torch's own reduce, whose parts come back here
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return NotImplemented  # subclasses: torch's own reduce, whose parts come back here
+        if t.layout != torch.strided:
+            return self._reduce_sparse(t)
         if t.device.type != "cpu":
-            raise SerializationError(
-                f"twinrpc only supports CPU tensors; got a tensor on {t.device} "
-                f"(shape {tuple(t.shape)}, {t.dtype}). Move it to the CPU with .cpu() before the RPC"
-            )
+            raise _not_cpu(t)
         if self.storages is None:
             self.storages, self._storage_index, self._keepalive = [], {}, []
         requires_grad = t.requires_grad
@@ -152,6 +184,37 @@ class _RpcPickler(pickle.Pickler):
             _rebuild_tensor,
             (index, t.dtype, tuple(t.size()), t.stride(), t.storage_offset(), requires_grad),
         )
+
+    def _reduce_sparse(self, t: torch.Tensor) -> Any:
+        """A sparse tensor as its layout, shape and requires_grad, and its index and value tensors
+        (pickled by :meth:`_reduce_tensor` in turn). Distributed autograd records the sparse tensor
+        itself: its gradient comes back for it, not for its values (RPC-19, DAG-4)."""
+        layout = t.layout
+        if layout != torch.sparse_coo and layout not in _COMPRESSED_INDICES:
+            raise SerializationError(
+                f"twinrpc cannot send a tensor with layout {layout} (shape {tuple(t.shape)}, {t.dtype}): "
+                "only strided and sparse (COO, CSR, CSC, BSR, BSC) tensors travel. Convert it with "
+                ".to_dense() before the RPC"
+            )
+        if t.device.type != "cpu":
+            raise _not_cpu(t)
+        requires_grad = t.requires_grad
+        if requires_grad and self._grad_tensors is not None:
+            self._grad_tensors.append(t)
+        t = t.detach()
+        if layout == torch.sparse_coo:
+            parts: tuple[torch.Tensor, ...] = (t._indices(), t._values())
+        else:
+            compressed, plain = _COMPRESSED_INDICES[layout]
+            parts = (compressed(t), plain(t), t.values())
+        return (_rebuild_sparse, (layout, parts, tuple(t.size()), requires_grad))
+
+
+def _not_cpu(t: torch.Tensor) -> SerializationError:
+    return SerializationError(
+        f"twinrpc only supports CPU tensors; got a tensor on {t.device} "
+        f"(shape {tuple(t.shape)}, {t.dtype}). Move it to the CPU with .cpu() before the RPC"
+    )
 
 
 def dumps(
