@@ -75,6 +75,39 @@ def test_porting_on_gloo():
     assert _run("docs/examples/porting.py", "--world", "gloo").strip() == "[10.0, 10.0, 10.0]"
 
 
+# -- docs/howto/generations: each seed generation's program, in both worlds ---------------------------
+GENERATION_1_4 = [
+    "rpc_sync: [4.0, 4.0]",
+    "rpc_async: [5.0, 5.0]",
+    "remote: [6.0, 6.0]",
+    "gradients: [9.0, 9.0]",
+    "after step: [[3.95, 3.95], [1.95, 1.95]]",
+    "worker: 1",
+]
+GENERATION_1_6 = [
+    "async_add_chained: [3.0, 3.0]",
+    "moved by: [0.1, 0.15]",
+    "num_send_recv_threads: 4",
+    "rpc_timeout: 20.0",
+]
+GENERATION_2 = ["last loss: 0.002", "weights: [1.989, -0.983, 0.48, 2.996]"]
+
+
+@pytest.mark.parametrize("world", ["sim", "gloo"])
+def test_pytorch_1_4_program_runs_unchanged(world: str) -> None:
+    assert _run("docs/examples/generation_1_4.py", "--world", world).splitlines() == GENERATION_1_4
+
+
+@pytest.mark.parametrize("world", ["sim", "gloo"])
+def test_pytorch_1_6_program_runs_unchanged(world: str) -> None:
+    assert _run("docs/examples/generation_1_6.py", "--world", world).splitlines() == GENERATION_1_6
+
+
+@pytest.mark.parametrize("world", ["sim", "gloo"])
+def test_pytorch_2_program_runs_unchanged(world: str) -> None:
+    assert _run("docs/examples/generation_2.py", "--world", world).splitlines() == GENERATION_2
+
+
 def test_parameter_server_on_the_simulator():
     out = _run("docs/examples/parameter_server.py", "--world", "sim")
     assert "60 updates, weights [2.0, -3.0, 0.5]" in out

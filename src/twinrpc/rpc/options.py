@@ -25,7 +25,8 @@ class BackendType(enum.Enum):
 
     ``TENSORPIPE`` is PyTorch 2.x's name (and its default). ``PROCESS_GROUP`` is the name PyTorch 1.4 to
     1.7 used (the default of ``init_rpc`` up to 1.6), kept so programs written for those versions run
-    unchanged (spec/lifecycle.md, LIFE-8); it pairs with :class:`ProcessGroupRpcBackendOptions`.
+    unchanged (spec/lifecycle.md, LIFE-8); it pairs with
+    :class:`~twinrpc.rpc.ProcessGroupRpcBackendOptions`.
     """
 
     TENSORPIPE = "TENSORPIPE"
