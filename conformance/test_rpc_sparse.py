@@ -303,3 +303,43 @@ def test_sparse_embedding_on_a_parameter_server_gets_the_local_gradient_and_step
     assert out["grad"][0][0] == "torch.sparse_coo"
     assert out["grad"] == out["local_grad"]
     assert out["weight"] == out["local_weight"]
+
+
+def _square_sum(x: torch.Tensor) -> torch.Tensor:
+    return torch.sparse.sum(x * x)
+
+
+def _dense_use(z: torch.Tensor) -> torch.Tensor:
+    return ((torch.ones(4, 4) + z) ** 2).sum()  # a dense gradient for the sparse z
+
+
+def _used_here_and_remotely(ctx: Any, via: str, dense_at: str) -> dict[str, Any]:
+    """A sparse non-leaf used locally and sent away: its node waits for gradients from the root and
+    from a send function (per-node mode) and adds them, a dense one to a sparse one where ``dense_at``
+    says; the remote part returns as an RPC result or through an RRef's to_here (DAG-12)."""
+    da = ctx.dist_autograd
+    use_here = _dense_use if dense_at == "here" else _square_sum
+    use_there = _dense_use if dense_at == "there" else _square_sum
+    x = _sparse("coo", True)
+    with da.context() as cid:
+        z = x * 3
+        if via == "rpc":
+            remote = ctx.rpc.rpc_sync(ctx.name(1), use_there, args=(z,))
+        else:
+            remote = use_there(ctx.rpc.remote(ctx.name(1), _double, args=(z,)).to_here())
+        da.backward(cid, [remote + use_here(z)])
+        got = _grad_record(da.get_gradients(cid)[x])
+    lx = _sparse("coo", True)
+    lz = lx * 3
+    (use_there(lz if via == "rpc" else _double(lz)) + use_here(lz)).backward()
+    return {"got": got, "local": _grad_record(lx.grad)}
+
+
+@pytest.mark.spec("DAG-14", "DAG-9", "DAG-12")
+@pytest.mark.parametrize("dense_at", ["nowhere", "here", "there"])
+@pytest.mark.parametrize("via", ["rpc", "rref"])
+def test_sparse_value_used_locally_and_remotely_gets_the_local_gradient(
+    world: Any, via: str, dense_at: str
+) -> None:
+    out = world.run_on(0, _used_here_and_remotely, via, dense_at)
+    assert out["got"] == out["local"]
