@@ -128,12 +128,12 @@ def _raise(message: str) -> None:
     raise ValueError(message)
 
 
-def _prog_remote_error_text(ctx: Any) -> dict[str, Any]:
+def _prog_remote_error_text(ctx: Any, message: str = MESSAGE) -> dict[str, Any]:
     rpc, to = ctx.rpc, ctx.name(1)
     return {
-        "rpc_sync": outcome(lambda: rpc.rpc_sync(to, _raise, args=(MESSAGE,))),
-        "rpc_async": outcome(lambda: rpc.rpc_async(to, _raise, args=(MESSAGE,)).wait()),
-        "to_here": outcome(lambda: rpc.remote(to, _raise, args=(MESSAGE,)).to_here()),
+        "rpc_sync": outcome(lambda: rpc.rpc_sync(to, _raise, args=(message,))),
+        "rpc_async": outcome(lambda: rpc.rpc_async(to, _raise, args=(message,)).wait()),
+        "to_here": outcome(lambda: rpc.remote(to, _raise, args=(message,)).to_here()),
     }
 
 
@@ -147,6 +147,17 @@ def test_remote_error_message_keeps_quotes_newlines_and_backslashes_as_written(w
             api,
             message,
         )
+
+
+NON_ASCII = "naïve café: 東京 ✓"
+
+
+@pytest.mark.spec("ERR-1")
+def test_remote_error_message_keeps_non_ascii_text(world: Any) -> None:
+    # DEV-7: PyTorch decodes the whole message as unicode_escape, which reads its UTF-8 bytes as Latin-1
+    kinds, message = world.run_on(0, _prog_remote_error_text, NON_ASCII)["rpc_sync"]
+    assert "ValueError" in kinds
+    assert f"ValueError('{NON_ASCII}')" in message and f"ValueError: {NON_ASCII}" in message, message
 
 
 # -- DAG-5: dist_autograd.backward with arguments of the wrong types --------------------------------
