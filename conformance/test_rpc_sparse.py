@@ -142,6 +142,39 @@ def test_compressed_sparse_results_and_rref_values_keep_their_layout(
     assert _without(got, "coalesced") == _expected(layout, True)
 
 
+def _large(layout: str) -> torch.Tensor:
+    """About 4 MiB of indices and values: more than one frame's worth in the gloo world."""
+    g = torch.Generator().manual_seed(3)
+    dense = torch.rand(1500, 1500, generator=g, dtype=torch.float64)
+    dense = dense * (torch.rand(1500, 1500, generator=g) < 0.1)
+    return dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+
+
+def _fingerprint(t: torch.Tensor) -> list[Any]:
+    dense = t.detach().to_dense()
+    weights = torch.arange(dense.numel(), dtype=torch.float64).reshape(dense.shape)
+    return [str(t.layout), list(t.shape), t._nnz(), float((dense * weights).sum()), float(dense.abs().max())]
+
+
+def _large_argument(ctx: Any, layout: str) -> list[Any]:
+    return ctx.rpc.rpc_sync(ctx.name(1), _fingerprint, args=(_large(layout),))  # type: ignore[no-any-return]
+
+
+def _large_result(ctx: Any) -> list[Any]:
+    return _fingerprint(ctx.rpc.rpc_sync(ctx.name(1), _large, args=("coo",)))
+
+
+@pytest.mark.spec("RPC-19")
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_a_large_sparse_argument_arrives_intact(world: Any, layout: str) -> None:
+    assert world.run_on(0, _large_argument, layout) == _fingerprint(_large(layout))
+
+
+@pytest.mark.spec("RPC-19")
+def test_a_large_coo_result_arrives_intact(world: Any) -> None:
+    assert world.run_on(0, _large_result) == _fingerprint(_large("coo"))
+
+
 def _unsupported_result(ctx: Any) -> Any:
     return outcome(lambda: ctx.rpc.rpc_sync(ctx.name(1), _make_mkldnn))[0]
 
