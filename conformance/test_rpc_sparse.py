@@ -263,18 +263,17 @@ def _unused_sparse_argument(ctx: Any, layout: str) -> Any:
         da.backward(cid, [ctx.rpc.rpc_sync(ctx.name(1), _only_second, args=(x, w))])
         grads = da.get_gradients(cid)
         gx = grads[x]
-        return [str(gx.layout), list(gx.shape), gx._nnz(), grads[w].tolist()]
+        dims = [gx.sparse_dim(), gx.dense_dim()]
+        return [str(gx.layout), list(gx.shape), gx._nnz(), dims, str(gx.dtype), grads[w].tolist()]
 
 
 @pytest.mark.spec("DAG-14", "DAG-6")
-@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.parametrize("layout", ["coo", "coo_hybrid", "csr"])
 def test_sparse_argument_the_loss_does_not_use_gets_a_sparse_zero_gradient(world: Any, layout: str) -> None:
-    assert world.run_on(0, _unused_sparse_argument, layout) == [
-        f"torch.sparse_{layout}",
-        [4, 4],
-        0,
-        [2.0, 2.0],
-    ]
+    """Every dimension of the zero gradient is sparse, also for a hybrid COO tensor (as PyTorch's
+    recv function sends ``zeros`` of the tensor's layout)."""
+    expected = [f"torch.sparse_{layout[:3]}", [4, 4], 0, [2, 0], "torch.float32", [2.0, 2.0]]
+    assert world.run_on(0, _unused_sparse_argument, layout) == expected
 
 
 # -- DAG-14: an embedding with sparse gradients on a parameter server --------------------------------

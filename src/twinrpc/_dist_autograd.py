@@ -123,41 +123,13 @@ RECV_NODE_TYPE: Any = _RecvRpc._backward_cls
 _ANCHOR = torch.zeros((), requires_grad=True)
 
 
-def _sparse_zeros_builder(t: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """Builds a tensor like the sparse ``t`` with no stored entry: same layout, shape, dtype, index
-    dtype, batch, block and dense dimensions. Keeps only that metadata, not ``t``."""
-    layout, size, dtype = t.layout, t.shape, t.dtype
-    if layout == torch.sparse_coo:
-        sparse_dim = t.sparse_dim()
-        dense_shape = tuple(size[sparse_dim:])
-        return lambda: torch.sparse_coo_tensor(
-            torch.zeros((sparse_dim, 0), dtype=torch.long),
-            torch.zeros((0, *dense_shape), dtype=dtype),
-            size,
-            check_invariants=False,
-        )
-    compressed = t.crow_indices() if layout in (torch.sparse_csr, torch.sparse_bsr) else t.ccol_indices()
-    batch = tuple(compressed.shape[:-1])
-    n_compressed = compressed.shape[-1]
-    index_dtype = compressed.dtype
-    value_tail = tuple(t.values().shape[len(batch) + 1 :])  # block and dense dimensions
-    return lambda: torch.sparse_compressed_tensor(
-        torch.zeros((*batch, n_compressed), dtype=index_dtype),
-        torch.zeros((*batch, 0), dtype=index_dtype),
-        torch.zeros((*batch, 0, *value_tail), dtype=dtype),
-        size,
-        layout=layout,
-        check_invariants=False,
-    )
-
-
 class RecvRpcBackward:
     """A recv function: the tensors of one message from ``peer`` that require grad (DAG-4).
 
     A backward pass sends exactly one gradient message for it, with one gradient per tensor.
     """
 
-    __slots__ = ("autograd_message_id", "meta", "nodes", "peer", "sparse_zeros", "what")
+    __slots__ = ("autograd_message_id", "meta", "nodes", "peer", "what")
 
     next_functions: tuple[tuple[Any, int], ...] = ()
 
@@ -166,32 +138,24 @@ class RecvRpcBackward:
         self.peer = peer
         self.what = what
         self.nodes: list[Any] = []
-        self.meta: list[tuple[torch.Size, torch.dtype]] = []
-        #: slot -> builder of its zero gradient, for the slots holding a sparse tensor (DAG-14)
-        self.sparse_zeros: dict[int, Callable[[], torch.Tensor]] | None = None
+        #: shape, dtype and layout of each slot's tensor
+        self.meta: list[tuple[torch.Size, torch.dtype, torch.layout]] = []
 
     def attach(self, t: torch.Tensor) -> torch.Tensor:
         slot = len(self.nodes)
         with torch.enable_grad():
             out = _RecvRpc.apply(_ANCHOR, [t], self, slot)  # type: ignore[no-untyped-call]
         self.nodes.append(out.grad_fn)
-        self.meta.append((t.shape, t.dtype))
-        if t.layout != torch.strided:
-            if self.sparse_zeros is None:
-                self.sparse_zeros = {}
-            self.sparse_zeros[slot] = _sparse_zeros_builder(t)
+        self.meta.append((t.shape, t.dtype, t.layout))
         return out  # type: ignore[no-any-return]
 
     def zero_gradient(self, slot: int) -> torch.Tensor:
-        """The gradient sent back for the tensor in ``slot`` when the pass gave it none: zeros of its
-        shape, dtype and layout (a sparse tensor's without any stored entry), as PyTorch's recv
-        function sends (DAG-6, DAG-14)."""
-        if self.sparse_zeros is not None:
-            build = self.sparse_zeros.get(slot)
-            if build is not None:
-                return build()
-        shape, dtype = self.meta[slot]
-        return torch.zeros(shape, dtype=dtype)
+        """The gradient sent back for the tensor in ``slot`` when the pass gave it none, as PyTorch's
+        recv function sends: zeros of its shape, dtype and layout (for a sparse layout no stored
+        entry, every dimension sparse; none exists for BSR and BSC, whose zeros raise naming the
+        layout; DAG-6, DAG-14)."""
+        shape, dtype, layout = self.meta[slot]
+        return torch.zeros(shape, dtype=dtype, layout=layout)
 
     @staticmethod
     def name() -> str:
