@@ -184,6 +184,21 @@ def test_a_result_of_a_layout_that_cannot_travel_raises_runtime_error(world: Any
     assert "RuntimeError" in world.run_on(0, _unsupported_result)
 
 
+def _unsupported_argument(ctx: Any) -> list[Any]:
+    rpc = ctx.rpc
+    kinds, message = outcome(
+        lambda: rpc.rpc_sync(ctx.name(1), _identity, args=(torch.ones(2, 2).to_mkldnn(),))
+    )
+    return [kinds, "torch._mkldnn" in message, rpc.rpc_sync(ctx.name(1), _identity, args=(1,))]
+
+
+@pytest.mark.spec("RPC-19", "ERR-9")
+def test_an_argument_of_a_layout_that_cannot_travel_raises_naming_it(world: Any) -> None:
+    """PyTorch aborts the calling process (DEV-8)."""
+    kinds, named, after = world.run_on(0, _unsupported_argument)
+    assert "RuntimeError" in kinds and named and after == 1
+
+
 # -- DAG-14: sparse tensors in distributed autograd ----------------------------------------------------
 def _loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = torch.sparse.mm(x, w) if x.layout == torch.sparse_coo else x.to_dense() @ w
