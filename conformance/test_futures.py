@@ -1,5 +1,7 @@
 """``Future`` semantics (``ctx.futures``): wait/value/done, then/add_done_callback, set_result/set_exception,
-wait_all and collect_all, on futures returned by rpc_async and on futures a program creates itself.
+wait_all and collect_all, on futures returned by rpc_async and on futures a program creates itself; the
+futures RPC returns are ``torch.futures.Future``s that upstream ``torch.futures.collect_all``/``wait_all``
+take; callbacks that make RPCs themselves, back to the peer whose reply ran them.
 
 Futures are created and completed inside worker programs; the test bodies assert on plain data.
 """
@@ -10,6 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from ._support import slow_echo
 
 # ---------------------------------------------------------------- UDFs
 
@@ -179,6 +183,100 @@ def _prog_collect_all(ctx: Any) -> tuple[bool, list[bool], list[Any]]:
     )
 
 
+def _prog_torch_futures_take_rpc_futures(ctx: Any) -> tuple[list[bool], bool, list[Any], list[Any]]:
+    # torch.futures itself, not ctx.futures: programs written against PyTorch call it directly
+    rref = ctx.rpc.remote("worker1", _add_one, args=(torch.zeros(2),))
+    futs = [
+        ctx.rpc.rpc_async("worker1", _echo, args=("a",)),
+        ctx.rpc.rpc_async("worker0", _echo, args=("self",)),
+        ctx.rpc.rpc_async("worker1", _echo, args=(3,)).then(lambda f: f.wait() * 2),
+        rref.rpc_async().size(),
+        rref._get_future().then(lambda f: "created"),
+    ]
+    # torch.Future (torch._C.Future) is what torch.futures' functions take; PyTorch's RPC futures are
+    # instances of it but not of its Python subclass torch.futures.Future (twinrpc's are of both)
+    kinds = [isinstance(f, torch.Future) for f in [*futs, rref._get_future()]]
+    collected = torch.futures.collect_all(futs)
+    values = [f.wait() for f in collected.wait()]
+    waited = torch.futures.wait_all(futs)
+    values[3], waited[3] = list(values[3]), list(waited[3])
+    return kinds, isinstance(collected, torch.Future), values, waited
+
+
+def _prog_torch_wait_all_fails_early(ctx: Any, combinator: str) -> tuple[list[str], str, bool]:
+    slow = ctx.rpc.rpc_async("worker1", slow_echo, args=(ctx.backend, 3.0, "late"))
+    failing = ctx.rpc.rpc_async("worker1", _raise_value_error, args=("x4",))
+    try:
+        if combinator == "wait_all":
+            torch.futures.wait_all([slow, failing])
+        else:
+            torch.futures.collect_all([slow, failing]).wait()
+    except Exception as e:
+        kinds, message = [c.__name__ for c in type(e).__mro__], str(e)
+    else:
+        kinds, message = ["no error"], ""
+    still_pending = not slow.done()
+    slow.wait()
+    return kinds, message, still_pending
+
+
+def _prog_then_callback_rpc_syncs_back(ctx: Any) -> tuple[list[Any], list[Any]]:
+    def callback(f: Any) -> list[Any]:
+        # blocking calls to the peer whose reply is running this callback
+        first = ctx.rpc.rpc_sync("worker1", _echo, args=(f.wait() + 1,))
+        second = ctx.rpc.rpc_async("worker1", _echo, args=(first + 1,)).wait()
+        return [f.wait(), first, second]
+
+    chained = ctx.rpc.rpc_async("worker1", _echo, args=(1,)).then(callback)
+    # a chain of them, on a remote future and on a local one
+    local = ctx.futures.Future()
+    nested = local.then(callback).then(lambda f: ctx.rpc.rpc_sync("worker1", _echo, args=(f.wait(),)))
+    local.set_result(10)
+    return chained.wait(), nested.wait()
+
+
+def _prog_add_done_callback_rpc_syncs_back(ctx: Any) -> list[Any]:
+    out = ctx.futures.Future()
+
+    def callback(f: Any) -> None:
+        try:
+            out.set_result([f.value(), ctx.rpc.rpc_sync("worker1", _echo, args=(f.value() * 2,))])
+        except Exception as e:
+            out.set_exception(e)
+
+    ctx.rpc.rpc_async("worker1", _echo, args=(21,)).add_done_callback(callback)
+    return out.wait()
+
+
+def _prog_callback_blocked_does_not_hold_later_replies(ctx: Any) -> list[Any]:
+    gate = ctx.futures.Future()  # opened only after another call to the same peer returned
+    out = ctx.futures.Future()
+
+    def callback(f: Any) -> None:
+        gate.wait()
+        out.set_result(f.value())
+
+    fut = ctx.rpc.rpc_async("worker1", slow_echo, args=(ctx.backend, 0.2, "first"))
+    fut.add_done_callback(callback)
+    fut.wait()
+    second = ctx.rpc.rpc_sync("worker1", _echo, args=("second",))  # its reply: same peer, after
+    gate.set_result(None)
+    return [second, out.wait()]
+
+
+def _prog_callback_not_callable(ctx: Any) -> list[tuple[str, bool]]:
+    local = ctx.futures.Future()
+    remote = ctx.rpc.rpc_async("worker1", _echo, args=(1,))
+    remote.wait()
+    results = []
+    for fut in (local, remote):
+        for method, arg in (("then", None), ("add_done_callback", None), ("then", 3)):
+            kind, message = _outcome(lambda: getattr(fut, method)(arg))  # noqa: B023 (called at once)
+            results.append((kind, "incompatible function arguments" in message))
+    local.set_result(None)  # nothing was registered: completing runs nothing
+    return results
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -287,3 +385,44 @@ def test_private_wait_all_context_waits_for_every_rpc_async_issued_inside(world:
     done, values = world.run_on(0, _prog_wait_all_context)
     assert done is True
     assert values == [0, 1, 2]
+
+
+@pytest.mark.spec("RPC-17")
+def test_rpc_futures_are_torch_futures_that_torch_collect_all_and_wait_all_take_in_order(world: Any) -> None:
+    kinds, combined_is_future, values, waited = world.run_on(0, _prog_torch_futures_take_rpc_futures)
+    assert kinds == [True] * 6
+    assert combined_is_future is True
+    assert values == waited == ["a", "self", 6, [2], "created"]
+
+
+@pytest.mark.spec("RPC-13", "RPC-17")
+@pytest.mark.parametrize("combinator", ["wait_all", "collect_all"])
+def test_torch_combinators_raise_the_remote_error_type_without_waiting_for_the_rest(
+    world: Any, combinator: str
+) -> None:
+    kinds, message, still_pending = world.run_on(0, _prog_torch_wait_all_fails_early, combinator)
+    assert kinds[0] == "ValueError", kinds
+    assert "remote failure x4" in message
+    assert still_pending is True
+
+
+@pytest.mark.spec("RPC-17")
+def test_then_callback_can_rpc_sync_to_the_peer_whose_reply_ran_it(world: Any) -> None:
+    chained, nested = world.run_on(0, _prog_then_callback_rpc_syncs_back)
+    assert chained == [1, 2, 3]
+    assert nested == [10, 11, 12]
+
+
+@pytest.mark.spec("RPC-17")
+def test_add_done_callback_can_rpc_sync_to_the_peer_whose_reply_ran_it(world: Any) -> None:
+    assert world.run_on(0, _prog_add_done_callback_rpc_syncs_back) == [21, 42]
+
+
+@pytest.mark.spec("RPC-17")
+def test_a_blocked_callback_does_not_hold_up_later_replies_from_the_same_peer(world: Any) -> None:
+    assert world.run_on(0, _prog_callback_blocked_does_not_hold_later_replies) == ["second", "first"]
+
+
+@pytest.mark.spec("RPC-17")
+def test_then_and_add_done_callback_reject_a_non_callable_at_once_with_type_error(world: Any) -> None:
+    assert world.run_on(0, _prog_callback_not_callable) == [("TypeError", True)] * 6

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from twinrpc._future import CALLBACK_ROLE
 from twinrpc._message import Kind, Message
 
 from ._framing import (
@@ -184,6 +185,7 @@ class PeerLink:
         self._receiver = threading.Thread(target=self._receive_loop, name=f"twinrpc-recv-{peer}", daemon=True)
         self._receive_done = threading.Event()
         self._run_elsewhere: Callable[[Callable[[], None]], None] | None = None
+        self._defer_callbacks: Callable[[Callable[[], None]], None] | None = None
         self._outbox: queue.SimpleQueue[tuple[Message, Callable[[Message, BaseException], None]] | None] = (
             queue.SimpleQueue()
         )
@@ -196,10 +198,18 @@ class PeerLink:
         #: own message is still to be dispatched by it)
         self._delivering_riders = False
 
-    def start(self, run_elsewhere: Callable[[Callable[[], None]], None] | None = None) -> None:
+    def start(
+        self,
+        run_elsewhere: Callable[[Callable[[], None]], None] | None = None,
+        defer_callbacks: Callable[[Callable[[], None]], None] | None = None,
+    ) -> None:
         """Start receiving. ``run_elsewhere(fn)`` runs ``fn`` on another (idle) thread: with it, a
-        receiver can hand its role over (see hand_off) instead of making a request wait for a thread."""
+        receiver can hand its role over (see hand_off) instead of making a request wait for a thread.
+        ``defer_callbacks(fn)`` runs ``fn`` later on another thread: the link's receivers and outbox
+        hand it the user callbacks of the futures they complete (twinrpc._future.CALLBACK_ROLE), which
+        must never block them; without it those run on the receiver."""
         self._run_elsewhere = run_elsewhere
+        self._defer_callbacks = defer_callbacks
         self._receivers = 1
         try:
             self._kill_work = self.pg.recv([self._kill_buf], self._peer_rank_in_pg, _KILL_TAG)
@@ -217,6 +227,7 @@ class PeerLink:
             return False
         THREAD_ROLE.link = None
         THREAD_ROLE.no_blocking_send = False
+        CALLBACK_ROLE.defer = None
         with self._rx_lock:
             self._receivers -= 1
             self._turn += 1
@@ -409,6 +420,7 @@ class PeerLink:
         self._outbox.put((msg, on_error))
 
     def _outbox_loop(self) -> None:
+        CALLBACK_ROLE.defer = self._defer_callbacks  # a failed send fails its call's future here
         while True:
             item = self._outbox.get()
             if item is None:
@@ -622,6 +634,7 @@ class PeerLink:
         while True:
             THREAD_ROLE.no_blocking_send = True
             THREAD_ROLE.link = self
+            CALLBACK_ROLE.defer = self._defer_callbacks
             try:
                 handed_off = self._receive_messages()
             except BaseException:
@@ -631,6 +644,7 @@ class PeerLink:
                 if THREAD_ROLE.link is self:
                     THREAD_ROLE.link = None
                     THREAD_ROLE.no_blocking_send = False
+                CALLBACK_ROLE.defer = None
             if not handed_off:
                 self._leave(ended=True)
                 return

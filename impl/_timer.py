@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from twinrpc._future import CALLBACK_ROLE
 from twinrpc._world import TimerHandle
 
 _log = logging.getLogger("twinrpc.impl")
@@ -52,7 +53,13 @@ class TimerThread:
     distributed-autograd benchmark.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(
+        self, name: str, defer_callbacks: Callable[[Callable[[], None]], None] | None = None
+    ) -> None:
+        """``defer_callbacks(fn)`` runs ``fn`` later on another thread: the user callbacks of a future
+        a timer completes (an RPC timeout) go there (twinrpc._future.CALLBACK_ROLE); without it they
+        run on the timer thread."""
+        self._defer_callbacks = defer_callbacks
         self._heap: list[tuple[float, int, TimerHandle, Callable[[], object], float]] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
@@ -98,6 +105,7 @@ class TimerThread:
         from ._link import THREAD_ROLE
 
         THREAD_ROLE.no_blocking_send = True  # a timer blocked in a send would delay every timeout
+        CALLBACK_ROLE.defer = self._defer_callbacks  # and so would a user callback that blocks
         heap = self._heap
         while True:
             with self._cond:

@@ -16,7 +16,7 @@ from twinrpc._world import TimerHandle
 from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
 from ._link import THREAD_ROLE, PeerLink, make_pair_group
-from ._pool import RequestPool
+from ._pool import CallbackRunner, RequestPool
 from ._rendezvous import Joined
 from ._timer import TimerThread
 from ._trace import TraceRecorder
@@ -61,7 +61,9 @@ class GlooWorld:
         #: a timer is set to send the riders still waiting (one for all links, see _flush_riders)
         self._rider_timer = False
         self._pool = RequestPool(num_worker_threads, f"twinrpc-pool-{self.rank}")
-        self._timer = TimerThread(f"twinrpc-timer-{self.rank}")
+        #: user Future callbacks of futures completed on the links' and the timer's threads
+        self._callbacks = CallbackRunner(self._pool.run_job)
+        self._timer = TimerThread(f"twinrpc-timer-{self.rank}", defer_callbacks=self._callbacks.submit)
         self.links: dict[int, PeerLink] = {}
         # With heartbeats the timer judges a stuck send (PeerLink.check_alive); without them a send
         # waits at most rpc_timeout in gloo (none with rpc_timeout=0: the user chose to wait forever).
@@ -77,7 +79,7 @@ class GlooWorld:
         for peer, link in self.links.items():
             link.peer_name = f"'{self.workers[peer].name}' (rank {peer})"
         for link in self.links.values():
-            link.start(self._pool.run_job)
+            link.start(self._pool.run_job, self._callbacks.submit)
         # Heartbeats (failure detection for a peer that stops without closing its connection).
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat_threshold = heartbeat_interval * heartbeat_misses

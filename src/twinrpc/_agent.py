@@ -233,7 +233,7 @@ class RpcAgent:
                 owner.value.try_set_exception(exc)
                 self.rrefs._drop_fork(owner.rref_id, owner.rref_id)
                 raise
-            fut.add_done_callback(lambda f: self._remote_to_self_done(f, owner))
+            fut._add_internal_callback(lambda f: self._remote_to_self_done(f, owner))
             rref = RRef._wrap(self, owner)
             return rref
         user = self.rrefs.new_user_for_remote(dst.id)
@@ -245,7 +245,7 @@ class RpcAgent:
             self.rrefs.remote_timed_out(user)  # nothing was sent: this user must not send a delete
             user.deleted = True
             raise
-        user.created = fut.then(lambda f: self._remote_done(f, user))
+        user.created = fut._then_internal(lambda f: self._remote_done(f, user))
         return RRef._wrap(self, user)
 
     def _remote_done(self, f: Future[Any], user: UserState) -> None:
@@ -451,10 +451,10 @@ class RpcAgent:
                 self._run(msg, func, args, kwargs, on_value=owner)
             elif kind is Kind.RREF_FETCH:
                 owner = self.rrefs.get_or_create_owner(obj)
-                owner.value.add_done_callback(lambda f: self._reply_from(msg, f))
+                owner.value._add_internal_callback(lambda f: self._reply_from(msg, f))
             elif kind is Kind.RREF_TYPE:
                 owner = self.rrefs.get_or_create_owner(obj)
-                owner.value.add_done_callback(lambda f: self._reply_from(msg, f, transform=type))
+                owner.value._add_internal_callback(lambda f: self._reply_from(msg, f, transform=type))
             elif kind in RREF_CONTROL_KINDS or kind is Kind.CONTEXT_CLEANUP:
                 # Control messages are resent until acked; a duplicate is acked without being
                 # handled or counted as served again (join counts logical requests; _rref_context).
@@ -510,7 +510,10 @@ class RpcAgent:
             else:
                 self._finish_run(msg, value, None, on_value)
 
-        result.add_done_callback(done)
+        if isinstance(result, Future):
+            result._add_internal_callback(done)  # only replies: the protocol's own, never blocks
+        else:
+            result.add_done_callback(done)
 
     def _finish_run(
         self, msg: Message, value: Any, exc: BaseException | None, owner: OwnerState | None

@@ -1,8 +1,17 @@
 """Futures that block correctly in both worlds.
 
-``Future`` has the methods of ``torch.futures.Future``. How a waiting caller blocks is the world's
-business: a simulated task parks its greenlet and hands control to the scheduler, a real thread waits on
-an event. The world installs its blocker in a context variable, so the same ``wait()`` works in both.
+``Future`` is a ``torch.futures.Future`` (a subclass: ``isinstance`` holds, and upstream
+``torch.futures.collect_all``/``wait_all`` accept it, see :func:`install_torch_hooks`). How a waiting
+caller blocks is the world's business: a simulated task parks its greenlet and hands control to the
+scheduler, a real thread waits on a lock. The world installs its blocker in a context variable, so the
+same ``wait()`` works in both; torch's C++ ``wait()`` is never used (it would block the OS thread, and
+with it the whole simulation).
+
+Where callbacks run: waiters (``wait()``) and the protocol's own callbacks run on whatever completes the
+future, at once. User callbacks (``then``, ``add_done_callback``) do too, except on a thread that must
+never run user code (a gloo link's receiver, the world's timer): there the world takes them and runs
+them elsewhere (``CALLBACK_ROLE``), so a callback that blocks (say, an ``rpc_sync`` back to the peer
+whose reply completed the future) never stops the messages it waits for.
 """
 
 from __future__ import annotations
@@ -12,7 +21,9 @@ import logging
 import threading
 from _thread import allocate_lock as _allocate_lock
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
+
+import torch
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -27,6 +38,20 @@ class Blocker(Protocol):
     def wait_done(self, fut: Future[Any]) -> None: ...
 
 
+class _CallbackRole(threading.local):
+    #: set (by the gloo world) on a thread that must never run user code: its link receivers, whose
+    #: being blocked would hold up every later message from that peer, and its timer. Completing a
+    #: future there hands the user callbacks, as one function, to ``defer``, which runs it on another
+    #: thread later; waiters and the protocol's own callbacks still run at once.
+    defer: Callable[[Callable[[], None]], None] | None = None
+    #: set while a thread runs deferred callbacks for the world: called (once) before that thread
+    #: blocks on a future, so the callbacks queued behind the blocking one go to another thread
+    on_block: Callable[[], None] | None = None
+
+
+CALLBACK_ROLE = _CallbackRole()
+
+
 class _ThreadBlocker:
     """The real world: block this OS thread on a lock released by the completing thread.
 
@@ -38,6 +63,9 @@ class _ThreadBlocker:
         lock = _allocate_lock()
         lock.acquire()
         if fut._add_callback_if_pending(lambda _f: lock.release()):
+            on_block = CALLBACK_ROLE.on_block
+            if on_block is not None:  # a callback runner: others' callbacks must not wait for this one
+                on_block()
             lock.acquire()  # released once, by the callback
 
 
@@ -52,19 +80,30 @@ def current_blocker() -> Blocker:
     return THREAD_BLOCKER if blocker is None else blocker
 
 
-class Future(Generic[T]):
-    """The result of an asynchronous operation, as ``torch.futures.Future``.
+_torch_future_init = torch._C.Future.__init__
 
-    Thread-safe. Callbacks run in registration order on whichever task completes the future (in
-    twinrpc, an RPC worker task), after the result is set; they may block.
+
+class Future(torch.futures.Future[T]):
+    """The result of an asynchronous operation: a ``torch.futures.Future``.
+
+    Thread-safe. On completion, waiters wake first, then callbacks run in registration order, after
+    the result is set, on whatever completes the future (an RPC worker task), except that user
+    callbacks completed on a gloo receiver or timer thread run on a pool thread instead (see the
+    module docstring). Callbacks may block.
     """
 
-    __slots__ = ("__weakref__", "_callbacks", "_exception", "_lock", "_result", "label")
+    __slots__ = ("_callbacks", "_exception", "_lock", "_result", "_waiters", "label")
 
     def __init__(self, *, devices: list[Any] | None = None) -> None:
+        # torch's C++ future underneath stays pending and unused: every method is overridden here
+        # (torch.futures' helpers reach twinrpc's through install_torch_hooks).
+        _torch_future_init(self, [])
         self._lock = threading.Lock()
         self._result: Any = _PENDING
         self._exception: BaseException | None = None
+        #: run at once on completion: ``wait()``'s wake-ups and the protocol's own callbacks
+        self._waiters: list[Callable[[Future[T]], None]] = []
+        #: user callbacks (then, add_done_callback): run after the waiters, maybe elsewhere
         self._callbacks: list[Callable[[Future[T]], None]] = []
         #: what completes this future, for deadlock reports and reprs (e.g. "reply to CALL#3 from worker1")
         self.label: str | None = None
@@ -95,7 +134,7 @@ class Future(Generic[T]):
         """Complete with ``result`` and run the callbacks. A future completes only once."""
         self._complete(result, None)
 
-    def set_exception(self, result: BaseException) -> None:
+    def set_exception(self, result: BaseException) -> None:  # type: ignore[override]
         """Complete with an error: ``wait()`` and ``value()`` raise it."""
         if not isinstance(result, BaseException):
             raise TypeError(f"set_exception needs an exception instance, got {type(result).__name__}")
@@ -119,10 +158,22 @@ class Future(Generic[T]):
                 self._exception = exc
             else:
                 self._result = result
+            waiters, self._waiters = self._waiters, []
             callbacks, self._callbacks = self._callbacks, []
+        for cb in waiters:
+            self._run_callback(cb)
+        if callbacks:
+            defer = CALLBACK_ROLE.defer
+            if defer is None:
+                for cb in callbacks:
+                    self._run_callback(cb)
+            else:
+                defer(lambda: self._run_callbacks(callbacks))
+        return True
+
+    def _run_callbacks(self, callbacks: list[Callable[[Future[T]], None]]) -> None:
         for cb in callbacks:
             self._run_callback(cb)
-        return True
 
     def _run_callback(self, cb: Callable[[Future[T]], None]) -> None:
         try:
@@ -132,43 +183,86 @@ class Future(Generic[T]):
 
     # -- chaining ----------------------------------------------------------------------------
     def add_done_callback(self, callback: Callable[[Future[T]], None]) -> None:
-        """Run ``callback(self)`` when complete (now, if already complete). Its errors are logged."""
-        if self._add_callback_if_pending(callback):
-            return
-        self._run_callback(callback)
+        """Run ``callback(self)`` when complete (now, if already complete). Its errors are logged.
+
+        Raises:
+            TypeError: ``callback`` is not callable (as torch: at once, not when it would run).
+        """
+        _check_callable("add_done_callback", callback)
+        with self._lock:
+            if not self.done():
+                self._callbacks.append(callback)
+                return
+        defer = CALLBACK_ROLE.defer
+        if defer is None:
+            self._run_callback(callback)
+        else:
+            defer(lambda: self._run_callback(callback))
 
     def then(self, callback: Callable[[Future[T]], S]) -> Future[S]:
-        """A new future completed with ``callback(self)``'s result, or with the error it raised."""
+        """A new future completed with ``callback(self)``'s result, or with the error it raised.
+
+        Raises:
+            TypeError: ``callback`` is not callable (as torch: at once, not when it would run).
+        """
+        _check_callable("then", callback)
         out: Future[S] = Future()
+        self.add_done_callback(_chain(callback, out))
+        return out
 
-        def chain(fut: Future[T]) -> None:
-            try:
-                value = callback(fut)
-            except BaseException as exc:
-                # As torch.futures: an error raised by the callback reaches the chained future as a
-                # RuntimeError naming the original type (the original is its __cause__).
-                err = RuntimeError(
-                    f"Got the following error when running the callback: {type(exc).__name__}: {exc}"
-                )
-                err.__cause__ = exc
-                out.set_exception(err)
-            else:
-                out.set_result(value)
+    def _add_internal_callback(self, callback: Callable[[Future[T]], None]) -> None:
+        """As add_done_callback, for the protocol's own callbacks, which never block: they run at
+        once on whatever completes the future (a gloo receiver included; nothing is handed off)."""
+        if not self._add_callback_if_pending(callback):
+            self._run_callback(callback)
 
-        self.add_done_callback(chain)
+    def _then_internal(self, callback: Callable[[Future[T]], S]) -> Future[S]:
+        """As then, for the protocol's own callbacks (see _add_internal_callback)."""
+        out: Future[S] = Future()
+        self._add_internal_callback(_chain(callback, out))
         return out
 
     def _add_callback_if_pending(self, callback: Callable[[Future[T]], None]) -> bool:
+        """Register a waiter (run at once on completion); False if already complete."""
         with self._lock:
             if self.done():
                 return False
-            self._callbacks.append(callback)
+            self._waiters.append(callback)
             return True
 
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("error" if self._exception else "done")
         label = f": {self.label}" if self.label else ""
         return f"<twinrpc Future {state}{label}>"
+
+
+def _check_callable(method: str, callback: Any) -> None:
+    if not callable(callback):
+        # torch's fragment ("incompatible function arguments"), without pybind's overload listing
+        raise TypeError(
+            f"{method}(): incompatible function arguments: the callback must be a callable taking the "
+            f"Future, got {type(callback).__name__}"
+        )
+
+
+def _chain(callback: Callable[[Future[T]], S], out: Future[S]) -> Callable[[Future[T]], None]:
+    """The callback ``then`` registers: complete ``out`` with ``callback(fut)`` or its error."""
+
+    def chain(fut: Future[T]) -> None:
+        try:
+            value = callback(fut)
+        except BaseException as exc:
+            # As torch.futures: an error raised by the callback reaches the chained future as a
+            # RuntimeError naming the original type (the original is its __cause__).
+            err = RuntimeError(
+                f"Got the following error when running the callback: {type(exc).__name__}: {exc}"
+            )
+            err.__cause__ = exc
+            out.set_exception(err)
+        else:
+            out.set_result(value)
+
+    return chain
 
 
 AnyFuture = Any  # a twinrpc Future or a torch.futures.Future
@@ -199,7 +293,10 @@ def collect_all(futures: Sequence[AnyFuture]) -> Future[list[AnyFuture]]:
             out.try_set_result(futures)
 
     for f in futures:
-        f.add_done_callback(one_done)
+        if isinstance(f, Future):
+            f._add_internal_callback(one_done)  # one_done never blocks
+        else:
+            f.add_done_callback(one_done)
     return out
 
 
@@ -218,3 +315,37 @@ def _error_of(f: AnyFuture) -> BaseException | None:
     except BaseException as exc:
         return exc
     return None
+
+
+def install_torch_hooks() -> None:
+    """Let upstream ``torch.futures.collect_all`` and ``torch.futures.wait_all`` take twinrpc futures.
+
+    Both call ``torch._C._collect_all`` at call time, which combines the C++ futures underneath; a
+    twinrpc future's C++ future never completes (nothing but twinrpc's own methods is used, see
+    ``Future.__init__``), and a C++ wait would block the OS thread, and in the simulator every simulated
+    worker with it. So ``torch._C._collect_all`` is wrapped: a list that holds a twinrpc future goes to
+    :func:`collect_all` (values in input order, fails at once with the first error, waits through the
+    world's blocker); any other argument goes to torch's own, unchanged. Idempotent; done once when
+    this module is imported (no twinrpc future can exist before).
+    """
+    current = getattr(torch._C, "_collect_all", None)
+    if current is None:
+        return
+    original = getattr(current, "_twinrpc_original", current)
+
+    def _collect_all(futures: Any) -> Any:
+        try:
+            items = list(futures)
+        except TypeError:
+            return original(futures)
+        for f in items:
+            if isinstance(f, Future):
+                return collect_all(items)
+        return original(futures)
+
+    _collect_all._twinrpc_original = original  # type: ignore[attr-defined]
+    _collect_all.__doc__ = original.__doc__
+    torch._C._collect_all = _collect_all
+
+
+install_torch_hooks()

@@ -262,7 +262,7 @@ class RRefContext:
                 if not self.owners and self._owners_empty is not None:
                     done, self._owners_empty = self._owners_empty, None
         if creating:
-            state.value.add_done_callback(lambda _f: self._maybe_drop_owner(rref_id))
+            state.value._add_internal_callback(lambda _f: self._maybe_drop_owner(rref_id))
             return
         if self.observer is not None:
             self.observer.owner_dropped(self.rank, state)
@@ -399,7 +399,7 @@ class RRefContext:
             load.unconfirmed_rrefs.append(state)
             parent = data.parent
             fut = self.send_control(data.owner, Kind.RREF_FORK_REQUEST, (data.rref_id, data.fork_id))
-            fut.add_done_callback(lambda f: self._fork_request_acked(f, state, parent))
+            fut._add_internal_callback(lambda f: self._fork_request_acked(f, state, parent))
         return RRef._wrap(agent, state)
 
     def _fork_request_acked(self, f: Future[Any], state: UserState, parent: int) -> None:
@@ -460,7 +460,7 @@ class RRefContext:
         if attempt:
             with self._lock:
                 self.control_resends += 1
-        fut.add_done_callback(lambda f: self._attempt_done(f, c, attempt, sent_at))
+        fut._add_internal_callback(lambda f: self._attempt_done(f, c, attempt, sent_at))
 
     def _attempt_done(self, f: Future[Any], c: _Control, attempt: int, sent_at: float) -> None:
         policy = c.policy
@@ -505,7 +505,7 @@ class RRefContext:
         except Exception as exc:  # the agent may be going away
             _log.debug("twinrpc: could not send %s to rank %d: %s", kind.name, dst, exc)
             return
-        fut.add_done_callback(lambda f: _log_failure(f, kind, dst))
+        fut._add_internal_callback(lambda f: _log_failure(f, kind, dst))
 
     def accept_control(self, src: int, payload: Any) -> tuple[bool, Any]:
         """Receiver side: ``(fresh, body)``; ``fresh`` is False for a duplicate or a resend of a
@@ -691,7 +691,7 @@ class RRefContext:
         if state.type_future is not None:
             return state.type_future
         if isinstance(state, OwnerState):
-            state.type_future = state.value.then(_type_of_value)
+            state.type_future = state.value._then_internal(_type_of_value)
             return state.type_future
         if state.timed_out:
             raise RPCError(RREF_TIMEOUT_MSG)
