@@ -19,10 +19,11 @@ gloo group would fail or hang). A collective the simulator does not model raises
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -129,28 +130,54 @@ class _PerWorkerWorld(c10d._World):
 class _Meeting:
     """One collective call of a group, waiting for its members."""
 
-    __slots__ = ("arrivals", "op", "waiting")
+    __slots__ = ("arrivals", "complete", "futures", "op", "waiting")
 
     def __init__(self, op: str) -> None:
         self.op = op
         self.arrivals: dict[int, Any] = {}
+        self.complete = False
         #: members parked until the call completes, in arrival order
         self.waiting: list[Future[None]] = []
+        #: members that went on inside autograd's engine: their Work's futures, with what they carry
+        self.futures: list[tuple[torch.futures.Future[Any], Any]] = []
+
+
+class _EngineWait:
+    """What one task inside autograd's engine waits for before the engine finishes its pass."""
+
+    __slots__ = ("done", "pending", "resuming")
+
+    def __init__(self) -> None:
+        self.pending: list[_Meeting] = []
+        self.done: Future[None] = Future()
+        self.resuming = False
 
 
 class Collectives:
     """The meeting point of every simulated process group of one simulation.
 
-    A member that cannot go on before the others arrive parks; the member that completes a call
-    wakes them latest-first. DDP makes some collectives from inside C++ functions that Python called
-    (its bucket rebuild), and pybind11 keeps one stack of such calls per thread: the members parked
-    inside them must resume in the reverse order of their arrival, and a broadcast's root never waits.
+    Outside autograd's engine, a member that cannot go on before the others arrive parks until they
+    do. Inside it (DDP's gradient all-reduce runs in hooks during backward), a member only leaves its
+    part and goes on; before that engine call ends it waits, once, for every collective it joined
+    there (a callback queued on the engine, which runs before DDP's own).
+
+    Every simulated worker runs on one thread, and both autograd's engine and pybind11 keep per-thread
+    state that a call restores when it returns: the tasks suspended inside such calls must resume in
+    the reverse order of their suspension. So parked members are woken latest-first, a task waiting
+    at the end of an engine call resumes only once every task that began waiting after it has, and a
+    broadcast's root never waits.
     """
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
         self.states = [_WorkerC10d() for _ in range(sim.world_size)]
         self._meetings: dict[tuple[Any, int], _Meeting] = {}
+        #: (task id, graph task id) -> the collectives that task joined inside that engine call
+        self._engine_waits: dict[tuple[int, int], _EngineWait] = {}
+        #: the tasks waiting at the end of an engine call, in the order they began to wait
+        self._engine_stack: list[_EngineWait] = []
+        #: a member waits for a collective that C++ code called (see _park)
+        self._parked_in_cpp = False
 
     def _join(self, key: tuple[Any, int], rank: int, op: str, payload: Any) -> _Meeting:
         meeting = self._meetings.get(key)
@@ -158,26 +185,78 @@ class Collectives:
             meeting = self._meetings[key] = _Meeting(op)
         elif meeting.op != op:
             other = min(meeting.arrivals)
-            raise RuntimeError(
-                f"twinrpc.simulator: collective #{key[1]} of process group {key[0]!r}: rank {rank} "
-                f"called {op} while rank {other} called {meeting.op}; every member must make the same "
-                "collective calls in the same order"
+            self._fail(
+                key,
+                RuntimeError(
+                    f"twinrpc.simulator: collective #{key[1]} of process group {key[0]!r}: rank {rank} "
+                    f"called {op} while rank {other} called {meeting.op}; every member must make the same "
+                    "collective calls in the same order"
+                ),
             )
         meeting.arrivals[rank] = payload
         return meeting
 
-    def _park(self, meeting: _Meeting) -> None:
+    def _fail(self, key: tuple[Any, int], error: BaseException) -> NoReturn:
+        """End collective ``key`` with ``error`` for every member: those waiting and the caller."""
+        meeting = self._meetings.pop(key, None)
+        if meeting is not None:
+            self._complete(meeting, error)
+        raise error
+
+    def _park(self, key: tuple[Any, int], meeting: _Meeting, rank: int, from_cpp: bool) -> None:
+        if from_cpp:
+            if self._parked_in_cpp:
+                self._fail(
+                    key,
+                    NotImplementedError(
+                        f"twinrpc.simulator: rank {rank} would wait for {meeting.op} inside a C++ call (such "
+                        "as DDP's bucket rebuild or its join) while another worker already waits inside "
+                        "one; every simulated worker runs on one thread, where pybind11 keeps one stack of "
+                        "C++ calls, so the simulator models one such wait at a time (DDP groups of two). "
+                        "Run this program in real processes."
+                    ),
+                )
+            self._parked_in_cpp = True
         done: Future[None] = Future()
         meeting.waiting.append(done)
-        done.wait()
+        try:
+            done.wait()
+        finally:
+            if from_cpp:
+                self._parked_in_cpp = False
 
-    @staticmethod
-    def _wake(meeting: _Meeting, error: BaseException | None = None) -> None:
+    def _complete(self, meeting: _Meeting, error: BaseException | None = None) -> None:
+        meeting.complete = True
         for done in reversed(meeting.waiting):
             if error is None:
                 done.set_result(None)
             else:
                 done.set_exception(error)
+        for fut, value in meeting.futures:
+            if error is None:
+                fut.set_result(value)
+            else:
+                fut.set_exception(error)
+        self._wake_engine_top()
+
+    def _wake_engine_top(self) -> None:
+        """Resume the latest task waiting at the end of an engine call once its collectives are done;
+        the one below it only after this one has yielded, that is has left its engine call."""
+        stack = self._engine_stack
+        if stack and not stack[-1].resuming and all(m.complete for m in stack[-1].pending):
+            stack[-1].resuming = True
+            stack[-1].done.set_result(None)
+
+    def _finish(
+        self, key: tuple[Any, int], meeting: _Meeting, size: int, finish: Callable[[list[Any]], None]
+    ) -> None:
+        del self._meetings[key]
+        try:
+            finish([meeting.arrivals[r] for r in range(size)])
+        except BaseException as exc:
+            self._complete(meeting, exc)
+            raise
+        self._complete(meeting)
 
     def meet(
         self,
@@ -187,23 +266,58 @@ class Collectives:
         op: str,
         payload: Any,
         finish: Callable[[list[Any]], None],
-    ) -> None:
-        """Take part in collective ``key`` as ``rank``; return once all ``size`` members did and
-        ``finish`` (given the payloads in rank order) has run."""
+        result: Any = None,
+        caller: CallerKind = "python",
+    ) -> torch.futures.Future[Any]:
+        """Take part in collective ``key`` as ``rank``; ``finish`` (given the payloads in rank order)
+        runs once all ``size`` members did. Returns the future of the member's Work, which carries
+        ``result``: complete on return outside autograd's engine; inside it, complete once the last
+        member has joined (the engine call waits for it before it ends)."""
         meeting = self._join(key, rank, op, payload)
-        if len(meeting.arrivals) < size:
-            self._park(meeting)
-            return
-        del self._meetings[key]
-        try:
-            finish([meeting.arrivals[r] for r in range(size)])
-        except BaseException as exc:
-            self._wake(meeting, exc)
-            raise
-        self._wake(meeting)
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        if len(meeting.arrivals) == size:
+            self._finish(key, meeting, size, finish)
+            fut.set_result(result)
+            return fut
+        if caller != "engine":
+            self._park(key, meeting, rank, from_cpp=caller == "cpp")
+            fut.set_result(result)
+            return fut
+        meeting.futures.append((fut, result))
+        self._wait_at_engine_end(torch._C._current_graph_task_id()).pending.append(meeting)
+        return fut
+
+    def _wait_at_engine_end(self, graph_task: int) -> _EngineWait:
+        task = self.sim.sched.current_task()
+        assert task is not None
+        key = (task.id, graph_task)
+        wait = self._engine_waits.get(key)
+        if wait is None:
+            wait = self._engine_waits[key] = _EngineWait()
+
+            def before_the_engine_ends() -> None:
+                del self._engine_waits[key]
+                if all(m.complete for m in wait.pending):
+                    return
+                self._engine_stack.append(wait)
+                try:
+                    wait.done.wait()
+                finally:
+                    self._engine_stack.remove(wait)
+                    # runs once this task yields, after its engine call has returned
+                    self.sim.sched.schedule(0.0, lambda _arg: self._wake_engine_top(), None)
+
+            torch.autograd.Variable._execution_engine.queue_callback(before_the_engine_ends)
+        return wait
 
     def broadcast(
-        self, key: tuple[Any, int], rank: int, size: int, root: int, tensors: list[torch.Tensor]
+        self,
+        key: tuple[Any, int],
+        rank: int,
+        size: int,
+        root: int,
+        tensors: list[torch.Tensor],
+        from_cpp: bool = False,
     ) -> None:
         """Broadcast ``root``'s tensors: the root goes on at once (its tensors are copied), a member
         arriving after it takes them at once, one arriving before it waits for it."""
@@ -214,12 +328,13 @@ class Collectives:
             for r, theirs in meeting.arrivals.items():
                 if r != root:
                     _copy_all(theirs, sent)
-            self._wake(meeting)
+            for done in reversed(meeting.waiting):
+                done.set_result(None)
             meeting.waiting.clear()
         elif root in meeting.arrivals:
             _copy_all(tensors, meeting.arrivals[root])
         else:
-            self._park(meeting)
+            self._park(key, meeting, rank, from_cpp)
             return
         if len(meeting.arrivals) == size:
             del self._meetings[key]
@@ -228,6 +343,27 @@ class Collectives:
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     for d, s in zip(dst, src, strict=True):
         d.copy_(s)
+
+
+#: who called a process-group method, told by its Python caller's frame: c10d's Python API or this
+#: module ("python"); autograd's engine, whose every Python entry is ``_engine_run_backward``
+#: ("engine": a hook, such as DDP's reducer, during backward); other C++ code that Python called
+#: ("cpp": a pybind11 call is open beneath, such as DDP's bucket rebuild). Torch's thread-local engine
+#: state cannot tell: another task suspended inside an engine leaves it set on the shared thread.
+CallerKind = str
+
+
+def _caller_kind(caller: Any) -> CallerKind:
+    code = caller.f_code
+    if code.co_filename in _PYTHON_CALLERS:
+        return "python"
+    if code.co_name == "_engine_run_backward" and code.co_filename == _ENGINE_FILE:
+        return "engine"
+    return "cpp"
+
+
+_PYTHON_CALLERS = frozenset({c10d.__file__, __file__})
+_ENGINE_FILE = torch.autograd.graph.__file__
 
 
 def _work(result: Any) -> Any:
@@ -264,9 +400,13 @@ class SimProcessGroup(dist.ProcessGroup):
         self._size = size
         self._seq = itertools.count()
 
-    def _meet(self, op: str, payload: Any, finish: Callable[[list[Any]], None]) -> None:
+    def _meet(self, op: str, payload: Any, finish: Callable[[list[Any]], None], result: Any = None) -> Any:
+        """Join the group's next collective; returns its Work (see :meth:`Collectives.meet`). Called
+        by the collective methods, whose caller tells whether C++ code called them."""
         key = (self._key, next(self._seq))
-        self._collectives.meet(key, self._rank, self._size, op, payload, finish)
+        caller = _caller_kind(sys._getframe(2))
+        fut = self._collectives.meet(key, self._rank, self._size, op, payload, finish, result, caller)
+        return _create_work_from_future(fut)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -285,13 +425,13 @@ class SimProcessGroup(dist.ProcessGroup):
                 for m in members:
                     m[i].copy_(result)
 
-        self._meet("allreduce", list(tensors), finish)
-        return _work(tensors)
+        return self._meet("allreduce", list(tensors), finish, tensors)
 
     allreduce_coalesced = allreduce
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]  # the form c10d calls
-        self.broadcast_tensors(tensors, opts.rootRank)
+        caller = _caller_kind(sys._getframe(1))
+        self.broadcast_tensors(tensors, opts.rootRank, from_cpp=caller != "python")
         return _work(tensors)
 
     def allgather(  # type: ignore[override]  # the form c10d calls
@@ -303,8 +443,7 @@ class SimProcessGroup(dist.ProcessGroup):
                     for r, slot in enumerate(slots):
                         slot.copy_(members[r][1][i])
 
-        self._meet("allgather", (outputs, list(inputs)), finish)
-        return _work(outputs)
+        return self._meet("allgather", (outputs, list(inputs)), finish, outputs)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         def finish(members: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -312,13 +451,12 @@ class SimProcessGroup(dist.ProcessGroup):
             for out, _ in members:
                 out.copy_(whole.view_as(out))
 
-        self._meet("allgather", (output, input), finish)
-        return _work([output])
+        return self._meet("allgather", (output, input), finish, [output])
 
-    def broadcast_tensors(self, tensors: list[torch.Tensor], root: int) -> None:
+    def broadcast_tensors(self, tensors: list[torch.Tensor], root: int, *, from_cpp: bool = False) -> None:
         """``torch.distributed._broadcast_coalesced`` for this group (DDP's start, its buffers)."""
         key = (self._key, next(self._seq))
-        self._collectives.broadcast(key, self._rank, self._size, root, list(tensors))
+        self._collectives.broadcast(key, self._rank, self._size, root, list(tensors), from_cpp)
 
     def verify_params(self, params: list[torch.Tensor]) -> None:
         """``torch.distributed._verify_params_across_processes`` for this group: every member's
@@ -336,8 +474,7 @@ class SimProcessGroup(dist.ProcessGroup):
         self._meet("verify params", mine, finish)
 
     def barrier(self, opts: Any = None) -> Any:
-        self._meet("barrier", None, lambda _members: None)
-        return _work([])
+        return self._meet("barrier", None, lambda _members: None, [])
 
     def _unsupported(name: str) -> Callable[..., Any]:  # type: ignore[misc]  # a class-body helper
         def call(self: SimProcessGroup, *args: Any, **kwargs: Any) -> Any:

@@ -287,7 +287,7 @@ def test_ps_race_is_found_shrunk_replayed_and_drawn_and_the_pinned_bug_still_fai
     )  # fmt: skip
     assert (
         replay.returncode == 1
-        and f"[rank1]:RuntimeError: Error on Node 0 (parameter_server): RuntimeError: {RACE}" in replay.stderr
+        and f"[rank1]:RuntimeError: Error on Node 0: {RACE}" in replay.stderr
     )
     assert replay.stdout.splitlines() == ["[rank2]:Trainer 2: 5 batches, last loss 1.5002"]
     _check_the_step_lands_between_forward_and_backward(trace)

@@ -439,10 +439,14 @@ class GraphPass:
         me = self.agent.info
         if not (remote or "Error on Node" in str(exc)):
             err: BaseException = RuntimeError(
-                f"Error on Node {me.id} ({me.name}): {type(exc).__name__}: {exc}"
+                f"Error on Node {me.id}: {exc} [{type(exc).__name__} on {me.name}]"
             )
             err.__cause__ = exc
-        elif isinstance(exc, RuntimeError):
+        elif "Error on Node" in str(exc):
+            # another worker's failed node, passed on: prefixed with this node, as PyTorch does
+            err = RuntimeError(f"Error on Node {me.id}: {_node_error(str(exc))}")
+            err.__cause__ = exc
+        elif isinstance(exc, RuntimeError):  # the RPC itself failed (timeout, dead peer): as it is
             err = exc
         else:
             err = RuntimeError(str(exc))
@@ -458,6 +462,16 @@ class GraphPass:
         elif held is not None:
             for request in (held, *copies):
                 self.agent._reply_error(request, err)
+
+
+def _node_error(remote: str) -> str:
+    """The "Error on Node <n>: ..." text inside a remote error's (``On WorkerInfo(...):\n
+    RuntimeError('Error on Node ...')\nTraceback ...``), first, with the rest after it."""
+    start = remote.index("Error on Node")
+    first, _, rest = remote[start:].partition("\n")
+    if first.endswith(("')", '")')):
+        first = first[:-2]
+    return f"{first}\n{rest}" if rest else first
 
 
 def run_backward(container: DistAutogradContainer, context_id: int, roots: Any, retain_graph: bool) -> None:
