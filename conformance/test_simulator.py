@@ -204,3 +204,63 @@ def test_run_returns_each_workers_value_or_error() -> None:
     assert isinstance(result.outcomes[1].error, KeyError)
     with pytest.raises(KeyError, match="worker 1 failed"):
         result.values()
+
+
+# -- SIM-5: torch.distributed process groups inside a simulation --------------------------------------
+def _collectives(rank: int) -> Any:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:1", rank=rank, world_size=3)
+    summed = torch.tensor([float(rank + 1)])
+    dist.all_reduce(summed)
+    biggest = torch.tensor([float(rank)])
+    dist.all_reduce(biggest, op=dist.ReduceOp.MAX)
+    sent = torch.tensor([float(rank * 10)])
+    dist.broadcast(sent, src=2)
+    gathered = [torch.zeros(1) for _ in range(3)]
+    dist.all_gather(gathered, torch.tensor([float(rank)]))
+    dist.barrier()
+    seen = (dist.get_backend(), dist.get_world_size(), dist.get_rank())
+    dist.destroy_process_group()
+    return (
+        summed.item(),
+        biggest.item(),
+        sent.item(),
+        [g.item() for g in gathered],
+        seen,
+        dist.is_initialized(),
+    )
+
+
+@pytest.mark.spec("SIM-5")
+def test_each_simulated_worker_has_its_own_process_group_with_a_real_groups_values(world: Any) -> None:
+    """Process groups are served by the simulation itself (no rendezvous at the init_method)."""
+    values = Simulation(3).run(_collectives).values()
+    for rank, got in enumerate(values):
+        assert got == (6.0, 2.0, 20.0, [0.0, 1.0, 2.0], ("gloo", 3, rank), False)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the process's own c10d state is untouched by the run
+
+
+def _mismatched(rank: int) -> str:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        if rank == 0:
+            dist.all_reduce(torch.ones(1))
+        else:
+            dist.broadcast(torch.ones(1), src=0)
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        dist.destroy_process_group()
+    return "no error"
+
+
+@pytest.mark.spec("SIM-5")
+def test_members_making_different_collective_calls_get_an_error_naming_both(world: Any) -> None:
+    """A mismatch a real gloo group would fail or hang on is reported on every member."""
+    for message in Simulation(2).run(_mismatched).values():
+        assert "allreduce" in message and "broadcast from 0" in message, message
