@@ -108,6 +108,17 @@ def test_pytorch_2_program_runs_unchanged(world: str) -> None:
     assert _run("docs/examples/generation_2.py", "--world", world).splitlines() == GENERATION_2
 
 
+@pytest.mark.parametrize("world", ["sim", "gloo"])
+def test_ddp_with_rpc_gradients_in_contexts_equal_local_ddp(world: str) -> None:
+    lines = _run("docs/examples/ddp_rpc.py", "--world", world).splitlines()
+    assert [line.split(", 'last loss'")[0] for line in lines] == [
+        "trainer 0: {'fc gradients equal local DDP': True",
+        "trainer 1: {'fc gradients equal local DDP': True",
+    ]
+    if world == "sim":  # the same seed gives the same run (docs/howto/ddp-with-rpc.md shows it)
+        assert lines[0].endswith("'last loss': 2.5409}") and lines[1].endswith("'last loss': 2.0596}")
+
+
 def test_parameter_server_on_the_simulator():
     out = _run("docs/examples/parameter_server.py", "--world", "sim")
     assert "60 updates, weights [2.0, -3.0, 0.5]" in out
