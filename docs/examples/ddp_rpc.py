@@ -15,16 +15,11 @@ Run it: ``python docs/examples/ddp_rpc.py --world sim`` or ``--world gloo``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import random
-import socket
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _two_worlds import chosen_world, free_port, run_processes, run_simulated
 from torch import optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -152,39 +147,10 @@ def run_worker(rank, world_size, ddp_init):
 # -- end program --
 
 
-def run_simulated() -> list[dict[str, object]]:
-    from twinrpc.simulator import Simulation
-
-    result = Simulation(world_size=4, seed=0).run(run_worker, 4, "tcp://127.0.0.1:29501")
-    return result.values()[2]  # type: ignore[no-any-return]
-
-
-def _spawned(rank: int, world_size: int, ddp_init: str, out: str) -> None:
-    value = run_worker(rank, world_size, ddp_init)
-    if rank == 2:
-        with open(out, "w") as f:
-            json.dump(value, f)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_gloo() -> list[dict[str, object]]:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(_free_port())
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result")
-        mp.spawn(_spawned, args=(4, f"tcp://127.0.0.1:{_free_port()}", out), nprocs=4, join=True)
-        with open(out) as f:
-            return json.load(f)  # type: ignore[no-any-return]
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--world", choices=("sim", "gloo"), default="sim")
-    args = parser.parse_args()
-    for trainer, result in enumerate(run_simulated() if args.world == "sim" else run_gloo()):
+    if chosen_world() == "sim":
+        results = run_simulated(run_worker, 4, 2, "tcp://127.0.0.1:29501")
+    else:
+        results = run_processes(run_worker, 4, 2, f"tcp://127.0.0.1:{free_port()}")
+    for trainer, result in enumerate(results):
         print(f"trainer {trainer}: {result}")

@@ -10,14 +10,8 @@ Run it: ``python docs/examples/generation_1_4.py --world sim`` (one process, vir
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import socket
-import tempfile
-
 import torch
-import torch.multiprocessing as mp
+from _two_worlds import chosen_world, run_processes, run_simulated
 from torch import optim
 
 # -- imports --
@@ -88,40 +82,8 @@ def run_worker(rank: int, world_size: int) -> dict[str, object] | None:
 # -- end worker --
 
 
-def run_simulated(world_size: int = 2) -> dict[str, object]:
-    from twinrpc.simulator import Simulation
-
-    result = Simulation(world_size=world_size, seed=0).run(run_worker, world_size)
-    return result.values()[0]  # type: ignore[no-any-return]
-
-
-def _spawned(rank: int, world_size: int, out: str) -> None:
-    value = run_worker(rank, world_size)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(value, f)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_gloo(world_size: int = 2) -> dict[str, object]:
-    # PyTorch 1.4's init_rpc rendezvous through env:// (MASTER_ADDR, MASTER_PORT): so does this one
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(_free_port())
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result")
-        mp.spawn(_spawned, args=(world_size, out), nprocs=world_size, join=True)
-        with open(out) as f:
-            return json.load(f)  # type: ignore[no-any-return]
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--world", choices=("sim", "gloo"), default="sim")
-    args = parser.parse_args()
-    for key, value in (run_simulated() if args.world == "sim" else run_gloo()).items():
+    world = chosen_world()
+    run = run_simulated if world == "sim" else run_processes
+    for key, value in run(run_worker, 2, 0).items():
         print(f"{key}: {value}")

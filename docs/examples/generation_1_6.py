@@ -10,13 +10,11 @@ Run it: ``python docs/examples/generation_1_6.py --world sim`` or ``--world gloo
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import tempfile
 
 import torch
-import torch.multiprocessing as mp
+from _two_worlds import chosen_world, run_processes, run_simulated
 from torch import optim
 
 # -- imports --
@@ -92,32 +90,11 @@ def run_worker(rank: int, world_size: int, init_method: str) -> dict[str, object
 # -- end worker --
 
 
-def run_simulated(world_size: int = 3) -> dict[str, object]:
-    from twinrpc.simulator import Simulation
-
-    result = Simulation(world_size=world_size, seed=0).run(run_worker, world_size, "env://")
-    return result.values()[0]  # type: ignore[no-any-return]
-
-
-def _spawned(rank: int, world_size: int, init_method: str, out: str) -> None:
-    value = run_worker(rank, world_size, init_method)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(value, f)
-
-
-def run_gloo(world_size: int = 3) -> dict[str, object]:
-    with tempfile.TemporaryDirectory() as tmp:
-        init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
-        out = os.path.join(tmp, "result")
-        mp.spawn(_spawned, args=(world_size, init_method, out), nprocs=world_size, join=True)
-        with open(out) as f:
-            return json.load(f)  # type: ignore[no-any-return]
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--world", choices=("sim", "gloo"), default="sim")
-    args = parser.parse_args()
-    for key, value in (run_simulated() if args.world == "sim" else run_gloo()).items():
+    if chosen_world() == "sim":
+        result = run_simulated(run_worker, 3, 0, "env://")
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = run_processes(run_worker, 3, 0, f"file://{os.path.join(tmp, 'rendezvous')}")
+    for key, value in result.items():
         print(f"{key}: {value}")

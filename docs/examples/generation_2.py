@@ -11,16 +11,11 @@ Run it: ``python docs/examples/generation_2.py --world sim`` or ``--world gloo``
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import socket
-import tempfile
 from threading import Lock
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _two_worlds import chosen_world, run_processes, run_simulated
 from torch import nn, optim
 
 # -- imports --
@@ -136,39 +131,8 @@ def run_worker(rank, world_size):
 # -- end program --
 
 
-def run_simulated(world_size: int = 2) -> dict[str, object]:
-    from twinrpc.simulator import Simulation
-
-    result = Simulation(world_size=world_size, seed=0).run(run_worker, world_size)
-    return result.values()[1]  # type: ignore[no-any-return]
-
-
-def _spawned(rank: int, world_size: int, out: str) -> None:
-    value = run_worker(rank, world_size)
-    if rank == 1:
-        with open(out, "w") as f:
-            json.dump(value, f)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_gloo(world_size: int = 2) -> dict[str, object]:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"  # the tutorial's env:// rendezvous
-    os.environ["MASTER_PORT"] = str(_free_port())
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result")
-        mp.spawn(_spawned, args=(world_size, out), nprocs=world_size, join=True)
-        with open(out) as f:
-            return json.load(f)  # type: ignore[no-any-return]
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--world", choices=("sim", "gloo"), default="sim")
-    args = parser.parse_args()
-    for key, value in (run_simulated() if args.world == "sim" else run_gloo()).items():
+    world = chosen_world()
+    run = run_simulated if world == "sim" else run_processes
+    for key, value in run(run_worker, 2, 1).items():
         print(f"{key}: {value}")
