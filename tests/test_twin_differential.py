@@ -1,0 +1,54 @@
+"""The differential twin test (issue 17, point 2): generated RPC programs behave the same on the
+simulator and in the real gloo world.
+
+Each program (``twin.programs``) runs on the simulator under several seeds and once in gloo
+processes; the gloo outcome (values, exception classes and message fragments, which calls
+completed) must be one the simulator produced. On a disagreement hypothesis shrinks the program and
+the failure prints it with every outcome and a command that replays it.
+
+This bounded run is deterministic (``derandomize=True``, no example database) and draws only the
+operation kinds on which the worlds agree today; ``nox -s twin -- --programs 500`` is the long run
+(``TWIN_PROGRAMS``, ``TWIN_DEPARTURES``: see noxfile.py). Departures a worker makes while a call to
+it is still running are issue 17's known divergence, left out here until the core decides them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from twin import GlooRunner, Program, SimRunner, check, programs
+from twin.programs import DEPARTURE_KINDS
+
+#: programs of the bounded run (CI); the long run sets TWIN_PROGRAMS
+PROGRAMS = int(os.environ.get("TWIN_PROGRAMS", "25"))
+#: simulator seeds per program
+SEEDS = tuple(range(int(os.environ.get("TWIN_SEEDS", "3"))))
+#: departure kinds the generator adds: none in CI; "all" or a comma-separated subset of
+#: DEPARTURE_KINDS ("leave", "leave-graceful", "kill") in long runs
+_departures = os.environ.get("TWIN_DEPARTURES", "")
+DEPARTURES = DEPARTURE_KINDS if _departures == "all" else tuple(d for d in _departures.split(",") if d)
+
+
+@pytest.fixture(scope="module")
+def gloo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GlooRunner]:
+    runner = GlooRunner(tmp_path_factory.mktemp("twin"), spares=2)
+    try:
+        yield runner
+    finally:
+        runner.close()
+
+
+@settings(
+    max_examples=PROGRAMS,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(program=programs(departures=DEPARTURES, max_ops=8))
+def test_simulator_and_gloo_agree_on_generated_programs(program: Program, gloo: GlooRunner) -> None:
+    verdict = check(program, sim=SimRunner(SEEDS), gloo=gloo)
+    assert verdict.agree, verdict.report()
