@@ -200,3 +200,28 @@ def explore(session: nox.Session) -> None:
         "--hypothesis-show-statistics",
         env={"TWINRPC_RREF_EXAMPLES": examples},
     )
+
+
+@nox.session
+def twin(session: nox.Session) -> None:
+    """Differential twin test, long run: `nox -s twin -- --programs 500 [--departures all] [--seeds 5]`.
+
+    Generated RPC programs run on the simulator (every seed) and in gloo processes; any disagreement
+    fails with the shrunk program. ``--departures`` adds workers leaving (``all``, or a comma-separated
+    subset of leave, leave-graceful, kill); other arguments go to pytest.
+    """
+    _install(session)
+    options = {"--programs": "TWIN_PROGRAMS", "--departures": "TWIN_DEPARTURES", "--seeds": "TWIN_SEEDS"}
+    env = {"TWIN_PROGRAMS": "500"}
+    args = list(session.posargs)
+    rest = []
+    while args:
+        arg = args.pop(0)
+        name, _, value = arg.partition("=")
+        if name in options:
+            env[options[name]] = value or args.pop(0)
+        else:
+            rest.append(arg)
+    session.run(
+        "pytest", "tests/test_twin_differential.py", "-q", "--hypothesis-show-statistics", *rest, env=env
+    )
