@@ -35,7 +35,9 @@ _CLOCK = re.compile(r"\((simulated|wall-clock) time\)")
 #: why a peer is unavailable: the transport's own words (gloo's "Connection closed by peer [addr]",
 #: the simulator's "simulated crash at t=..."), like PyTorch's ERR-7 transport message; the rest of
 #: the sentence (who, to whom, what to do) is compared
-_TRANSPORT = re.compile(r"(is unavailable to WorkerInfo\([^)]*\)): .*?(\. Its process has probably died)")
+_TRANSPORT = re.compile(
+    r"(is unavailable to WorkerInfo\([^)]*\)): .*?(\. (Its process has probably died|It has shut down RPC))"
+)
 
 
 def fragment(message: str) -> str:
