@@ -48,6 +48,8 @@ LONG = 10.0
 SETTLE = 0.4
 #: how often a serving worker looks for the driver's orders
 POLL = 0.005
+#: how long a worker waits between taking an order to leave or die and carrying it out
+GRACE = 0.05
 #: bound of the final graceful shutdown (0 would wait forever for a worker that died)
 SHUTDOWN_TIMEOUT = 2 * LONG
 
@@ -267,6 +269,9 @@ def _serve(ctx: Any, run_id: str) -> dict[str, Any]:
             continue
         order = orders.pop(0)
         _ORDERS.pop(key, None)
+        # Let the reply to the order leave first: a process killed while its reply still waits in
+        # the outbox loses it (the simulator sends at once), which is not what the program tests.
+        _sleep(GRACE)
         if order == "kill":
             ctx.crash()
         graceful = order != "leave"
