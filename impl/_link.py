@@ -162,6 +162,9 @@ class PeerLink:
         self.closed_by_peer = False
         #: we are shutting down: receive errors are expected and no longer reported
         self.closing = False
+        #: our close frames went (or are going): send_close runs once
+        self._close_started = False
+        self._close_lock = threading.Lock()
         # -- liveness (heartbeat): written by the receiver, read by the world's heartbeat tick --
         #: how logs and errors name the peer (the world sets "'worker1' (rank 1)")
         self.peer_name = f"rank {peer}"
@@ -436,6 +439,10 @@ class PeerLink:
         completed graceful shutdown, so the peer must not treat our departure as a failure.
         Waits until ``deadline`` (monotonic; default ``_CLOSE_FLUSH`` from now) at most, but gives the
         close frame itself at least 1 s; a stopped peer leaves it unsent (abandon() cleans up)."""
+        with self._close_lock:
+            if self._close_started:
+                return
+            self._close_started = True
         if deadline is None:
             deadline = time.monotonic() + _CLOSE_FLUSH
         if self._outbox_thread is not None:
@@ -466,6 +473,15 @@ class PeerLink:
             _riders_failed(riders, exc)
         finally:
             self._send_lock.release()
+
+    def _close_in_reply(self) -> None:
+        """The peer left while we keep running (a member leaving a dynamic group, or the first of a
+        static group to stop): close our side too, so that its receivers for us end now rather than
+        when its stop() gives up waiting for them."""
+        self.closing = True
+        run = self._run_elsewhere
+        if run is not None:
+            run(lambda: self.send_close(graceful=True))
 
     # -- receiving ---------------------------------------------------------------------------------
     def _recv_data(self, nbytes: int, as_bytes: bool = False) -> Any:
@@ -686,6 +702,7 @@ class PeerLink:
                         left = RuntimeError("the peer has shut down RPC")
                         left.graceful_exit = header.graceful  # type: ignore[attr-defined]
                         self._on_failure(self.peer, left)
+                        self._close_in_reply()
                     self._pass_turn()
                     return False
                 if header.riders:
