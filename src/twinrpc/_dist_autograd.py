@@ -392,7 +392,7 @@ class DistAutogradContainer:
                 "twinrpc: could not send the release of context %d to rank %d: %s", context_id, dst, exc
             )
             return
-        fut.add_done_callback(lambda f: self._cleanup_done(f, dst))
+        fut._add_internal_callback(lambda f: self._cleanup_done(f, dst))
 
     def _cleanup_done(self, fut: Future[None], dst: int) -> None:
         try:

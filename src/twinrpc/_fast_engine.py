@@ -372,7 +372,7 @@ class GraphPass:
             with self.lock:
                 self.outstanding -= 1
             raise exc
-        fut.add_done_callback(self._gradient_answered)
+        fut._add_internal_callback(self._gradient_answered)
 
     def _gradient_answered(self, fut: Future[Any]) -> None:
         try:
