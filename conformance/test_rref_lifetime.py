@@ -374,7 +374,7 @@ def _spawn_leak_check(ctx: Any, ignore: bool) -> Any:
             ctx.sleep(0.01)
         api._ignore_rref_leak = ignore
         _GO["stop"] = True
-        ctx.sleep(0.2)
+        ctx.sleep(1.0)  # worker0's _wait_stop returns and its reply leaves, even on a loaded machine
         try:
             ctx.rpc.shutdown(graceful=False)
             return "no error"
