@@ -95,7 +95,9 @@ def test_leaf_tensor_hooks_and_accumulate_grad_post_hooks_run_once_on_every_work
         assert torch.allclose(torch.tensor(report["post_hook"][0]), torch.tensor(got[ref])), side
         assert torch.allclose(torch.tensor(report["context"]), torch.tensor(got[ref])), side
         assert report["dot_grad"] is None, side  # .grad is never written by a distributed backward
-    assert torch.allclose(torch.tensor(got["mine"]["tensor_hook"][0]), torch.tensor(got["ref_local_tensor_hook"][0]))
+    assert torch.allclose(
+        torch.tensor(got["mine"]["tensor_hook"][0]), torch.tensor(got["ref_local_tensor_hook"][0])
+    )
 
 
 # -- DDP inside a distributed autograd context -------------------------------------------------------
@@ -156,7 +158,9 @@ def _assert_same(a: list[list[list[float]]], b: list[list[list[float]]]) -> None
 
 
 @pytest.mark.spec("DAG-16")
-def test_ddp_inside_a_context_all_reduces_and_its_gradients_equal_local_ddp(world: Any, tmp_path: Any) -> None:
+def test_ddp_inside_a_context_all_reduces_and_its_gradients_equal_local_ddp(
+    world: Any, tmp_path: Any
+) -> None:
     results = world.run(_ddp_under_dist_autograd, str(tmp_path / "pg"), [2, 2])
     for got in results:
         _assert_same(got["dist"], got["local"])

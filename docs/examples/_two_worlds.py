@@ -33,7 +33,9 @@ def run_simulated(run_worker: Worker, world_size: int, rank: int, *args: Any) ->
     return Simulation(world_size=world_size, seed=0).run(run_worker, world_size, *args).values()[rank]
 
 
-def _spawned(rank: int, run_worker: Worker, world_size: int, keep: int, out: str, args: tuple[Any, ...]) -> None:
+def _spawned(
+    rank: int, run_worker: Worker, world_size: int, keep: int, out: str, args: tuple[Any, ...]
+) -> None:
     value = run_worker(rank, world_size, *args)
     if rank == keep:
         with open(out, "w") as f:
