@@ -203,26 +203,3 @@ def test_rref_control_messages_are_retried_until_acknowledged_over_a_lossy_netwo
     assert result.values()[0] == 0
     resends = [e for e in result.trace if "RREF_USER_DELETE" in e.detail and e.event == "send"]
     assert len(resends) >= 2, "the lost delete was never sent again"
-
-
-def _prog_world_size_from_the_world(ctx: Any) -> list[str]:
-    import os
-
-    # As torchrun would: the gloo world reads WORLD_SIZE when init_rpc is not given one (LIFE-5); the
-    # simulator uses the simulation's size.
-    os.environ["WORLD_SIZE"] = str(ctx.world_size)
-    ctx.rpc.init_rpc(ctx.name(ctx.rank), rank=ctx.rank, rpc_backend_options=ctx.options())
-    infos = [ctx.rpc.get_worker_info(ctx.name(r)).name for r in range(ctx.world_size)]
-    peer = ctx.rpc.rpc_sync(ctx.name(1 - ctx.rank), _echo, args=(ctx.rank,))
-    ctx.rpc.shutdown()
-    return [*infos, str(peer)]
-
-
-@pytest.mark.spec("LIFE-5")
-@pytest.mark.backends("sim", "gloo")
-def test_init_rpc_without_world_size_takes_the_size_of_the_world_it_runs_in(world: Any) -> None:
-    """In PyTorch ``world_size=None`` means a dynamic group (a different protocol, which twinrpc does not
-    implement); twinrpc takes the size from the world instead (WORLD_SIZE as torchrun sets it, or the
-    simulation's size), so the torch backend has no equivalent."""
-    got = world.spawn(_prog_world_size_from_the_world, world_size=2)
-    assert got == [["worker0", "worker1", "0"], ["worker0", "worker1", "1"]]  # each echoed its own rank

@@ -13,7 +13,7 @@ from typing import Any
 from twinrpc._worker_info import WorkerInfo
 from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
-from ._rendezvous import LaunchError, join
+from ._rendezvous import LaunchError, join, join_dynamic
 from ._world import GlooWorld
 
 __all__ = ["GlooWorld", "LaunchError", "connect"]
@@ -22,19 +22,31 @@ __all__ = ["GlooWorld", "LaunchError", "connect"]
 def connect(
     *, name: str, rank: int, world_size: int | None, options: Any, generation: int
 ) -> tuple[GlooWorld, WorkerInfo, list[WorkerInfo]]:
-    """Join the gloo world as ``name``; blocks until every worker has joined (at most ``rpc_timeout``).
+    """Join the gloo world as ``name``: a static group of ``world_size`` workers (blocks until every
+    worker has joined, at most ``rpc_timeout``), or without ``world_size`` a dynamic group (LIFE-5:
+    returns connected to every current member, holding the group's membership token).
 
     Raises:
         LaunchError: missing MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, a rank outside the world, an
             unknown or malformed ``init_method`` (a ValueError and a RuntimeError).
         RPCTimeoutError: not every worker joined in time; the message names the missing ranks.
     """
-    joined = join(name, rank, world_size, options.init_method, options.rpc_timeout, generation)
-    world = GlooWorld(
-        joined,
-        options.num_worker_threads,
-        heartbeat_interval=getattr(options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL),
-        heartbeat_misses=getattr(options, "heartbeat_misses", DEFAULT_HEARTBEAT_MISSES),
-        rpc_timeout=options.rpc_timeout,
-    )
-    return world, joined.workers[joined.rank], joined.workers
+    if world_size:
+        joined = join(name, rank, world_size, options.init_method, options.rpc_timeout, generation)
+    else:
+        joined = join_dynamic(name, rank, options.init_method, options.rpc_timeout, generation)
+    try:
+        world = GlooWorld(
+            joined,
+            options.num_worker_threads,
+            heartbeat_interval=getattr(options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL),
+            heartbeat_misses=getattr(options, "heartbeat_misses", DEFAULT_HEARTBEAT_MISSES),
+            rpc_timeout=options.rpc_timeout,
+        )
+    except BaseException:
+        if joined.group is not None:  # could not connect to every member: leave the list again
+            joined.group.remove()
+            joined.group.unlock()
+        raise
+    me = next(w for w in joined.workers if w.id == joined.rank)
+    return world, me, joined.workers

@@ -32,6 +32,8 @@ import torch.distributed as dist
 from twinrpc._errors import RPCError, RPCTimeoutError
 from twinrpc._worker_info import WorkerInfo
 
+from ._dynamic_group import StoreGroup, mark_kind
+
 #: how long init waits for the other workers when rpc_timeout is 0 ("never")
 _DEFAULT_STORE_TIMEOUT = 1800.0
 
@@ -55,6 +57,12 @@ class Joined:
     timeout: timedelta
     #: True when ``store`` is (a prefix of) the user's default group's own TCPStore
     shares_user_store: bool = False
+    #: where this worker's gloo pairs meet (``store`` in a static group; per join in a dynamic one)
+    pair_store: Any = None
+    #: the dynamic group's keys, holding its membership token (LIFE-5); None in a static group
+    group: StoreGroup | None = None
+    #: members whose world stopped without leaving the group: listed, but not connected to
+    stopped: frozenset[int] = frozenset()
 
 
 def _int_from(value: str, what: str, fix: str) -> int:
@@ -74,7 +82,7 @@ def _split_query(init_method: str) -> tuple[str, dict[str, str]]:
     return urlunparse(url._replace(query=urlencode(query))), found
 
 
-def _resolve_rank_and_size(rank: int, world_size: int | None, query: dict[str, str]) -> tuple[int, int]:
+def _resolve_rank(rank: int, query: dict[str, str]) -> int:
     if rank < 0:
         if "rank" in query:
             rank = _int_from(query["rank"], "the init_method's rank=", "fix the URL")
@@ -85,19 +93,14 @@ def _resolve_rank_and_size(rank: int, world_size: int | None, query: dict[str, s
                 "init_rpc needs this worker's rank: pass rank=... or set RANK in the environment "
                 "(torchrun and torch.distributed.run set it for each worker)"
             )
-    if world_size is None or world_size == 0:
-        if "world_size" in query:
-            world_size = _int_from(query["world_size"], "the init_method's world_size=", "fix the URL")
-        elif "WORLD_SIZE" in os.environ:
-            world_size = _int_from(
-                os.environ["WORLD_SIZE"], "WORLD_SIZE", "fix the environment variable WORLD_SIZE"
-            )
-        else:
-            raise LaunchError(
-                "init_rpc needs the number of workers: pass world_size=... or set WORLD_SIZE in the "
-                "environment (torchrun sets it); twinrpc does not support dynamic groups, so "
-                "world_size=None means 'take WORLD_SIZE from the environment'"
-            )
+    return rank
+
+
+def _resolve_rank_and_size(rank: int, world_size: int, query: dict[str, str]) -> tuple[int, int]:
+    """A static group's rank and size: ``world_size`` from init_rpc, or the URL's ``world_size=``."""
+    rank = _resolve_rank(rank, query)
+    if "world_size" in query:
+        world_size = _int_from(query["world_size"], "the init_method's world_size=", "fix the URL")
     if world_size < 1:
         raise LaunchError(f"init_rpc: world_size must be at least 1, got {world_size}")
     if not 0 <= rank < world_size:
@@ -212,9 +215,10 @@ def _open_store(init_method: str, rank: int, world_size: int, timeout: timedelta
 
 
 def join(
-    name: str, rank: int, world_size: int | None, init_method: str, rpc_timeout: float, generation: int
+    name: str, rank: int, world_size: int, init_method: str, rpc_timeout: float, generation: int
 ) -> Joined:
-    """Rendezvous, exchange names (refusing duplicates) and return the world's workers.
+    """Rendezvous as a member of a static group, exchange names (refusing duplicates) and return the
+    world's workers.
 
     Blocks until every worker has joined, for at most ``rpc_timeout`` seconds (0: half an hour).
 
@@ -229,6 +233,7 @@ def join(
     timeout = timedelta(seconds=seconds)
     root, shared = _open_store(init_method, rank, world_size, timeout)
     store = dist.PrefixStore(f"twinrpc/{generation}", root)  # type: ignore[attr-defined]
+    mark_kind(store, "static")
     mine = f"name/{rank}"
     if store.check([mine]):
         # Only this process writes its own name key, so it is left over from an earlier run.
@@ -262,3 +267,55 @@ def join(
             )
         seen[n] = r
     return Joined(store, rank, world_size, [WorkerInfo(n, r) for r, n in enumerate(names)], timeout, shared)
+
+
+def join_dynamic(name: str, rank: int, init_method: str, rpc_timeout: float, generation: int) -> Joined:
+    """Join (or start) a dynamic group (LIFE-5): take the membership token, check the name and rank
+    are free, list this worker and post a join notice to every member. Returns holding the token,
+    which ``init_rpc`` gives back once every member knows this worker (twinrpc._membership).
+
+    Raises:
+        LaunchError: bad launch input, as ``join``; also ``world_size=`` in the init_method's query.
+        RuntimeError: PyTorch's errors for a static group on this store, a taken name or rank.
+    """
+    init_method, query = _split_query(init_method)
+    if "world_size" in query:
+        raise LaunchError(
+            f"init_rpc: init_method {init_method!r} has world_size= in its query but init_rpc got no "
+            "world_size: pass world_size to init_rpc for a static group, or drop it from the URL for a "
+            "dynamic one"
+        )
+    rank = _resolve_rank(rank, query)
+    seconds = rpc_timeout if rpc_timeout > 0 else _DEFAULT_STORE_TIMEOUT
+    timeout = timedelta(seconds=seconds)
+    endpoint = _endpoint(init_method)
+    from torch.distributed.rendezvous import _rendezvous_helper  # what PyTorch's RPC uses here
+
+    try:
+        root, _, _ = next(_rendezvous_helper(init_method, rank, None, timeout=timeout))
+    except (RuntimeError, ValueError) as exc:
+        where = f"{endpoint[0]}:{endpoint[1]}" if endpoint is not None else init_method
+        raise RPCError(
+            f"init_rpc (rank {rank}, dynamic group) could not open the rendezvous store at {where}: {exc}"
+        ) from exc
+    root.set_timeout(timeout)
+    store = dist.PrefixStore(f"twinrpc/{generation}", root)  # type: ignore[attr-defined]
+    mark_kind(store, "dynamic")
+    group = StoreGroup(store, WorkerInfo(name, rank), timeout)
+    group.lock()
+    try:
+        others = group.add_me()
+    except BaseException:
+        group.unlock()
+        raise
+    workers = sorted([m.info for m in others] + [group.me.info], key=lambda w: w.id)
+    return Joined(
+        store,
+        rank,
+        len(workers),
+        workers,
+        timeout,
+        pair_store=group.pair_store(group.me.uid),
+        group=group,
+        stopped=frozenset(m.info.id for m in others if m.stopped),
+    )

@@ -10,11 +10,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from twinrpc._errors import WorkerUnavailableError
+from twinrpc._membership import GroupMembership
 from twinrpc._message import Message
 from twinrpc._serialize import copy_storages
+from twinrpc._worker_info import WorkerInfo
 from twinrpc._world import TimerHandle
 from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
+from ._dynamic_group import StoreGroup
 from ._link import THREAD_ROLE, PeerLink, make_pair_group
 from ._pool import CallbackRunner, RequestPool
 from ._rendezvous import Joined
@@ -50,12 +53,16 @@ class GlooWorld:
         rpc_timeout: float = 0.0,
     ) -> None:
         self.rank = joined.rank
-        self.workers = joined.workers
+        #: every worker this one has known, by rank (a departed worker stays, for error messages)
+        self.workers: dict[int, WorkerInfo] = {w.id: w for w in joined.workers}
+        #: this worker's dynamic group (LIFE-5); the world returns from a join holding its token
+        self._group: StoreGroup | None = joined.group
+        self.membership: GroupMembership | None = joined.group
         self.agent: RpcAgent | None = None
         self._early: list[Message] = []
         self._early_failures: list[tuple[int, WorkerUnavailableError]] = []
         #: TWINRPC_TRACE=dir: this worker's sends and deliveries are written there (impl/_trace.py)
-        self._recorder = TraceRecorder.from_env(self.rank, self.workers)
+        self._recorder = TraceRecorder.from_env(self.rank, joined.workers)
         self._lock = threading.Lock()
         self._stopped = False
         #: a timer is set to send the riders still waiting (one for all links, see _flush_riders)
@@ -64,22 +71,34 @@ class GlooWorld:
         #: user Future callbacks of futures completed on the links' and the timer's threads
         self._callbacks = CallbackRunner(self._pool.run_job)
         self._timer = TimerThread(f"twinrpc-timer-{self.rank}", defer_callbacks=self._callbacks.submit)
+        #: replaced, never changed in place, when a peer joins (readers iterate without the lock)
         self.links: dict[int, PeerLink] = {}
         # With heartbeats the timer judges a stuck send (PeerLink.check_alive); without them a send
         # waits at most rpc_timeout in gloo (none with rpc_timeout=0: the user chose to wait forever).
-        send_timeout = None if heartbeat_interval > 0 or rpc_timeout <= 0 else rpc_timeout
+        self._send_timeout = None if heartbeat_interval > 0 or rpc_timeout <= 0 else rpc_timeout
+        pair_store = joined.pair_store if joined.pair_store is not None else joined.store
         # Pairs are created in one global order, so no two processes wait on each other in a cycle.
-        for peer in range(joined.world_size):
-            if peer != self.rank:
-                pg = make_pair_group(joined.store, self.rank, peer)
-                self.links[peer] = PeerLink(
-                    self.rank, peer, pg, self._deliver, self._peer_failed, send_timeout=send_timeout
-                )
+        #: how long a silent peer may stay silent before it is judged dead
+        silence = (
+            heartbeat_interval * heartbeat_misses
+            if heartbeat_interval > 0
+            else joined.timeout.total_seconds()
+        )
+        for peer in sorted(self.workers):
+            if peer != self.rank and peer not in joined.stopped:
+                if self._group is not None:  # a member connects once it has read our join notice
+                    self._group.wait_ready(peer, silence)
+                self.links[peer] = self._make_link(peer, make_pair_group(pair_store, self.rank, peer))
         self._store = joined.store
-        for peer, link in self.links.items():
-            link.peer_name = f"'{self.workers[peer].name}' (rank {peer})"
         for link in self.links.values():
             link.start(self._pool.run_job, self._callbacks.submit)
+        #: a dynamic member's thread that connects the links to workers joining later
+        self._watcher: threading.Thread | None = None
+        if self._group is not None:
+            self._watcher = threading.Thread(
+                target=self._watch_joins, name=f"twinrpc-joins-{self.rank}", daemon=True
+            )
+            self._watcher.start()
         # Heartbeats (failure detection for a peer that stops without closing its connection).
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat_threshold = heartbeat_interval * heartbeat_misses
@@ -87,6 +106,41 @@ class GlooWorld:
             self._next_tick = time.monotonic() + heartbeat_interval
             self._timer.call_later(heartbeat_interval, self._heartbeat_tick)
         atexit.register(self._close_at_exit)
+
+    def _make_link(self, peer: int, pg: Any) -> PeerLink:
+        link = PeerLink(
+            self.rank, peer, pg, self._deliver, self._peer_failed, send_timeout=self._send_timeout
+        )
+        link.peer_name = f"'{self.workers[peer].name}' (rank {peer})"
+        return link
+
+    # -- dynamic groups (LIFE-5) -------------------------------------------------------------------
+    def _watch_joins(self) -> None:
+        """Connect a link to each worker that joins this dynamic group, as the joiner connects to us
+        (its init_rpc waits for that, then tells our agent it joined). Ends when stop() posts ``stop``."""
+        group = self._group
+        assert group is not None
+        while True:
+            try:
+                notice = group.next_notice()
+            except Exception as exc:  # the store is gone (its host process left)
+                _log.debug("twinrpc: rank %d stops watching for joins: %s", self.rank, exc)
+                return
+            if notice is None:
+                return
+            if self._stopped:
+                continue  # the joiner's connect to us fails (bounded by its store timeout)
+            info = notice.member.info
+            try:
+                pg = make_pair_group(notice.pair_store, self.rank, info.id)
+            except Exception as exc:
+                _log.warning("twinrpc: could not connect to %s joining the group: %s", info, exc)
+                continue
+            with self._lock:
+                self.workers = {**self.workers, info.id: info}
+                link = self._make_link(info.id, pg)
+                self.links = {**self.links, info.id: link}
+            link.start(self._pool.run_job, self._callbacks.submit)
 
     # -- World interface ---------------------------------------------------------------------------
     def now(self) -> float:
@@ -100,7 +154,10 @@ class GlooWorld:
             local = Message(msg.kind, msg.id, msg.src, msg.dst, msg.payload, copy_storages(msg.tensors))
             self._deliver(local)
             return
-        link = self.links[msg.dst]
+        link = self.links.get(msg.dst)
+        if link is None:  # a dynamic group's member that stopped before this worker joined
+            self._send_failed(msg, RuntimeError("it stopped RPC without leaving the group"))
+            return
         if msg.deferrable and link.defer(msg, self._send_failed):
             self._flush_riders_later()
             return
@@ -179,6 +236,7 @@ class GlooWorld:
         if not self._mark_stopped():
             return
         atexit.unregister(self._close_at_exit)
+        self._stop_watching()
         deadline = time.monotonic() + _CLOSE_WAIT
         links = list(self.links.values())
         for link in links:
@@ -201,9 +259,18 @@ class GlooWorld:
         the process (see _stop_threads). Peers see the connection close, as when the process dies."""
         if not self._mark_stopped():
             return
+        self._stop_watching()
         for link in self.links.values():
             link.close_now()
         self._stop_threads()
+
+    def _stop_watching(self) -> None:
+        if self._group is not None and self._watcher is not None:
+            try:
+                self._group.post_stop()
+            except Exception as exc:  # the store is gone; so is the watcher's wait
+                _log.debug("twinrpc: could not post stop to this worker's inbox: %s", exc)
+            self._watcher.join(_THREAD_EXIT_WAIT)
 
     def _mark_stopped(self) -> bool:
         """Stop delivering to the agent; False if the world was stopped already."""

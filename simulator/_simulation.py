@@ -12,10 +12,12 @@ import greenlet
 
 from twinrpc._errors import WorkerUnavailableError
 from twinrpc._future import Future
+from twinrpc._membership import MIXED_GROUP_ERROR
 from twinrpc._message import REQUEST_KINDS, Message
 from twinrpc._worker_info import WorkerInfo
 
 from ._compute import ComputeMeter, ComputeModel
+from ._dynamic_group import DynamicGroup, DynamicMember
 from ._errors import SimulationError
 from ._fault_engine import NetworkFaults
 from ._faults import DEFAULT_GC_DELAY, Crash, Delay, Drop, Duplicate, Fault, FaultPlan, Hold, Partition, Pause
@@ -130,6 +132,8 @@ class Simulation:
         self.booking = bool(self.network.message_cost) or compute is not None
         self._rendezvous: dict[int, dict[int, str]] = {}
         self._rendezvous_done: dict[int, Future[None]] = {}
+        #: generation -> its dynamic group (init_rpc without world_size, LIFE-5)
+        self._dynamic: dict[int, DynamicGroup] = {}
         self._used = False
         if isinstance(faults, Swarm):
             faults = faults.plan(seed, world_size)
@@ -314,16 +318,22 @@ class Simulation:
                 f"init_rpc(rank={rank}) on simulated worker {worker.rank}: in a Simulation each program's "
                 "rank is the rank it was started with (pass that rank, or -1)"
             )
-        if world_size not in (None, self.world_size):
+        if not world_size:
+            return self._join_dynamic(worker, name=name, options=options, generation=generation)
+        if not 0 <= worker.rank < world_size <= self.world_size:
             raise ValueError(
-                f"init_rpc(world_size={world_size}) in a Simulation of world_size={self.world_size}"
+                f"init_rpc(world_size={world_size}) on simulated worker {worker.rank} in a Simulation of "
+                f"world_size={self.world_size}: a static group's ranks run from 0 to world_size - 1"
             )
+        group = self._dynamic.get(generation)
+        if group is not None and group.members:
+            raise RuntimeError(MIXED_GROUP_ERROR)
         joined = self._rendezvous.setdefault(generation, {})
         done = self._rendezvous_done.setdefault(generation, Future())
         joined[worker.rank] = name
         self.trace.name_worker(worker.rank, name)
         self.trace.record(self.sched.now, worker.rank, "init", f"{name} generation {generation}")
-        if len(joined) == self.world_size:
+        if len(joined) == world_size:
             self.sched.call_later(_RENDEZVOUS_DELAY, lambda: done.set_result(None))
         done.wait()
         by_name: dict[str, int] = {}
@@ -337,6 +347,30 @@ class Simulation:
         world = SimWorld(worker, options.num_worker_threads)
         worker.world = world
         return world, infos[worker.rank], infos
+
+    def _join_dynamic(
+        self, worker: SimWorker, *, name: str, options: Any, generation: int
+    ) -> tuple[SimWorld, WorkerInfo, list[WorkerInfo]]:
+        """Join generation ``generation``'s dynamic group (LIFE-5); returns holding its token, which
+        ``init_rpc`` gives back once every member knows this worker (twinrpc._membership)."""
+        group = self._dynamic.setdefault(generation, DynamicGroup(self.sched))
+        self.trace.name_worker(worker.rank, name)
+        self.trace.record(self.sched.now, worker.rank, "init", f"{name} generation {generation} (dynamic)")
+        group.lock(f"the membership token of dynamic group {generation}")
+        try:
+            sleep(_RENDEZVOUS_DELAY)  # the store round trips of the token and the names
+            if self._rendezvous.get(generation):
+                raise RuntimeError(MIXED_GROUP_ERROR)
+            group.check_unique(name, worker.rank)
+        except BaseException:
+            group.unlock()
+            raise
+        group.members[worker.rank] = name
+        infos = [WorkerInfo(n, r) for r, n in sorted(group.members.items())]
+        world = SimWorld(worker, options.num_worker_threads)
+        world.membership = DynamicMember(group, worker.rank)
+        worker.world = world
+        return world, WorkerInfo(name, worker.rank), infos
 
     # -- crashes --------------------------------------------------------------------------------------
     def crash(

@@ -13,6 +13,7 @@ import greenlet
 from twinrpc._current import CURRENT_SLOT, WorkerSlot
 from twinrpc._errors import WorkerUnavailableError
 from twinrpc._future import CURRENT_BLOCKER, Future
+from twinrpc._membership import GroupMembership
 from twinrpc._message import Message
 from twinrpc._serialize import copy_storages
 from twinrpc._world import TimerHandle
@@ -98,6 +99,8 @@ class SimWorld:
         self._pool_size = num_worker_threads
         self._pool_busy = 0
         self._pool_queue: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
+        #: this worker's handle on its dynamic group (LIFE-5); None in a static group
+        self.membership: GroupMembership | None = None
 
     # -- World interface ---------------------------------------------------------------------------
     def now(self) -> float:
@@ -210,6 +213,9 @@ class SimWorld:
         agent = self.agent
         if agent is None:
             return
-        info = agent.workers[msg.dst] if msg.dst < len(agent.workers) else msg.dst
+        try:
+            info: object = agent.worker_by_id(msg.dst)
+        except KeyError:
+            info = msg.dst
         exc = WorkerUnavailableError(f"{agent.info} cannot reach {info}: {why}")
         self.worker.spawn("send-failed", agent.on_send_failed, msg, exc)

@@ -29,8 +29,8 @@ def ok(step: str) -> None:
 
 def init_rpc(init_method: str, *, from_env: bool = False) -> None:
     options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=60)
-    if from_env:  # rank and world size taken from RANK and WORLD_SIZE, as under torchrun
-        rpc.init_rpc(f"w{RANK}", rpc_backend_options=options)
+    if from_env:  # rank taken from RANK, as under torchrun (world_size makes the group static)
+        rpc.init_rpc(f"w{RANK}", world_size=WORLD, rpc_backend_options=options)
     else:
         rpc.init_rpc(f"w{RANK}", rank=RANK, world_size=WORLD, rpc_backend_options=options)
 

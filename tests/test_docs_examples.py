@@ -119,6 +119,16 @@ def test_ddp_with_rpc_gradients_in_contexts_equal_local_ddp(world: str) -> None:
         assert lines[0].endswith("'last loss': 2.5409}") and lines[1].endswith("'last loss': 2.0596}")
 
 
+@pytest.mark.parametrize("world", ["sim", "gloo"])
+def test_dynamic_group_trainers_join_and_leave_while_the_server_runs(world: str) -> None:
+    lines = _run("docs/examples/dynamic_group.py", "--world", world).splitlines()
+    assert lines == [
+        "{'from': 'trainer1', 'value': 10, 'group': ['server', 'trainer1']}",
+        "{'from': 'trainer2', 'value': 20, 'group': ['server', 'trainer2']}",
+        "group at the end: ['server']",
+    ]
+
+
 def test_parameter_server_on_the_simulator():
     out = _run("docs/examples/parameter_server.py", "--world", "sim")
     assert "60 updates, weights [2.0, -3.0, 0.5]" in out
@@ -296,10 +306,7 @@ def test_ps_race_is_found_shrunk_replayed_and_drawn_and_the_pinned_bug_still_fai
         "run", "--nproc-per-node", "3", "--seed", "0", "--faults",
         "docs/examples/ps_race_found/faults.json", "--trace", str(trace), PS_RACE,
     )  # fmt: skip
-    assert (
-        replay.returncode == 1
-        and f"[rank1]:RuntimeError: Error on Node 0: {RACE}" in replay.stderr
-    )
+    assert replay.returncode == 1 and f"[rank1]:RuntimeError: Error on Node 0: {RACE}" in replay.stderr
     assert replay.stdout.splitlines() == ["[rank2]:Trainer 2: 5 batches, last loss 1.5002"]
     _check_the_step_lands_between_forward_and_backward(trace)
     html = tmp_path / "race.html"

@@ -29,7 +29,7 @@ def _lines(results: list, rank: int) -> list[str]:
 # -- rendezvous, re-initialisation, clean exit -------------------------------------------------------
 @pytest.mark.spec("LIFE-4", "LIFE-6")
 def test_env_tcp_and_file_init_methods_and_reinit_after_graceful_shutdown(tmp_path: Path) -> None:
-    """env:// reads RANK/WORLD_SIZE/MASTER_*; then tcp:// and file:// worlds one after another."""
+    """env:// reads RANK/MASTER_*; then tcp:// and file:// worlds one after another."""
     start = time.monotonic()
     results = run_workers(
         WORKER,
@@ -186,15 +186,22 @@ def _init(init_method: str, **kwargs: object) -> None:
             ["MASTER_PORT must be an integer, got 'http'"],
         ),
         ("file:///tmp/x", {"world_size": 2}, {}, ["needs this worker's rank", "set RANK"]),
-        ("file:///tmp/x", {"rank": 0}, {}, ["needs the number of workers", "set WORLD_SIZE"]),
+        ("file:///tmp/x", {}, {}, ["needs this worker's rank", "set RANK"]),  # a dynamic group too
         ("file:///tmp/x", {}, {"RANK": "one", "WORLD_SIZE": "2"}, ["RANK must be an integer, got 'one'"]),
+        (
+            "file:///tmp/x?world_size=2",
+            {"rank": 0},
+            {},
+            ["has world_size= in its query but init_rpc got no world_size", "pass world_size to init_rpc"],
+        ),
+        ("env://", {"rank": 0}, {}, ["MASTER_ADDR and MASTER_PORT"]),  # dynamic: same checks
         (
             "file:///tmp/x",
             {"rank": 2, "world_size": 2},
             {},
             ["rank 2 is outside the world of size 2", "0 to 1"],
         ),
-        ("file:///tmp/x", {}, {"RANK": "3", "WORLD_SIZE": "2"}, ["rank 3 is outside the world of size 2"]),
+        ("file:///tmp/x", {"world_size": 2}, {"RANK": "3"}, ["rank 3 is outside the world of size 2"]),
         ("file:///tmp/x", {"rank": 0, "world_size": -1}, {}, ["world_size must be at least 1, got -1"]),
         (
             "nccl://host:1",

@@ -20,9 +20,10 @@ def hostname() -> str:
 
 def main() -> None:
     rank = int(os.environ["RANK"])
-    # No rank, world_size or init_method: init_rpc reads RANK and WORLD_SIZE, and the default
-    # init_method "env://" reads MASTER_ADDR and MASTER_PORT, all set by torchrun.
-    rpc.init_rpc(f"worker{rank}")
+    # No rank or init_method: init_rpc reads RANK, and the default init_method "env://" reads
+    # MASTER_ADDR and MASTER_PORT, all set by torchrun. world_size makes the group static (without it,
+    # as in PyTorch, workers would join a dynamic group one by one).
+    rpc.init_rpc(f"worker{rank}", world_size=int(os.environ["WORLD_SIZE"]))
     peer = (rank + 1) % len(rpc.get_worker_infos())
     where = rpc.rpc_sync(peer, hostname)
     total = rpc.rpc_sync(peer, torch.add, args=(torch.ones(2), rank))

@@ -121,6 +121,11 @@ class RpcAgent:
         self.rrefs = RRefContext(self)
         self.autograd = DistAutogradContainer(self)  # distributed autograd state (twinrpc._dist_autograd)
         self.leader = min(self.workers, key=lambda w: w.name)
+        #: a member of a dynamic group (init_rpc without world_size, LIFE-5): workers join and leave
+        #: while it runs (update_membership), and shutdown only leaves the group (twinrpc._membership)
+        self.dynamic = False
+        #: workers that left the dynamic group: still named in messages about calls made to them
+        self._left: dict[int, WorkerInfo] = {}
 
     # -- names ----------------------------------------------------------------------------------
     def resolve(self, to: Any) -> WorkerInfo:
@@ -151,7 +156,24 @@ class RpcAgent:
         raise ValueError(f"Cannot get WorkerInfo from name {to}")
 
     def worker_by_id(self, rank: int) -> WorkerInfo:
-        return self._by_id[rank]
+        info = self._by_id.get(rank)
+        return info if info is not None else self._left[rank]
+
+    def update_membership(self, info: WorkerInfo, is_join: bool) -> None:
+        """``info`` joined (``is_join``) or left this worker's dynamic group (LIFE-5). Readers see the
+        old or the new membership, never a mix: the tables are replaced, not changed in place."""
+        with self._lock:
+            by_id = dict(self._by_id)
+            if is_join:
+                by_id[info.id] = info
+                self._left.pop(info.id, None)
+                self._peer_errors.pop(info.id, None)  # a new worker under a departed one's rank
+            else:
+                by_id.pop(info.id, None)
+                self._left[info.id] = info
+            self._by_id = by_id
+            self._by_name = {w.name: w for w in by_id.values()}
+            self.workers = sorted(by_id.values(), key=lambda w: w.id)
 
     def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
         """As PyTorch's agent method: this worker's info, or the named worker's."""
@@ -199,7 +221,7 @@ class RpcAgent:
         pending = _Pending(fut, dst, kind)
         timeout = self.effective_timeout(timeout)
         msg_id = next(self._ids)  # atomic: itertools.count under the GIL
-        fut.label = f"reply to {kind.name}#{msg_id} from {self._by_id[dst].name}"
+        fut.label = f"reply to {kind.name}#{msg_id} from {self.worker_by_id(dst).name}"
         with self._lock:
             self._pending[msg_id] = pending
             self._active_calls += 1
@@ -287,7 +309,7 @@ class RpcAgent:
         pending = self._finish_call(msg_id)
         if pending is None:
             return
-        dst = self._by_id[pending.dst]
+        dst = self.worker_by_id(pending.dst)
         pending.fut.set_exception(
             RPCTimeoutError(
                 f"RPC ran for more than set timeout ({round(timeout * 1000)} ms) and will now be marked "
@@ -374,7 +396,9 @@ class RpcAgent:
             value, load = _serialize.loads(msg.payload, msg.tensors, msg.src, self.rrefs.rebuild)
         except BaseException as exc:
             pending.fut.set_exception(
-                SerializationError(f"the reply from {self._by_id[msg.src]} could not be unpickled: {exc!r}")
+                SerializationError(
+                    f"the reply from {self.worker_by_id(msg.src)} could not be unpickled: {exc!r}"
+                )
             )
         else:
             if type(value) is AutogradEnvelope:  # hook: a reply linked into a context (DAG-4)
@@ -747,6 +771,11 @@ class RpcAgent:
         fut.wait()
 
     def shutdown(self, graceful: bool, timeout: float, *, ignore_rref_leak: bool = True) -> None:
+        if self.dynamic:  # leave the group; the others keep working (LIFE-5)
+            from ._membership import leave_group
+
+            leave_group(self, graceful, timeout, ignore_rref_leak=ignore_rref_leak)
+            return
         completed = False
         try:
             if graceful:
@@ -791,7 +820,7 @@ class RpcAgent:
                 p.timer.cancel()
             p.fut.set_exception(
                 ShutdownError(
-                    f"RPC agent of {self.info} shut down while a {p.kind.name} to {self._by_id[p.dst]} was pending"
+                    f"RPC agent of {self.info} shut down while a {p.kind.name} to {self.worker_by_id(p.dst)} was pending"
                 )
             )
         # ``completed``: every worker passed the final join, so peers may see our departure as

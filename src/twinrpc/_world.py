@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
+    from ._membership import GroupMembership
     from ._message import Message
 
 
@@ -37,6 +38,9 @@ class World(Protocol):
 
     #: "simulated" or "wall-clock": how error messages describe durations.
     clock_name: str
+    #: this worker's handle on its dynamic group's store (LIFE-5, ``twinrpc._membership``); None in a
+    #: static group. A world made by a dynamic join returns holding the group's membership token.
+    membership: GroupMembership | None
 
     def now(self) -> float:
         """Seconds on this world's clock (virtual in the simulator)."""

@@ -17,6 +17,7 @@ import torch
 from .._agent import RpcAgent
 from .._current import current_agent, current_slot
 from .._future import Future
+from .._membership import join_group
 from .._rref import RRef
 from .._worker_info import WorkerInfo, check_worker_name
 from .options import (
@@ -42,8 +43,11 @@ def init_rpc(
     world_size: int | None = None,
     rpc_backend_options: RpcBackendOptions | None = None,
 ) -> None:
-    """Join the RPC group as worker ``name``; blocks until every worker has joined.
+    """Join the RPC group as worker ``name``.
 
+    With ``world_size`` this is a static group: blocks until every worker has joined. Without it
+    (``None`` or 0), a dynamic group that workers join and leave at any time (LIFE-5): returns once every
+    current member knows this worker; ``shutdown`` then leaves the group and the others keep working.
     Inside a :class:`twinrpc.simulator.Simulation` this joins the simulated world; otherwise the real
     multiprocess world. Raises RuntimeError("RPC is already initialized") when called twice.
     """
@@ -70,6 +74,13 @@ def init_rpc(
     agent = RpcAgent(world, info, workers, options.rpc_timeout, options.num_worker_threads)
     slot.agent = agent
     world.start(agent)
+    membership = world.membership
+    if membership is not None:  # a dynamic group (LIFE-5): tell the members, who may call us now
+        try:
+            join_group(agent, membership)
+        finally:
+            if not agent.running:
+                slot.agent = None
 
 
 #: the options class PyTorch requires for each backend (its ``*_init_backend_handler``s check it)
