@@ -137,7 +137,7 @@ class _Meeting:
         self.arrivals: dict[int, Any] = {}
         self.complete = False
         #: members parked until the call completes, in arrival order
-        self.waiting: list[Future[None]] = []
+        self.waiting: list[_Parked] = []
         #: members that went on inside autograd's engine: their Work's futures, with what they carry
         self.futures: list[tuple[torch.futures.Future[Any], Any]] = []
 
@@ -152,6 +152,35 @@ class _EngineWait:
         self.done: Future[None] = Future()
         self.resuming = False
 
+    def ready(self) -> bool:
+        return all(m.complete for m in self.pending)
+
+    def resume(self) -> None:
+        self.done.set_result(None)
+
+
+class _Parked:
+    """A member parked until its collective lets it go on (every member arrived, or a broadcast's
+    root did). One parked inside a C++ call resumes only from the top of the suspended stack."""
+
+    __slots__ = ("done", "error", "in_cpp", "released", "resuming")
+
+    def __init__(self, in_cpp: bool) -> None:
+        self.done: Future[None] = Future()
+        self.in_cpp = in_cpp
+        self.released = False
+        self.resuming = False
+        self.error: BaseException | None = None
+
+    def ready(self) -> bool:
+        return self.released
+
+    def resume(self) -> None:
+        if self.error is None:
+            self.done.set_result(None)
+        else:
+            self.done.set_exception(self.error)
+
 
 class Collectives:
     """The meeting point of every simulated process group of one simulation.
@@ -163,8 +192,9 @@ class Collectives:
 
     Every simulated worker runs on one thread, and both autograd's engine and pybind11 keep per-thread
     state that a call restores when it returns: the tasks suspended inside such calls must resume in
-    the reverse order of their suspension. So parked members are woken latest-first, a task waiting
-    at the end of an engine call resumes only once every task that began waiting after it has, and a
+    the reverse order of their suspension. So parked members are woken latest-first, a task suspended
+    inside a C++ call (at the end of an engine call, or parked in a collective that DDP's C++ code
+    called) resumes only once every task that began waiting inside one after it has, and a
     broadcast's root never waits.
     """
 
@@ -174,10 +204,12 @@ class Collectives:
         self._meetings: dict[tuple[Any, int], _Meeting] = {}
         #: (task id, graph task id) -> the collectives that task joined inside that engine call
         self._engine_waits: dict[tuple[int, int], _EngineWait] = {}
-        #: the tasks waiting at the end of an engine call, in the order they began to wait
+        #: the tasks waiting at the end of an engine call (autograd's engine keeps per-thread state)
+        #: and those parked in a collective that other C++ code called (pybind11 keeps a per-thread
+        #: stack of its calls), each in the order they began to wait: only a stack's top resumes. The
+        #: two are independent: an engine call made from Python holds nothing on pybind11's stack.
         self._engine_stack: list[_EngineWait] = []
-        #: a member waits for a collective that C++ code called (see _park)
-        self._parked_in_cpp = False
+        self._cpp_stack: list[_Parked] = []
 
     def _join(self, key: tuple[Any, int], rank: int, op: str, payload: Any) -> _Meeting:
         meeting = self._meetings.get(key)
@@ -204,48 +236,44 @@ class Collectives:
         raise error
 
     def _park(self, key: tuple[Any, int], meeting: _Meeting, rank: int, from_cpp: bool) -> None:
-        if from_cpp:
-            if self._parked_in_cpp:
-                self._fail(
-                    key,
-                    NotImplementedError(
-                        f"twinrpc.simulator: rank {rank} would wait for {meeting.op} inside a C++ call (such "
-                        "as DDP's bucket rebuild or its join) while another worker already waits inside "
-                        "one; every simulated worker runs on one thread, where pybind11 keeps one stack of "
-                        "C++ calls, so the simulator models one such wait at a time (DDP groups of two). "
-                        "Run this program in real processes."
-                    ),
-                )
-            self._parked_in_cpp = True
-        done: Future[None] = Future()
-        meeting.waiting.append(done)
+        parked = _Parked(from_cpp)
+        meeting.waiting.append(parked)
+        if not from_cpp:
+            parked.done.wait()
+            return
+        self._cpp_stack.append(parked)
         try:
-            done.wait()
+            parked.done.wait()
         finally:
-            if from_cpp:
-                self._parked_in_cpp = False
+            self._cpp_stack.remove(parked)
+            # runs once this task yields, after it has left its C++ call (or parked in it again)
+            self.sim.sched.schedule(0.0, lambda _arg: self._wake_top(), None)
+
+    def _release(self, parked: _Parked, error: BaseException | None = None) -> None:
+        parked.released, parked.error = True, error
+        if not parked.in_cpp:
+            parked.resume()
+        else:
+            self._wake_top()
 
     def _complete(self, meeting: _Meeting, error: BaseException | None = None) -> None:
         meeting.complete = True
-        for done in reversed(meeting.waiting):
-            if error is None:
-                done.set_result(None)
-            else:
-                done.set_exception(error)
+        for parked in reversed(meeting.waiting):
+            self._release(parked, error)
         for fut, value in meeting.futures:
             if error is None:
                 fut.set_result(value)
             else:
                 fut.set_exception(error)
-        self._wake_engine_top()
+        self._wake_top()
 
-    def _wake_engine_top(self) -> None:
-        """Resume the latest task waiting at the end of an engine call once its collectives are done;
-        the one below it only after this one has yielded, that is has left its engine call."""
-        stack = self._engine_stack
-        if stack and not stack[-1].resuming and all(m.complete for m in stack[-1].pending):
-            stack[-1].resuming = True
-            stack[-1].done.set_result(None)
+    def _wake_top(self) -> None:
+        """Resume the latest task suspended inside a C++ call once what it waits for is done; the one
+        below it only after this one has yielded, that is has left its call."""
+        for stack in (self._engine_stack, self._cpp_stack):
+            if stack and not stack[-1].resuming and stack[-1].ready():
+                stack[-1].resuming = True
+                stack[-1].resume()
 
     def _finish(
         self, key: tuple[Any, int], meeting: _Meeting, size: int, finish: Callable[[list[Any]], None]
@@ -305,7 +333,7 @@ class Collectives:
                 finally:
                     self._engine_stack.remove(wait)
                     # runs once this task yields, after its engine call has returned
-                    self.sim.sched.schedule(0.0, lambda _arg: self._wake_engine_top(), None)
+                    self.sim.sched.schedule(0.0, lambda _arg: self._wake_top(), None)
 
             torch.autograd.Variable._execution_engine.queue_callback(before_the_engine_ends)
         return wait
@@ -328,8 +356,8 @@ class Collectives:
             for r, theirs in meeting.arrivals.items():
                 if r != root:
                     _copy_all(theirs, sent)
-            for done in reversed(meeting.waiting):
-                done.set_result(None)
+            for parked in reversed(meeting.waiting):
+                self._release(parked)
             meeting.waiting.clear()
         elif root in meeting.arrivals:
             _copy_all(tensors, meeting.arrivals[root])
