@@ -84,6 +84,19 @@ _CLOSE_FLUSH = 10.0  # seconds to let the outbox drain before the close frame
 _MIN_FRAME_RATE = 10e6
 
 
+class PeerShutDown(RuntimeError):
+    """The peer sent its close frame: it shut down RPC (``graceful``: after completing the graceful
+    shutdown protocol, an orderly departure; twinrpc._departure decides what follows)."""
+
+    def __init__(self, graceful: bool) -> None:
+        super().__init__("the peer has shut down RPC")
+        self.graceful = graceful
+
+
+class PeerSilent(RuntimeError):
+    """Nothing came from the peer within the liveness bound: it is stopped, hung or cut off."""
+
+
 class _ThreadRole(threading.local):
     #: True on threads that must never block in a gloo send: receivers (a peer's receiver may be
     #: sending to us at the same moment, and gloo sends wait for the matching receive) and the timer.
@@ -160,6 +173,8 @@ class PeerLink:
         self.failed: BaseException | None = None
         #: the peer sent its close frame (it shut down): calls to it fail, our own close frame may still go
         self.closed_by_peer = False
+        #: the peer's close frame said it completed graceful shutdown
+        self.peer_graceful = False
         #: we are shutting down: receive errors are expected and no longer reported
         self.closing = False
         #: our close frames went (or are going): send_close runs once
@@ -256,7 +271,7 @@ class PeerLink:
         if self.failed is not None:
             raise self.failed
         if self.closed_by_peer:
-            raise RuntimeError("the peer has shut down RPC")
+            raise PeerShutDown(self.peer_graceful)
         pg, dst = self.pg, self._peer_rank_in_pg
         with self._send_lock:
             if self.failed is not None:  # failed while this thread waited for the lock
@@ -390,7 +405,7 @@ class PeerLink:
         finally:
             self._sending = None
 
-    def _overdue_send(self) -> RuntimeError | None:
+    def _overdue_send(self) -> PeerSilent | None:
         """The error to report if a send is past its own bound (heartbeats off). gloo's timeout wakes
         the receiver too, which may report first: both say this rather than gloo's 'Application
         timeout caused pair closure'."""
@@ -401,7 +416,7 @@ class PeerLink:
         waited = time.monotonic() - since
         if waited < timeout + allowance - 0.01:
             return None
-        return RuntimeError(
+        return PeerSilent(
             f"a frame to it was not taken within {timeout + allowance:.1f} s (rpc_timeout plus "
             f"{allowance:.1f} s for its size; heartbeats are off); its process is stopped, hung or cut "
             "off from this one"
@@ -699,9 +714,8 @@ class PeerLink:
                     first = not self.closed_by_peer
                     self.closed_by_peer = True
                     if first and not self.closing:
-                        left = RuntimeError("the peer has shut down RPC")
-                        left.graceful_exit = header.graceful  # type: ignore[attr-defined]
-                        self._on_failure(self.peer, left)
+                        self.peer_graceful = bool(header.graceful)
+                        self._on_failure(self.peer, PeerShutDown(self.peer_graceful))
                         self._close_in_reply()
                     self._pass_turn()
                     return False
@@ -779,7 +793,7 @@ class PeerLink:
         silent = now - max(since, heard)
         if silent > threshold + allowance:
             self._fail(
-                RuntimeError(
+                PeerSilent(
                     f"no frame or heartbeat from it for {silent:.1f} s {what} (limit "
                     f"{threshold + allowance:.1f} s: heartbeat_interval x heartbeat_misses); its process is "
                     "stopped, hung or cut off from this one"

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from twinrpc._errors import WorkerUnavailableError
+from twinrpc._departure import Departure
 from twinrpc._membership import GroupMembership
 from twinrpc._message import Message
 from twinrpc._serialize import copy_storages
@@ -18,7 +18,7 @@ from twinrpc._world import TimerHandle
 from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
 from ._dynamic_group import StoreGroup
-from ._link import THREAD_ROLE, PeerLink, make_pair_group
+from ._link import THREAD_ROLE, PeerLink, PeerShutDown, PeerSilent, make_pair_group
 from ._pool import CallbackRunner, RequestPool
 from ._rendezvous import Joined
 from ._timer import TimerThread
@@ -60,7 +60,7 @@ class GlooWorld:
         self.membership: GroupMembership | None = joined.group
         self.agent: RpcAgent | None = None
         self._early: list[Message] = []
-        self._early_failures: list[tuple[int, WorkerUnavailableError]] = []
+        self._early_failures: list[tuple[int, Departure, str]] = []
         #: TWINRPC_TRACE=dir: this worker's sends and deliveries are written there (impl/_trace.py)
         self._recorder = TraceRecorder.from_env(self.rank, joined.workers)
         self._lock = threading.Lock()
@@ -147,6 +147,8 @@ class GlooWorld:
         return time.monotonic()
 
     def send(self, msg: Message) -> None:
+        if self._stopped:
+            return  # a worker that has left sends nothing more (twinrpc._departure)
         if self._recorder is not None:
             self._recorder.record("send", msg)
         if msg.dst == self.rank:
@@ -156,7 +158,7 @@ class GlooWorld:
             return
         link = self.links.get(msg.dst)
         if link is None:  # a dynamic group's member that stopped before this worker joined
-            self._send_failed(msg, RuntimeError("it stopped RPC without leaving the group"))
+            self._send_failed(msg, PeerShutDown(graceful=False))
             return
         if msg.deferrable and link.defer(msg, self._send_failed):
             self._flush_riders_later()
@@ -198,7 +200,7 @@ class GlooWorld:
     def _send_failed(self, msg: Message, exc: BaseException) -> None:
         agent = self.agent
         if agent is not None:
-            agent.on_send_failed(msg, self._unavailable(msg.dst, exc))
+            agent.on_send_failed(msg, agent.departure_error(msg.dst, *_departure_of(exc)))
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         # On an idle pool thread (not a request slot): e.g. every dead user RRef's delete is sent from
@@ -223,8 +225,8 @@ class GlooWorld:
             failed, self._early_failures = self._early_failures, []
         for msg in early:
             agent.on_message(msg)
-        for peer, err in failed:  # a peer that died before the agent started is still dead
-            agent.on_peer_failed(peer, err)
+        for peer, departure, detail in failed:  # a peer that left before the agent started
+            agent.on_peer_failed(peer, departure, detail)
 
     def stop(self, graceful: bool = False) -> None:
         """Close every link (peers' receivers for us stop), then stop the pool and timer and wait for
@@ -351,26 +353,24 @@ class GlooWorld:
         agent.on_message(msg)
 
     def _peer_failed(self, peer: int, exc: BaseException) -> None:
-        err = self._unavailable(peer, exc)
+        departure, detail = _departure_of(exc)
         agent = self.agent
         if agent is None:
             with self._lock:
                 if self.agent is None and not self._stopped:
-                    self._early_failures.append((peer, err))
+                    self._early_failures.append((peer, departure, detail))
                     return
                 agent = self.agent
             if agent is None:
                 return
-        agent.on_peer_failed(peer, err)
+        agent.on_peer_failed(peer, departure, detail)
 
-    def _unavailable(self, peer: int, exc: BaseException) -> WorkerUnavailableError:
-        me, other = self.workers[self.rank], self.workers[peer]
-        orderly = getattr(exc, "graceful_exit", False)
-        why = "It has shut down RPC" if orderly else "Its process has probably died"
-        err = WorkerUnavailableError(
-            f"worker '{other.name}' (rank {other.id}) is unavailable to {me}: {exc}. {why}; calls to it "
-            "fail from now on, other workers keep working"
-        )
-        err.graceful_exit = orderly  # type: ignore[attr-defined]
-        err.__cause__ = exc
-        return err
+
+def _departure_of(exc: BaseException) -> tuple[Departure, str]:
+    """How a link's error says the peer left, with the transport's words for a crash or silence (the
+    core describes a shutdown itself)."""
+    if isinstance(exc, PeerShutDown):
+        return (Departure.LEFT if exc.graceful else Departure.SHUT_DOWN), ""
+    if isinstance(exc, PeerSilent):
+        return Departure.SILENT, str(exc)
+    return Departure.CRASHED, str(exc)

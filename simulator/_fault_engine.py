@@ -35,6 +35,7 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from twinrpc._departure import Departure
 from twinrpc._message import RREF_CONTROL_KINDS, Kind, Message
 from twinrpc._serialize import copy_storages
 
@@ -513,8 +514,9 @@ class NetworkFaults:
                 world,
                 observer,
                 dead,
+                Departure.SILENT,
                 f"no frame or heartbeat from it for more than {timeout:g} s (simulated heartbeat_timeout; "
-                f"{why}); its process is stopped, hung or cut off from this one; ",
+                f"{why}); its process is stopped, hung or cut off from this one",
             )
         # The observer stops talking to the dead one (a failed gloo link sends no more heartbeats), so
         # that one declares the observer dead a threshold after it can next listen.

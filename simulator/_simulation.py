@@ -10,7 +10,7 @@ from typing import Any
 
 import greenlet
 
-from twinrpc._errors import WorkerUnavailableError
+from twinrpc._departure import Departure
 from twinrpc._future import Future
 from twinrpc._membership import MIXED_GROUP_ERROR
 from twinrpc._message import REQUEST_KINDS, Message
@@ -298,9 +298,16 @@ class Simulation:
         return self._engine().install(Pause(rank, duration, when))  # type: ignore[return-value]
 
     def _stop_monitors(self, why: str) -> None:
-        """The RRef monitors stop checking (a fault outside the protocol's assumptions happened)."""
-        if self.monitor is not None:
-            self.monitor.stop(why)
+        """The RRef monitors stop checking (a fault outside the protocol's assumptions happened: a
+        crash, a peer declared dead, a non-graceful shutdown); RRef events still reach the trace."""
+        if self.monitor is None or self.monitor.stopped is not None:
+            return
+        self.monitor.stop(why)
+        for w in self.workers:
+            if w.world is not None and w.world.agent is not None:
+                w.world.agent.rrefs.observer = self.trace_observer
+        if self.trace_observer is not None:
+            self.trace_observer.monitor = None
 
     # -- rendezvous (the simulated store) -----------------------------------------------------------
     def _connect(
@@ -366,6 +373,9 @@ class Simulation:
             group.unlock()
             raise
         group.members[worker.rank] = name
+        for other in self.workers:  # a departure of an earlier worker of this rank no longer applies
+            if other is not worker and other.world is not None:
+                other.world.peer_joined(worker.rank)
         infos = [WorkerInfo(n, r) for r, n in sorted(group.members.items())]
         world = SimWorld(worker, options.num_worker_threads)
         world.membership = DynamicMember(group, worker.rank)
@@ -413,13 +423,7 @@ class Simulation:
         worker.crashed = True
         self.trace.record(sched.now, rank, "fault", f"crash worker {rank}")
         self.trace.record(sched.now, rank, "crash", f"worker {rank} crashed")
-        if self.monitor is not None:
-            self.monitor.stop(f"worker {rank} crashed at t={sched.now:.6f}")
-            for w in self.workers:
-                if w.world is not None and w.world.agent is not None:
-                    w.world.agent.rrefs.observer = self.trace_observer
-            if self.trace_observer is not None:
-                self.trace_observer.monitor = None
+        self._stop_monitors(f"worker {rank} crashed at t={sched.now:.6f}")
         for other in self.workers:
             if other.rank != rank:
                 sched.call_later(
@@ -453,22 +457,45 @@ class Simulation:
             world,
             observer,
             dead,
+            Departure.CRASHED,
             f"connection lost (simulated crash at t={self.crashed[dead]:.6f} s, detected at "
-            f"t={self.sched.now:.6f} s). Its process has probably died; ",
+            f"t={self.sched.now:.6f} s)",
         )
 
-    def _peer_unavailable(self, world: SimWorld, observer: int, dead: int, why: str) -> None:
-        """Fail ``observer``'s calls to ``dead`` with a :class:`~twinrpc.WorkerUnavailableError` that
-        says ``why`` (a crash detected, or heartbeat silence) and trace it: one report for both."""
-        agent = world.agent
-        me = agent.info if agent is not None else f"worker {observer}"
-        name = agent.worker_by_id(dead).name if agent is not None else f"worker{dead}"
-        err = WorkerUnavailableError(
-            f"worker '{name}' (rank {dead}) is unavailable to {me}: {why}"
-            "calls to it fail from now on, other workers keep working"
-        )
-        self.trace.record(self.sched.now, observer, "peer-failed", f"rank {dead}")
-        world.peer_failed(dead, err)
+    def _peer_unavailable(
+        self, world: SimWorld, observer: int, dead: int, departure: Departure, detail: str = ""
+    ) -> None:
+        """Tell ``observer`` that ``dead`` departed (a crash detected, heartbeat silence, an announced
+        shutdown) and trace it: one report for all; the core builds the error (twinrpc._departure)."""
+        if departure.shut_down:  # it announced its shutdown: not a failure the trace shows in red
+            self.trace.record(self.sched.now, observer, "peer-left", f"rank {dead} ({departure.value})")
+        else:
+            self.trace.record(self.sched.now, observer, "peer-failed", f"rank {dead}")
+        world.peer_failed(dead, departure, detail)
+
+    def _announce_departure(self, world: SimWorld, departure: Departure) -> None:
+        """``world``'s worker shut down RPC: each peer learns it after the network's delay, and after
+        the messages the worker sent it before (gloo's close frame goes after what is queued). A
+        non-graceful shutdown also stops the RRef monitors, as a crash does (their invariants
+        assume every worker completes the protocol)."""
+        rank, sched = world.rank, self.sched
+        if not departure.orderly:
+            self._stop_monitors(
+                f"worker {rank} shut down RPC without a graceful shutdown at t={sched.now:.6f}"
+            )
+        for other in self.workers:
+            target = other.world
+            if other.rank == rank or target is None or target.stopped or other.rank in self.crashed:
+                continue
+            delay = self.network.delay(rank, other.rank, 0, sched.rng)
+            delay = max(delay, world.last_arrival.get(other.rank, 0.0) - sched.now)
+            sched.call_later(delay, functools.partial(self._departed, target, rank, departure))
+
+    def _departed(self, observer: SimWorld, rank: int, departure: Departure) -> None:
+        current = self.workers[observer.rank].world
+        if observer.stopped or observer.rank in self.crashed or observer is not current:
+            return
+        self._peer_unavailable(observer, observer.rank, rank, departure)
 
     # -- network --------------------------------------------------------------------------------------
     def _book(self, rank: int, cost: float) -> float:
@@ -502,17 +529,20 @@ class Simulation:
             return
         dst = self.workers[msg.dst].world
         if dst is None:
-            self._bounce(msg, f"worker {msg.dst} has not initialised RPC")
+            self._bounce(msg, Departure.SHUT_DOWN, "it has not initialised RPC")
             return
         dst.deliver(msg)
 
-    def _bounce(self, msg: Message, why: str) -> None:
+    def _bounce(self, msg: Message, departure: Departure, detail: str = "") -> None:
+        """``msg`` reached a worker that is not running RPC: a request fails as one to a departed
+        worker (``detail``: why, unless it shut down)."""
+        why = detail or f"worker {msg.dst} has shut down"
         self.trace.message(self.sched.now, msg.dst, "bounce", msg, f": {why}")
         if msg.src in self.crashed:
             return
         src = self.workers[msg.src].world
         if src is not None and msg.kind in REQUEST_KINDS:
-            src.fail_send(msg, why)
+            src.fail_send(msg, departure, detail)
 
 
 def sleep(seconds: float) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import greenlet
 
 from twinrpc._current import CURRENT_SLOT, WorkerSlot
-from twinrpc._errors import WorkerUnavailableError
+from twinrpc._departure import Departure
 from twinrpc._future import CURRENT_BLOCKER, Future
 from twinrpc._membership import GroupMembership
 from twinrpc._message import Message
@@ -93,8 +93,13 @@ class SimWorld:
         self.rank = worker.rank
         self.agent: RpcAgent | None = None
         self.stopped = False
-        #: peers this worker knows to be dead (crashed): rank -> the error calls to them fail with
-        self.dead_peers: dict[int, WorkerUnavailableError] = {}
+        #: how this worker left (set by stop): what a message that reaches it afterwards bounces with
+        self.departure: Departure | None = None
+        #: peers this worker knows to have departed: rank -> (how, the world's words for it)
+        self.dead_peers: dict[int, tuple[Departure, str]] = {}
+        #: peer rank -> the latest virtual time a message this worker sent it arrives (a departure is
+        #: announced after them, as gloo's close frame goes after the frames queued before it)
+        self.last_arrival: dict[int, float] = {}
         self._early: list[Message] = []
         self._pool_size = num_worker_threads
         self._pool_busy = 0
@@ -110,12 +115,17 @@ class SimWorld:
         sim = self.sim
         if self.worker.crashed:
             return  # a crashed worker's unwinding code sends nothing
+        if self.stopped:
+            # A worker that has left sends nothing more (twinrpc._departure), as gloo's closed links
+            sim.trace.message(self.sched.now, self.rank, "send-failed", msg, ": sender shut down")
+            return
         dead = self.dead_peers.get(msg.dst) if self.dead_peers else None
         if dead is not None:  # a known-dead peer: fail the call at once, as a closed link does
             sim.trace.message(self.sched.now, self.rank, "send-failed", msg, ": peer dead")
             agent = self.agent
             if agent is not None:
-                self.worker.spawn("send-failed", agent.on_send_failed, msg, dead)
+                err = agent.departure_error(msg.dst, *dead)
+                self.worker.spawn("send-failed", agent.on_send_failed, msg, err)
             return
         if msg.tensors:
             msg.tensors = copy_storages(msg.tensors)
@@ -128,6 +138,9 @@ class SimWorld:
                 meter.charge(self.rank)
             delay += sim._book(self.rank, network.message_cost) - self.sched.now
         sim.trace.sent(self.sched.now, self.rank, msg, nbytes)
+        due = self.sched.now + delay
+        if due > self.last_arrival.get(msg.dst, 0.0):
+            self.last_arrival[msg.dst] = due
         if sim.faults is None:
             self.sched.schedule(delay, sim._deliver, msg)
         else:  # fault hook (simulator/_faults.py): delay, drop, duplicate, hold
@@ -184,12 +197,19 @@ class SimWorld:
         for msg in early:
             self.sim.trace.message(self.sched.now, self.rank, "deliver", msg)
             self.worker.spawn("deliver", agent.on_message, msg)
-        for peer, exc in self.dead_peers.items():  # died before this agent started
-            self.worker.spawn("peer-failed", agent.on_peer_failed, peer, exc)
+        for peer, (departure, detail) in self.dead_peers.items():  # departed before this agent started
+            self.worker.spawn("peer-failed", agent.on_peer_failed, peer, departure, detail)
 
     def stop(self, graceful: bool = False) -> None:
+        """Stop delivering and announce the departure to every peer, each after the network's delay
+        and after the messages sent to it before (gloo's close frame): orderly (``Departure.LEFT``)
+        when ``graceful`` (the graceful protocol completed), else ``Departure.SHUT_DOWN``."""
+        if self.stopped:
+            return
         self.stopped = True
         self.agent = None
+        self.departure = Departure.LEFT if graceful else Departure.SHUT_DOWN
+        self.sim._announce_departure(self, self.departure)
 
     # -- deliveries (called by the Simulation) -------------------------------------------------------
     def deliver(self, msg: Message) -> None:
@@ -200,22 +220,24 @@ class SimWorld:
         elif not self.stopped:
             self._early.append(msg)
         else:
-            self.sim._bounce(msg, f"worker {self.rank} has shut down")
+            self.sim._bounce(msg, self.departure or Departure.SHUT_DOWN)
 
-    def peer_failed(self, peer: int, exc: WorkerUnavailableError) -> None:
-        """A peer crashed (``Simulation.crash``): the agent fails what is pending on it (ERR-7)."""
-        self.dead_peers[peer] = exc
+    def peer_failed(self, peer: int, departure: Departure, detail: str = "") -> None:
+        """A peer departed (crashed, fell silent, or announced its shutdown): the agent fails what is
+        pending on it (ERR-7, SHUT-3); sends to it fail at once from now on."""
+        self.dead_peers[peer] = (departure, detail)
         agent = self.agent
         if agent is not None:
-            self.worker.spawn("peer-failed", agent.on_peer_failed, peer, exc)
+            self.worker.spawn("peer-failed", agent.on_peer_failed, peer, departure, detail)
 
-    def fail_send(self, msg: Message, why: str) -> None:
+    def peer_joined(self, peer: int) -> None:
+        """A worker joined this dynamic group under ``peer``'s rank: a departure of an earlier
+        worker of that rank no longer applies (gloo connects a new link)."""
+        self.dead_peers.pop(peer, None)
+
+    def fail_send(self, msg: Message, departure: Departure, detail: str) -> None:
         agent = self.agent
         if agent is None:
             return
-        try:
-            info: object = agent.worker_by_id(msg.dst)
-        except KeyError:
-            info = msg.dst
-        exc = WorkerUnavailableError(f"{agent.info} cannot reach {info}: {why}")
+        exc = agent.departure_error(msg.dst, departure, detail)
         self.worker.spawn("send-failed", agent.on_send_failed, msg, exc)

@@ -107,3 +107,41 @@ def test_crash_plans_are_checked_and_printable() -> None:
     assert "crash worker 2 when message #2 of kind RREF_USER_DELETE arrives" in plan.describe()
     with pytest.raises(ValueError, match="no worker 5"):
         Simulation(3, faults=FaultPlan(crashes=(Crash(5, at=0.0),)))
+
+
+def _holder_of_a_departed_owner(rank: int) -> Any:
+    """Rank 0 holds a user RRef owned by rank 1 and has a call to rank 1 running when rank 1 shuts
+    down with ``graceful=False``; rank 0 then shuts down gracefully."""
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    if rank == 1:
+        sleep(1.0)
+        rpc.shutdown(graceful=False)
+        return "left"
+    rref = rpc.remote("worker1", operator.add, args=(1, 2))
+    assert rref.to_here() == 3
+    fut = rpc.rpc_async("worker1", sleep, args=(5.0,), timeout=0)
+    try:
+        fut.wait()
+        running: Any = "returned"
+    except WorkerUnavailableError as exc:
+        running = (now(), str(exc))
+    try:
+        rpc.shutdown()
+        shutdown: Any = "returned"
+    except WorkerUnavailableError as exc:
+        shutdown = (now(), str(exc))
+    return running, shutdown
+
+
+def test_a_shutdown_without_graceful_is_announced_and_stops_the_rref_monitors() -> None:
+    """SHUT-3: the running call fails with the departure error one network delay after the shutdown
+    (its reply is never sent), the graceful shutdown after it raises at once (SHUT-2), and the RRef
+    monitors stop (a MonitorViolation would fail the run) as after a crash."""
+    result = Simulation(2, seed=5, monitors=True).run(_holder_of_a_departed_owner)
+    (running_at, running), (shutdown_at, shutdown) = result.values()[0]
+    assert 1.0 < running_at < 1.01  # its shutdown at t=1 (after init) plus one network delay
+    assert "'worker1' (rank 1) is unavailable" in running and "It has shut down RPC" in running
+    assert "probably died" not in running
+    assert shutdown_at == running_at and "'worker1' (rank 1) is unavailable" in shutdown
+    events = [e.event for e in result.trace]
+    assert "peer-left" in events and "monitors-off" in events

@@ -6,10 +6,11 @@ processes; the gloo outcome (values, exception classes and message fragments, wh
 completed) must be one the simulator produced. On a disagreement hypothesis shrinks the program and
 the failure prints it with every outcome and a command that replays it.
 
-This bounded run is deterministic (``derandomize=True``, no example database) and draws only the
-operation kinds on which the worlds agree today (kills, but no worker leaving by shutdown); ``nox -s twin -- --programs 500`` is the long run
-(``TWIN_PROGRAMS``, ``TWIN_DEPARTURES``: see noxfile.py). Departures a worker makes while a call to
-it is still running are issue 17's known divergence, left out here until the core decides them.
+This bounded run is deterministic (``derandomize=True``, no example database): programs without
+departures in a pooled world, a few in fresh worlds where workers are killed, and the departure of a
+worker by ``shutdown(graceful=False)`` while a call to it is still running (issue 17: the core decides
+what a departure means, ``twinrpc._departure``). ``nox -s twin -- --programs 500`` is the long run
+(``TWIN_PROGRAMS``, ``TWIN_DEPARTURES``: see noxfile.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from twin import GlooRunner, Program, SimRunner, check, programs
+from twin import GlooRunner, Leave, Program, SimRunner, Start, Wait, check, programs
 from twin.programs import DEPARTURE_KINDS
 
 #: programs of the bounded run (CI); the long run sets TWIN_PROGRAMS
@@ -68,4 +69,14 @@ def test_simulator_and_gloo_agree_when_workers_are_killed(program: Program, gloo
     """Programs in which workers may be killed (SIGKILL in gloo, Simulation.crash): pending and
     later calls to a dead worker, and the survivors' shutdown, fail alike in both worlds."""
     verdict = check(program, sim=SimRunner(SEEDS), gloo=gloo)
+    assert verdict.agree, verdict.report()
+
+
+def test_departure_while_call_runs_agrees(gloo: GlooRunner) -> None:
+    """Worker 1 leaves with ``shutdown(graceful=False)`` while the driver's call to it is still running
+    (its handler sleeps HOLD seconds): a worker that has left sends nothing more, so the caller's
+    future fails with the departure error in both worlds, as in gloo and TensorPipe (issue 17). Five
+    simulator seeds; gloo runs twice and both runs must be outcomes the simulator produces."""
+    program = Program(2, (Start(dst=1), Leave(rank=1, graceful=False), Wait(slot=0)))
+    verdict = check(program, sim=SimRunner(range(5)), gloo=gloo, gloo_runs=2)
     assert verdict.agree, verdict.report()

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from . import _serialize
+from ._departure import Departure, departure_error
 from ._dist_autograd import AUTOGRAD_KINDS, CURRENT_CONTEXT, AutogradEnvelope, DistAutogradContainer
 from ._errors import (
     RemoteError,
@@ -341,8 +342,20 @@ class RpcAgent:
         with self._lock:
             self._sent_requests += copies - 1
 
-    def on_peer_failed(self, peer: int, exc: BaseException) -> None:
-        """A peer died or left: fail every call pending on it and every collective that needs it."""
+    def departure_error(self, peer: int, departure: Departure, detail: str = "") -> WorkerUnavailableError:
+        """The error calls to ``peer`` fail with after it departed (``twinrpc._departure``)."""
+        try:
+            info: WorkerInfo | int = self.worker_by_id(peer)
+        except KeyError:  # a dynamic group's worker this one never knew
+            info = peer
+        return departure_error(info, self.info, departure, detail)
+
+    def on_peer_failed(self, peer: int, departure: Departure, detail: str = "") -> None:
+        """``peer`` departed (``departure``; ``detail``: the world's words for a crash or silence):
+        fail every call pending on it, and, unless it left in order, every collective that needs it.
+
+        The worlds only report departures; what each means is decided here (twinrpc._departure)."""
+        exc = self.departure_error(peer, departure, detail)
         with self._lock:
             dead = [(mid, p) for mid, p in self._pending.items() if p.dst == peer]
             for mid, _ in dead:
@@ -353,7 +366,7 @@ class RpcAgent:
             # which waits for all): none in progress can complete any more (SHUT-2). Except when the
             # peer left after the final join of a graceful shutdown: it no longer takes part, and the
             # verdict it saw is on its way to us.
-            orderly = getattr(exc, "graceful_exit", False)
+            orderly = departure.orderly
             waits = [] if orderly else list(self._gather_done.values()) + list(self._scattered.values())
             if not orderly:
                 self._peer_errors.setdefault(peer, exc)
@@ -596,6 +609,10 @@ class RpcAgent:
         self._send_reply(msg, Message(Kind.EXCEPTION, msg.id, self.info.id, msg.src, payload, tensors))
 
     def _send_reply(self, request: Message, reply: Message) -> None:
+        if not self.running:
+            # This worker has left (finalize ran): it sends nothing more, so the caller's call fails
+            # with the departure error its world announced, in both worlds (SHUT-3).
+            return
         if request.kind not in CONTROL_KINDS:
             with self._lock:
                 self._served_requests += 1
@@ -697,6 +714,7 @@ class RpcAgent:
         error must name the worker that died, not the leader that left."""
         for cause in self._peer_errors.values():
             err = WorkerUnavailableError(str(cause))
+            err.departure = getattr(cause, "departure", None)
             err.__cause__ = cause
             return err
         return None
@@ -841,7 +859,3 @@ class RpcAgent:
             }
         stats.update(self.rrefs.statistics())
         return stats
-
-
-def peer_unavailable(agent_info: WorkerInfo, peer: WorkerInfo, why: str) -> WorkerUnavailableError:
-    return WorkerUnavailableError(f"{agent_info} cannot reach {peer}: {why}")

@@ -8,6 +8,10 @@ working, and the message fragments PyTorch users match on are kept verbatim.
 from __future__ import annotations
 
 import pickle
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._departure import Departure
 
 __all__ = [
     "NotInitializedError",
@@ -43,7 +47,12 @@ class RemoteError(RPCError):
 
 
 class WorkerUnavailableError(RPCError):
-    """The destination worker is dead, unreachable or has shut down."""
+    """The destination worker is dead, unreachable or has shut down.
+
+    Built by ``twinrpc._departure.departure_error``, which sets :attr:`departure`."""
+
+    #: how the worker left (``twinrpc._departure.Departure``); None if not known
+    departure: Departure | None = None
 
 
 class ShutdownError(RPCError):

@@ -46,7 +46,9 @@ class World(Protocol):
         """Seconds on this world's clock (virtual in the simulator)."""
 
     def send(self, msg: Message) -> None:
-        """Hand ``msg`` to the network. Failures surface through ``agent.on_send_failed``."""
+        """Hand ``msg`` to the network. Failures surface through ``agent.on_send_failed`` with the
+        error ``agent.departure_error`` builds. After :meth:`stop`, drops ``msg``: a worker that has
+        left sends nothing more (twinrpc._departure)."""
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on a new task of this worker (protocol-internal work, unbounded)."""
@@ -61,5 +63,9 @@ class World(Protocol):
         """Begin delivering incoming messages to ``agent.on_message`` (each on a task)."""
 
     def stop(self, graceful: bool = False) -> None:
-        """Stop delivering; release the world's resources for this worker. ``graceful``: the graceful
-        shutdown protocol completed, so peers may treat this departure as orderly."""
+        """Stop delivering; release the world's resources for this worker; tell every peer that this
+        worker shut down RPC, after what was sent to it before (gloo: a close frame on each link; the
+        simulator: an announcement with the network's delay). Each peer's world then reports
+        ``agent.on_peer_failed(rank, Departure.LEFT if graceful else Departure.SHUT_DOWN)``; a crash
+        or silence is reported as ``Departure.CRASHED`` / ``Departure.SILENT`` with the transport's
+        words. ``graceful``: the graceful shutdown protocol completed, so the departure is orderly."""
