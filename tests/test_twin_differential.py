@@ -7,8 +7,8 @@ completed) must be one the simulator produced. On a disagreement hypothesis shri
 the failure prints it with every outcome and a command that replays it.
 
 This bounded run is deterministic (``derandomize=True``, no example database): programs without
-departures in a pooled world, a few in fresh worlds where workers are killed, and the departure of a
-worker by ``shutdown(graceful=False)`` while a call to it is still running (issue 17: the core decides
+departures in a pooled world, and a few in fresh worlds where workers are killed or leave by
+``shutdown`` (graceful or not), even while a call to them is still running (issue 17: the core decides
 what a departure means, ``twinrpc._departure``). ``nox -s twin -- --programs 500`` is the long run
 (``TWIN_PROGRAMS``, ``TWIN_DEPARTURES``: see noxfile.py).
 """
@@ -27,6 +27,8 @@ from twin.programs import DEPARTURE_KINDS
 PROGRAMS = int(os.environ.get("TWIN_PROGRAMS", "25"))
 #: programs of the bounded run where workers are killed (each needs a fresh world: seconds, not ms)
 KILL_PROGRAMS = int(os.environ.get("TWIN_KILL_PROGRAMS", "4"))
+#: programs of the bounded run where workers leave by shutdown (graceful or not; fresh worlds too)
+LEAVE_PROGRAMS = int(os.environ.get("TWIN_LEAVE_PROGRAMS", "2"))
 #: simulator seeds per program
 SEEDS = tuple(range(int(os.environ.get("TWIN_SEEDS", "3"))))
 #: departure kinds the generator adds: none in CI; "all" or a comma-separated subset of
@@ -68,6 +70,22 @@ def test_simulator_and_gloo_agree_on_generated_programs(program: Program, gloo: 
 def test_simulator_and_gloo_agree_when_workers_are_killed(program: Program, gloo: GlooRunner) -> None:
     """Programs in which workers may be killed (SIGKILL in gloo, Simulation.crash): pending and
     later calls to a dead worker, and the survivors' shutdown, fail alike in both worlds."""
+    verdict = check(program, sim=SimRunner(SEEDS), gloo=gloo)
+    assert verdict.agree, verdict.report()
+
+
+@settings(
+    max_examples=LEAVE_PROGRAMS,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(program=programs(departures=("leave", "leave-graceful"), max_ops=6).filter(lambda p: p.departures))
+def test_simulator_and_gloo_agree_when_workers_shut_down(program: Program, gloo: GlooRunner) -> None:
+    """Programs in which workers leave by ``shutdown(graceful=False)`` or a graceful shutdown (which
+    waits for everyone): pending and later calls to a worker that left, and the others' shutdown,
+    end alike in both worlds (SHUT-2, SHUT-3)."""
     verdict = check(program, sim=SimRunner(SEEDS), gloo=gloo)
     assert verdict.agree, verdict.report()
 
