@@ -1,21 +1,38 @@
 """Dynamic groups: ``init_rpc`` without ``world_size`` (LIFE-5, LIFE-2) and leaving them (SHUT-6).
 
-Workers join at different times (a later one sleeps first: wall-clock on torch/gloo, virtual on sim),
-existing and new members call each other, a member leaves and the others keep working, and a worker
-cannot join a static group dynamically. The programs space their steps ``STEP`` seconds apart so that
-each step on real processes starts after the previous one ended; no step depends on finer timing.
+Workers join at different times, existing and new members call each other, a member leaves and the
+others keep working, and a worker cannot join a static group dynamically. The ranks of a program take
+their steps in a set order: a rank marks each step it finished with a file in the test's directory
+and another waits for that file (``_mark``/``_after``; in the simulator the wait is in virtual time),
+so the order holds however late a process starts on a loaded machine.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conformance._support import outcome
 
-#: seconds between the steps of a program (wall-clock on torch/gloo)
-STEP = 1.5
+#: seconds a rank polls for another's mark before it gives up
+WAIT = 60.0
+
+
+def _mark(where: str, step: str) -> None:
+    Path(where, step).touch()
+
+
+def _after(ctx: Any, where: str, *steps: str) -> None:
+    """Wait until every one of ``steps`` is marked (another rank finished it)."""
+    waited = 0.0
+    while not all(os.path.exists(os.path.join(where, step)) for step in steps):
+        if waited > WAIT:
+            raise TimeoutError(f"rank {ctx.rank}: steps {steps} not all done after {WAIT:g} s")
+        ctx.sleep(0.05)
+        waited += 0.05
 
 
 def _rpc_module(backend: str) -> Any:
@@ -43,13 +60,14 @@ def _dynamic_init(ctx: Any, name: str | None = None) -> None:
     )
 
 
-def _prog_join_late_then_leave(ctx: Any) -> dict[str, Any]:
-    """Ranks 0 and 1 join at once, rank 2 one step later; rank 1 leaves at step 3."""
-    rpc, b, out = ctx.rpc, ctx.backend, {}
-    if ctx.rank == 2:
-        ctx.sleep(STEP)
+def _prog_join_late_then_leave(ctx: Any, where: str) -> dict[str, Any]:
+    """Ranks 0 and 1 join, then rank 2; the old members call the new one; rank 1 leaves; the others
+    call each other and the one that left."""
+    rpc, b, r, out = ctx.rpc, ctx.backend, ctx.rank, {}
+    if r == 2:
+        _after(ctx, where, "0-in", "1-in")
     _dynamic_init(ctx)
-    if ctx.rank == 2:  # the new member sees every member, and calls the existing ones
+    if r == 2:  # the new member sees every member, and calls the existing ones
         out["joined"] = _members(b)
         out["calls"] = [
             rpc.rpc_sync("worker0", _whoami, args=(b, "by name")),
@@ -57,36 +75,37 @@ def _prog_join_late_then_leave(ctx: Any) -> dict[str, Any]:
             rpc.rpc_sync(rpc.get_worker_info("worker1"), _whoami, args=(b, "by info")),
         ]
         out["worker0 sees"] = rpc.rpc_sync("worker0", _members, args=(b,))
-        ctx.sleep(STEP)
-    else:
-        ctx.sleep(2 * STEP)
-    # step 2: the existing members call the new one
-    if ctx.rank in (0, 1):
+    _mark(where, f"{r}-in")
+    if r in (0, 1):  # the existing members call the new one
+        _after(ctx, where, "2-in")
         out["members"] = _members(b)
-        out["to new"] = rpc.rpc_sync("worker2", _whoami, args=(b, ctx.rank))
+        out["to new"] = rpc.rpc_sync("worker2", _whoami, args=(b, r))
         info = rpc.get_worker_info("worker2")
         out["new info"] = (info.name, info.id)
-    ctx.sleep(STEP)
-    if ctx.rank == 1:  # step 3: rank 1 leaves; its shutdown returns without the others
+    _mark(where, f"{r}-called")
+    if r == 1:  # rank 1 leaves; its shutdown returns without the others
+        _after(ctx, where, "0-called", "2-called")
         rpc.shutdown()
+        _mark(where, "1-left")
         return out
-    ctx.sleep(STEP)
-    # step 4: the others keep calling each other; the one that left is unknown
+    _after(ctx, where, "1-left")
+    # the others keep calling each other; the one that left is unknown
     out["after leave"] = _members(b)
-    out["to other"] = rpc.rpc_sync(ctx.name(2 - ctx.rank), _whoami, args=(b, "after"))
+    out["to other"] = rpc.rpc_sync(ctx.name(2 - r), _whoami, args=(b, "after"))
     out["to left"] = [
         outcome(lambda: rpc.rpc_sync("worker1", _whoami, args=(b, None))),
         outcome(lambda: rpc.rpc_sync(1, _whoami, args=(b, None))),
     ]
-    ctx.sleep(STEP)
+    _mark(where, f"{r}-done")
+    _after(ctx, where, f"{2 - r}-done")
     rpc.shutdown()
     return out
 
 
 @pytest.mark.spec("LIFE-5", "SHUT-6")
-def test_dynamic_group_members_join_late_call_each_other_and_leave(world: Any) -> None:
+def test_dynamic_group_members_join_late_call_each_other_and_leave(world: Any, tmp_path: Path) -> None:
     w0, w1, w2 = ("worker0", 0), ("worker1", 1), ("worker2", 2)
-    got = world.spawn(_prog_join_late_then_leave, world_size=3)
+    got = world.spawn(_prog_join_late_then_leave, str(tmp_path), world_size=3)
     assert got[2]["joined"] == [w0, w1, w2]
     assert got[2]["calls"] == [("worker0", "by name"), ("worker1", "by rank"), ("worker1", "by info")]
     assert got[2]["worker0 sees"] == [w0, w1, w2]  # init_rpc returned once every member knew it
@@ -104,20 +123,19 @@ def test_dynamic_group_members_join_late_call_each_other_and_leave(world: Any) -
         assert by_rank[1] == f"name:worker{r},rank:{r} could not find destination id 1"
 
 
-def _prog_world_size_in_the_environment(ctx: Any) -> list[tuple[str, int]]:
-    """As under torchrun, WORLD_SIZE is set; init_rpc gets no world_size. Rank 1 joins a step later."""
-    import os
-
+def _prog_world_size_in_the_environment(ctx: Any, where: str) -> list[tuple[str, int]]:
+    """As under torchrun, WORLD_SIZE is set; init_rpc gets no world_size. Rank 1 joins after rank 0."""
     before = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(ctx.world_size)
     try:
         if ctx.rank == 1:
-            ctx.sleep(STEP)
+            _after(ctx, where, "0-in")
         _dynamic_init(ctx)
-        alone = _members(ctx.backend)  # rank 0: nobody else yet, whatever WORLD_SIZE says
-        ctx.sleep(2 * STEP)
+        seen = _members(ctx.backend)  # rank 0: nobody else yet, whatever WORLD_SIZE says
+        _mark(where, f"{ctx.rank}-in")
+        _after(ctx, where, "0-in", "1-in")
         ctx.rpc.shutdown()
-        return alone
+        return seen
     finally:
         if before is None:
             del os.environ["WORLD_SIZE"]
@@ -126,22 +144,25 @@ def _prog_world_size_in_the_environment(ctx: Any) -> list[tuple[str, int]]:
 
 
 @pytest.mark.spec("LIFE-5")
-def test_init_rpc_without_world_size_is_dynamic_even_with_world_size_in_the_environment(world: Any) -> None:
-    got = world.spawn(_prog_world_size_in_the_environment, world_size=2)
+def test_init_rpc_without_world_size_is_dynamic_even_with_world_size_in_the_environment(
+    world: Any, tmp_path: Path
+) -> None:
+    got = world.spawn(_prog_world_size_in_the_environment, str(tmp_path), world_size=2)
     assert got == [[("worker0", 0)], [("worker0", 0), ("worker1", 1)]]
 
 
-def _prog_leave_without_telling(ctx: Any) -> dict[str, Any]:
+def _prog_leave_without_telling(ctx: Any, where: str) -> dict[str, Any]:
     """Rank 1 stops with ``shutdown(graceful=False)``: it does not leave the group's list."""
     rpc, b, out = ctx.rpc, ctx.backend, {}
     if ctx.rank == 1:
-        ctx.sleep(STEP)
+        _after(ctx, where, "0-in")
     _dynamic_init(ctx)
-    ctx.sleep(2 * STEP)
+    _mark(where, f"{ctx.rank}-in")
     if ctx.rank == 1:
         rpc.shutdown(graceful=False)
+        _mark(where, "1-stopped")
         return out
-    ctx.sleep(2 * STEP)  # rank 0 is one step ahead of rank 1: wait until rank 1 has stopped
+    _after(ctx, where, "1-stopped")
     out["members"] = _members(b)
     out["to it"] = outcome(lambda: rpc.rpc_sync("worker1", _whoami, args=(b, None), timeout=5))
     out["to self"] = rpc.rpc_sync("worker0", _whoami, args=(b, "self"))
@@ -150,8 +171,10 @@ def _prog_leave_without_telling(ctx: Any) -> dict[str, Any]:
 
 
 @pytest.mark.spec("LIFE-5", "SHUT-6")
-def test_dynamic_member_stopping_without_leaving_stays_listed_and_calls_to_it_fail(world: Any) -> None:
-    got = world.spawn(_prog_leave_without_telling, world_size=2)
+def test_dynamic_member_stopping_without_leaving_stays_listed_and_calls_to_it_fail(
+    world: Any, tmp_path: Path
+) -> None:
+    got = world.spawn(_prog_leave_without_telling, str(tmp_path), world_size=2)
     assert got[0]["members"] == [("worker0", 0), ("worker1", 1)]
     kinds, _ = got[0]["to it"]
     assert "RuntimeError" in kinds
@@ -172,18 +195,22 @@ def _bounded(backend: str, fn: Any, seconds: float) -> Any:
     return box[0] if box else "still running"
 
 
-def _prog_join_past_a_stopped_member(ctx: Any) -> Any:
+def _prog_join_past_a_stopped_member(ctx: Any, where: str) -> Any:
     """Rank 1 stops without leaving; rank 2 then tries to join the group that still lists it."""
     if ctx.rank == 2:
-        ctx.sleep(2 * STEP)
-        return _bounded(ctx.backend, lambda: _dynamic_init(ctx), 15.0)
+        _after(ctx, where, "1-stopped")
+        got = _bounded(ctx.backend, lambda: _dynamic_init(ctx), 15.0)
+        _mark(where, "2-tried")
+        return got
     if ctx.rank == 1:
-        ctx.sleep(STEP / 2)
+        _after(ctx, where, "0-in")
     _dynamic_init(ctx)
+    _mark(where, f"{ctx.rank}-in")
     if ctx.rank == 1:
         ctx.rpc.shutdown(graceful=False)
+        _mark(where, "1-stopped")
         return None
-    ctx.sleep(6 * STEP)  # well after rank 2's attempt, even if its process started late
+    _after(ctx, where, "2-tried")
     members = _members(ctx.backend)
     ctx.rpc.shutdown(graceful=False)
     return members
@@ -191,30 +218,33 @@ def _prog_join_past_a_stopped_member(ctx: Any) -> Any:
 
 @pytest.mark.spec("LIFE-5")
 def test_joining_past_a_member_that_stopped_without_leaving_fails_and_no_member_lists_the_joiner(
-    world: Any,
+    world: Any, tmp_path: Path
 ) -> None:
-    got = world.spawn(_prog_join_past_a_stopped_member, world_size=3)
+    got = world.spawn(_prog_join_past_a_stopped_member, str(tmp_path), world_size=3)
     assert got[0] == [("worker0", 0), ("worker1", 1)]  # the failed joiner is nowhere
     assert got[2] != "still running", "init_rpc still blocked 15 s after it started"
     kinds, message = got[2]
     assert "RuntimeError" in kinds and "worker1" in message
 
 
-def _prog_static_then_dynamic(ctx: Any) -> Any:
+def _prog_static_then_dynamic(ctx: Any, where: str) -> Any:
     """Ranks 0 and 1 form a static group of 2; rank 2 then tries to join it dynamically."""
     if ctx.rank < 2:
         ctx.init_rpc(world_size=2)
-        ctx.sleep(2 * STEP)
+        _mark(where, f"{ctx.rank}-in")
+        _after(ctx, where, "2-tried")
         got = ctx.rpc.rpc_sync(ctx.name(1 - ctx.rank), _whoami, args=(ctx.backend, "static"))
         ctx.rpc.shutdown()
         return got
-    ctx.sleep(STEP)
-    return outcome(lambda: _dynamic_init(ctx))
+    _after(ctx, where, "0-in", "1-in")
+    got = outcome(lambda: _dynamic_init(ctx))
+    _mark(where, "2-tried")
+    return got
 
 
 @pytest.mark.spec("LIFE-5")
-def test_joining_a_static_group_dynamically_raises_pytorchs_error(world: Any) -> None:
-    got = world.spawn(_prog_static_then_dynamic, world_size=3)
+def test_joining_a_static_group_dynamically_raises_pytorchs_error(world: Any, tmp_path: Path) -> None:
+    got = world.spawn(_prog_static_then_dynamic, str(tmp_path), world_size=3)
     assert got[2] == (
         ("RuntimeError",),
         "RPC group mixes statically and dynamically initialized members which is not supported. ",
@@ -222,22 +252,25 @@ def test_joining_a_static_group_dynamically_raises_pytorchs_error(world: Any) ->
     assert got[:2] == [("worker1", "static"), ("worker0", "static")]  # the static group is unharmed
 
 
-def _prog_duplicate_name_joins_late(ctx: Any) -> Any:
+def _prog_duplicate_name_joins_late(ctx: Any, where: str) -> Any:
     if ctx.rank == 0:
         _dynamic_init(ctx, "same-name")
-        ctx.sleep(2 * STEP)
+        _mark(where, "0-in")
+        _after(ctx, where, "1-tried")
         members = _members(ctx.backend)
         # Not graceful: PyTorch's refused joiner never gives the membership token back (it raises
         # inside _group_membership_management), so a graceful leave would wait for it for ever.
         ctx.rpc.shutdown(graceful=False)
         return members
-    ctx.sleep(STEP)
-    return outcome(lambda: _dynamic_init(ctx, "same-name"))
+    _after(ctx, where, "0-in")
+    got = outcome(lambda: _dynamic_init(ctx, "same-name"))
+    _mark(where, "1-tried")
+    return got
 
 
 @pytest.mark.spec("LIFE-5", "LIFE-2")
-def test_dynamic_joiner_with_a_members_name_is_refused(world: Any) -> None:
-    got = world.spawn(_prog_duplicate_name_joins_late, world_size=2)
+def test_dynamic_joiner_with_a_members_name_is_refused(world: Any, tmp_path: Path) -> None:
+    got = world.spawn(_prog_duplicate_name_joins_late, str(tmp_path), world_size=2)
     assert got[0] == [("same-name", 0)]
     kinds, message = got[1]
     assert kinds == ("RuntimeError",)
