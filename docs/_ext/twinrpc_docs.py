@@ -458,8 +458,8 @@ def generate(app: Sphinx) -> None:
         problems.append(
             "spec/ has requirement IDs that no conformance test cites: "
             + ", ".join(uncited)
-            + ". Tag a test with @pytest.mark.spec(...) for each (or, only for a requirement whose "
-            "implementation lands with a later issue, list it in docs/untested.toml with that issue)."
+            + ". Tag a test with @pytest.mark.spec(...) for each (or, only for a requirement not implemented "
+            "yet, list it in docs/untested.toml with the reason)."
         )
     stale = sorted(set(untested) & set(cited), key=_id_key)
     if stale:

@@ -1,4 +1,4 @@
-"""The distributed backward pass in FAST mode (spec/autograd.md DAG-5..DAG-8, DAG-11; DESIGN.md §5).
+"""The distributed backward pass in FAST mode (spec/autograd.md DAG-5..DAG-8, DAG-11; docs/explanation/fast-autograd.md).
 
 One :class:`GraphPass` per (context, pass, worker). At its start a worker discovers its part of the
 graph from its seeds: the roots (on the root worker) and every send function of the context it holds.

@@ -1,4 +1,4 @@
-"""Pickling for RPC, shared by both worlds (DESIGN.md §2).
+"""Pickling for RPC, shared by both worlds (docs/explanation/architecture.md).
 
 Tensors leave the byte stream: each distinct storage in a message becomes one flat ``uint8`` tensor in
 the message's tensor list, and each tensor becomes a small record (storage index, dtype, size, stride,

@@ -1,4 +1,4 @@
-"""The seam between the protocol core and a world (DESIGN.md §1).
+"""The seam between the protocol core and a world (docs/explanation/architecture.md).
 
 The protocol core (the agent, RRefs, dist-autograd) never touches threads, sockets or the clock: it
 asks its ``World`` to send messages, run tasks and set timers. The simulator and the gloo world are two
