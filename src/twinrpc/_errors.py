@@ -49,7 +49,7 @@ class RemoteError(RPCError):
 class WorkerUnavailableError(RPCError):
     """The destination worker is dead, unreachable or has shut down.
 
-    Built by ``twinrpc._departure.departure_error``, which sets :attr:`departure`."""
+    Built by ``twinrpc._departure.departure_error``, which sets ``departure`` (how the worker left)."""
 
     #: how the worker left (``twinrpc._departure.Departure``); None if not known
     departure: Departure | None = None
