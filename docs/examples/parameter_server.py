@@ -1,10 +1,10 @@
-"""A parameter server trained over RPC, on the simulator and on gloo, with what twinrpc has today.
+"""A parameter server trained over RPC, on the simulator and on gloo, with RPCs and RRefs only.
 
 Worker 0 owns a linear model in a ``ParameterServer`` object; the trainers (workers 1..N-1) hold an
 RRef to it. Each step, a trainer fetches the weights, computes the gradient of its own batch with
 *local* autograd, and sends it to the server, which applies it under a lock. (The version with
-``torch.distributed.autograd`` and ``DistributedOptimizer``, where the forward pass itself crosses
-workers, lands with issue #5.)
+distributed autograd and ``DistributedOptimizer``, where the forward pass itself crosses workers, is
+``examples/parameter_server.py``.)
 
 Run it: ``python docs/examples/parameter_server.py --world sim`` or ``--world gloo``.
 """
