@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from twinrpc._errors import WorkerUnavailableError
+from twinrpc._departure import Departure, departure_error
 from twinrpc._membership import MIXED_GROUP_ERROR
 from twinrpc._worker_info import WorkerInfo
 
@@ -138,9 +138,11 @@ class StoreGroup:
         try:
             self.store.wait([f"ready/{self.me.uid}/{member.uid}"], timedelta(seconds=seconds))
         except RuntimeError as exc:  # a timeout (FileStore raises a plain RuntimeError)
-            raise WorkerUnavailableError(
-                f"worker '{member.info.name}' (rank {rank}) did not answer the join of {self.me.info} within "
-                f"{seconds:g} s: its process has probably died without leaving the group"
+            raise departure_error(
+                member.info,
+                self.me.info,
+                Departure.CRASHED,
+                f"it did not answer this worker's join within {seconds:g} s (it died without leaving the group)",
             ) from exc
 
     def remove(self) -> None:

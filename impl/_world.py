@@ -14,7 +14,7 @@ from twinrpc._membership import GroupMembership
 from twinrpc._message import Message
 from twinrpc._serialize import copy_storages
 from twinrpc._worker_info import WorkerInfo
-from twinrpc._world import TimerHandle
+from twinrpc._world import TimerHandle, World, WorldEvents
 from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
 from ._dynamic_group import StoreGroup
@@ -25,7 +25,7 @@ from ._timer import TimerThread
 from ._trace import TraceRecorder
 
 if TYPE_CHECKING:
-    from twinrpc._agent import RpcAgent
+    pass
 
 _log = logging.getLogger("twinrpc.impl")
 _CLOSE_WAIT = 10.0
@@ -38,7 +38,7 @@ _THREAD_EXIT_WAIT = 2.0
 RIDER_WAIT = 0.05
 
 
-class GlooWorld:
+class GlooWorld(World):
     """One process's world: links to every peer, a request pool, a timer. Thread-safe."""
 
     clock_name = "wall-clock"
@@ -58,7 +58,7 @@ class GlooWorld:
         #: this worker's dynamic group (LIFE-5); the world returns from a join holding its token
         self._group: StoreGroup | None = joined.group
         self.membership: GroupMembership | None = joined.group
-        self.agent: RpcAgent | None = None
+        self.agent: WorldEvents | None = None
         self._early: list[Message] = []
         self._early_failures: list[tuple[int, Departure, str]] = []
         #: TWINRPC_TRACE=dir: this worker's sends and deliveries are written there (impl/_trace.py)
@@ -218,7 +218,7 @@ class GlooWorld:
     def call_later(self, delay: float, fn: Callable[[], Any]) -> TimerHandle:
         return self._timer.call_later(delay, fn)
 
-    def start(self, agent: RpcAgent) -> None:
+    def start(self, agent: WorldEvents) -> None:
         with self._lock:
             self.agent = agent
             early, self._early = self._early, []

@@ -12,7 +12,7 @@ Decisions (documented in ``docs/howto/fault-plan.md``):
 - **Losses.** A lost RRef control message, context cleanup or ack is left to the sender's retry
   (``_RESENT``). Any other lost
   request will never be served, and a duplicated one is served twice: the sender's agent is told
-  (``RpcAgent.count_request_copies``) so that graceful shutdown's join, which counts requests sent
+  (``WorldEvents.on_request_copies``) so that graceful shutdown's join, which counts requests sent
   against requests served, still terminates. The caller's call itself just times out.
 - **Monitors.** The RRef protocol (and PyTorch's) assumes every message but the retried control
   messages arrives exactly once, as TCP guarantees. The RRef monitors therefore stop, with a
@@ -336,7 +336,7 @@ class NetworkFaults:
         world = self.sim.workers[msg.src].world
         agent = world.agent if world is not None else None
         if agent is not None:
-            agent.count_request_copies(msg, copies)
+            agent.on_request_copies(msg, copies)
 
     # -- arriving ----------------------------------------------------------------------------------
     def _send(self, msg: Message, classes: frozenset[str], delay: float) -> None:

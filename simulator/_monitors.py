@@ -220,7 +220,9 @@ class RRefMonitor:
         self._freed[rid] = rank
         self._known.pop(rid, None)
 
-    def closed(self, rank: int, graceful: bool) -> None:
+    def closed(
+        self, rank: int, graceful: bool, leaks: list[tuple[GloballyUniqueId, list[GloballyUniqueId]]]
+    ) -> None:
         self.events += 1
         if not graceful:
             return
@@ -232,13 +234,7 @@ class RRefMonitor:
                 "G1",
                 f"owner worker {rank} finished a graceful shutdown without hearing the deletion of {where}",
             )
-        worker = self.sim.workers[rank].world
-        agent = worker.agent if worker is not None else None
-        if agent is None:
-            return
-        leaks = [
-            (rid, [f for f in forks if (rid, f) not in self._timed_out]) for rid, forks in agent.rrefs.leaks()
-        ]
+        leaks = [(rid, [f for f in forks if (rid, f) not in self._timed_out]) for rid, forks in leaks]
         leaks = [(rid, forks) for rid, forks in leaks if forks]
         if leaks:
             self._fail(

@@ -302,10 +302,7 @@ class Simulation:
         crash, a peer declared dead, a non-graceful shutdown); RRef events still reach the trace."""
         if self.monitor is None or self.monitor.stopped is not None:
             return
-        self.monitor.stop(why)
-        for w in self.workers:
-            if w.world is not None and w.world.agent is not None:
-                w.world.agent.rrefs.observer = self.trace_observer
+        self.monitor.stop(why)  # a stopped monitor reports no violation
         if self.trace_observer is not None:
             self.trace_observer.monitor = None
 

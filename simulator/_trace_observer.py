@@ -93,10 +93,12 @@ class TraceObserver:
         if self.monitor is not None:
             self.monitor.owner_dropped(rank, state)
 
-    def closed(self, rank: int, graceful: bool) -> None:
+    def closed(
+        self, rank: int, graceful: bool, leaks: list[tuple[GloballyUniqueId, list[GloballyUniqueId]]]
+    ) -> None:
         self._rec(rank, "rref-closed", "graceful" if graceful else "not graceful")
         if self.monitor is not None:
-            self.monitor.closed(rank, graceful)
+            self.monitor.closed(rank, graceful, leaks)
 
     # -- AutogradObserver --------------------------------------------------------------------------
     def autograd_event(self, rank: int, event: str, context_id: int, detail: str) -> None:

@@ -12,18 +12,16 @@ import greenlet
 
 from twinrpc._current import CURRENT_SLOT, WorkerSlot
 from twinrpc._departure import Departure
-from twinrpc._future import CURRENT_BLOCKER, Future
+from twinrpc._future import CURRENT_BLOCKER, Future, add_waiter
 from twinrpc._membership import GroupMembership
 from twinrpc._message import Message
 from twinrpc._serialize import copy_storages
-from twinrpc._world import TimerHandle
+from twinrpc._world import NO_OBSERVERS, ProtocolObservers, TimerHandle, World, WorldEvents
 
 from ._current import CURRENT_SIMULATION
 from ._scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from twinrpc._agent import RpcAgent
-
     from ._simulation import Simulation
 
 _log = logging.getLogger("twinrpc.simulator")
@@ -50,7 +48,7 @@ class SimBlocker:
         if task.worker in self.crashed:
             # A crashed worker's task is unwinding (Simulation.crash): it must never block again.
             raise greenlet.GreenletExit()
-        if fut._add_callback_if_pending(lambda _f: sched.wake(task)):
+        if add_waiter(fut, lambda _f: sched.wake(task)):
             sched.park(fut)
 
 
@@ -81,7 +79,7 @@ class SimWorker:
         return self.sim._connect(self, **kwargs)
 
 
-class SimWorld:
+class SimWorld(World):
     """Sends through the simulated network, runs tasks on the scheduler, keeps virtual time."""
 
     clock_name = "simulated"
@@ -91,7 +89,7 @@ class SimWorld:
         self.sim = worker.sim
         self.sched = worker.sim.sched
         self.rank = worker.rank
-        self.agent: RpcAgent | None = None
+        self.agent: WorldEvents | None = None
         self.stopped = False
         #: how this worker left (set by stop): what a message that reaches it afterwards bounces with
         self.departure: Departure | None = None
@@ -176,23 +174,25 @@ class SimWorld:
     def call_later(self, delay: float, fn: Callable[[], Any]) -> TimerHandle:
         return self.sched.call_later(delay, lambda: self.worker.spawn("timer", fn))
 
-    def schedule_gc_callback(self, fn: Callable[[], Any]) -> None:
+    def observers(self) -> ProtocolObservers:
+        """The trace (simulator/_trace_observer.py), which forwards RRef events to the online monitors
+        (simulator/_monitors.py); the monitors alone when the trace is off."""
+        sim = self.sim
+        if sim.trace_observer is not None:
+            return ProtocolObservers(rrefs=sim.trace_observer, autograd=sim.trace_observer)
+        if sim.monitor is not None:
+            return ProtocolObservers(rrefs=sim.monitor)
+        return NO_OBSERVERS
+
+    def schedule_rref_delete(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` on a task after a seeded delay in [0, gc_delay): when a dead user RRef's
         delete is sent is a scheduling choice of the simulation (twinrpc._rref_context)."""
         sim = self.sim
         delay = sim.sched.rng.random() * sim.gc_delay
         self.sched.call_later(delay, lambda: self.worker.spawn("rref-delete", fn))
 
-    def start(self, agent: RpcAgent) -> None:
+    def start(self, agent: WorldEvents) -> None:
         self.agent = agent
-        # RRef and autograd hooks: the trace (simulator/_trace_observer.py), which forwards RRef events
-        # to the online monitors (simulator/_monitors.py); the monitors alone when the trace is off.
-        observer = self.sim.trace_observer
-        if observer is not None:
-            agent.rrefs.observer = observer
-            agent.autograd.observer = observer
-        elif self.sim.monitor is not None:
-            agent.rrefs.observer = self.sim.monitor
         early, self._early = self._early, []
         for msg in early:
             self.sim.trace.message(self.sched.now, self.rank, "deliver", msg)

@@ -227,7 +227,7 @@ def test_a_dropped_response_makes_rpc_sync_time_out_with_pytorchs_message() -> N
 
 
 def test_a_dropped_request_times_out_and_graceful_shutdown_still_ends() -> None:
-    # The lost request is never served: join() must not wait for it (RpcAgent.count_request_copies).
+    # The lost request is never served: join() must not wait for it (WorldEvents.on_request_copies).
     result = _run(_one_call, faults=FaultPlan([Drop("request")]))
     (kind, message), _, later = result.values()[0]
     assert kind == "RPCTimeoutError" and TIMEOUT_FRAGMENT in message and later == 7

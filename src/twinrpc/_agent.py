@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from . import _serialize
+from ._control_channel import ControlChannel
 from ._departure import Departure, departure_error
 from ._dist_autograd import AUTOGRAD_KINDS, CURRENT_CONTEXT, AutogradEnvelope, DistAutogradContainer
 from ._errors import (
@@ -32,10 +33,11 @@ from ._errors import (
     serialization_error,
     unpickle_error,
 )
-from ._future import Future
-from ._message import CONTROL_KINDS, REQUEST_KINDS, RREF_CONTROL_KINDS, Kind, Message
-from ._rref import GloballyUniqueId, OwnerState, RRef, UserState
+from ._future import Future, add_internal_callback, then_internal
+from ._message import CONTROL_KINDS, REQUEST_KINDS, Kind, Message
+from ._rref import GloballyUniqueId, OwnerState, RRef, UserState, wrap_rref
 from ._rref_context import ForkRecorder, RRefContext
+from ._shutdown import ShutdownProtocol
 from ._worker_info import WorkerInfo
 from ._world import Timer, World
 
@@ -44,11 +46,6 @@ _log = logging.getLogger("twinrpc")
 UNSET_RPC_TIMEOUT = -1.0
 #: requests served on the request pool (they run user code, which may block)
 _POOL_KINDS = frozenset({Kind.CALL, Kind.REMOTE_CALL})
-#: how long graceful shutdown waits for owners to be released when no timeout is given (PyTorch: 100 s)
-_OWNER_DRAIN_TIMEOUT = 100.0
-#: join rounds back off while requests are still in flight, so a slow handler costs no busy loop
-_JOIN_BACKOFF_MIN = 1e-3
-_JOIN_BACKOFF_MAX = 0.1
 
 
 class _Pending:
@@ -69,13 +66,6 @@ class _RemoteException:
     message: str
     #: the error is a SerializationError standing for ``exc_type`` (see _errors.serialization_error)
     serialization: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class _GatherAborted:
-    """The leader's answer to an all-gather that a dead worker made impossible."""
-
-    why: str
 
 
 def _is_builtin(func: Any) -> bool:
@@ -114,13 +104,15 @@ class RpcAgent:
         self._idle: Future[None] | None = None
         self._sent_requests = 0
         self._served_requests = 0
-        self._gathered: dict[Any, dict[int, Any]] = {}
-        self._gather_done: dict[Any, Future[Any]] = {}
-        self._scattered: dict[Any, Future[Any]] = {}
-        self._peer_errors: dict[int, BaseException] = {}
         self.running = True
+        #: resent-until-acked messages: RRef control and autograd cleanup (twinrpc._control_channel)
+        self.control = ControlChannel(self)
         self.rrefs = RRefContext(self)
         self.autograd = DistAutogradContainer(self)  # distributed autograd state (twinrpc._dist_autograd)
+        observers = world.observers()
+        self.rrefs.observer = observers.rrefs
+        self.autograd.observer = observers.autograd
+        self.shutdown_protocol = ShutdownProtocol(self)  # graceful shutdown (twinrpc._shutdown)
         self.leader = min(self.workers, key=lambda w: w.name)
         #: a member of a dynamic group (init_rpc without world_size, LIFE-5): workers join and leave
         #: while it runs (update_membership), and shutdown only leaves the group (twinrpc._membership)
@@ -168,13 +160,14 @@ class RpcAgent:
             if is_join:
                 by_id[info.id] = info
                 self._left.pop(info.id, None)
-                self._peer_errors.pop(info.id, None)  # a new worker under a departed one's rank
             else:
                 by_id.pop(info.id, None)
                 self._left[info.id] = info
             self._by_id = by_id
             self._by_name = {w.name: w for w in by_id.values()}
             self.workers = sorted(by_id.values(), key=lambda w: w.id)
+        if is_join:  # a new worker under a departed one's rank
+            self.shutdown_protocol.peer_joined(info.id)
 
     def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
         """As PyTorch's agent method: this worker's info, or the named worker's."""
@@ -254,10 +247,10 @@ class RpcAgent:
                 # Nothing was sent (e.g. an unpicklable argument): release the self-fork, or the owner
                 # would leak it until shutdown (found by the simulator's SHUT-1 no-leak monitor).
                 owner.value.try_set_exception(exc)
-                self.rrefs._drop_fork(owner.rref_id, owner.rref_id)
+                self.rrefs.drop_fork(owner.rref_id, owner.rref_id)
                 raise
-            fut._add_internal_callback(lambda f: self._remote_to_self_done(f, owner))
-            rref = RRef._wrap(self, owner)
+            add_internal_callback(fut, lambda f: self._remote_to_self_done(f, owner))
+            rref = wrap_rref(self, owner)
             return rref
         user = self.rrefs.new_user_for_remote(dst.id)
         try:
@@ -268,8 +261,8 @@ class RpcAgent:
             self.rrefs.remote_timed_out(user)  # nothing was sent: this user must not send a delete
             user.deleted = True
             raise
-        user.created = fut._then_internal(lambda f: self._remote_done(f, user))
-        return RRef._wrap(self, user)
+        user.created = then_internal(fut, lambda f: self._remote_done(f, user))
+        return wrap_rref(self, user)
 
     def _remote_done(self, f: Future[Any], user: UserState) -> None:
         try:
@@ -288,7 +281,7 @@ class RpcAgent:
             f.wait()
         except BaseException as exc:
             owner.value.try_set_exception(exc)
-        self.rrefs._drop_fork(owner.rref_id, owner.rref_id)
+        self.rrefs.drop_fork(owner.rref_id, owner.rref_id)
 
     def _finish_call(self, msg_id: int) -> _Pending | None:
         with self._lock:
@@ -334,7 +327,7 @@ class RpcAgent:
             pending.fut.set_exception(exc)
             self._call_ended()
 
-    def count_request_copies(self, msg: Message, copies: int) -> None:
+    def on_request_copies(self, msg: Message, copies: int) -> None:
         """The world delivers request ``msg`` ``copies`` times instead of once: 0 when it was lost for
         good, 2 or more when it was duplicated. Only the simulator's fault plans do this (a real link
         delivers a message once or fails). join() counts requests sent against requests served, so
@@ -362,14 +355,6 @@ class RpcAgent:
                 del self._pending[mid]
             # Requests to it will never be served: keep the join accounting balanced.
             self._sent_requests -= sum(1 for _, p in dead if p.kind not in CONTROL_KINDS)
-            # Every all-gather needs every worker (the leader waits for all, followers for the leader,
-            # which waits for all): none in progress can complete any more (SHUT-2). Except when the
-            # peer left after the final join of a graceful shutdown: it no longer takes part, and the
-            # verdict it saw is on its way to us.
-            orderly = departure.orderly
-            waits = [] if orderly else list(self._gather_done.values()) + list(self._scattered.values())
-            if not orderly:
-                self._peer_errors.setdefault(peer, exc)
             # No reply will come from it: the forks its requests carried need their parents no more.
             gone = [mid for mid, (dst, _) in self._accepted_by_reply.items() if dst == peer]
             accepted = [fork for mid in gone for fork in self._accepted_by_reply.pop(mid)[1]]
@@ -379,8 +364,7 @@ class RpcAgent:
                 p.timer.cancel()
             p.fut.set_exception(exc)
             self._call_ended()
-        for fut in waits:
-            fut.try_set_exception(exc)
+        self.shutdown_protocol.peer_failed(peer, exc, departure.orderly)
 
     # -- incoming -------------------------------------------------------------------------------
     def on_message(self, msg: Message) -> None:
@@ -392,10 +376,8 @@ class RpcAgent:
             self.world.submit(self._serve, msg)
         elif kind in REQUEST_KINDS:
             self._serve(msg)
-        elif kind is Kind.GATHER:
-            self._on_gather(msg)
-        elif kind is Kind.SCATTER:
-            self._on_scatter(msg)
+        elif kind is Kind.GATHER or kind is Kind.SCATTER:
+            self.shutdown_protocol.on_message(msg)
         else:
             _log.warning("twinrpc: %s dropped a message of unknown kind %r", self.info, kind)
 
@@ -451,7 +433,7 @@ class RpcAgent:
         try:
             obj, load = _serialize.loads(msg.payload, msg.tensors, msg.src, self.rrefs.rebuild, request=True)
         except BaseException as exc:
-            self._reply_error(
+            self.reply_error(
                 msg,
                 SerializationError(
                     unpickle_error(
@@ -472,7 +454,7 @@ class RpcAgent:
             for user in load.unconfirmed_rrefs:  # RREF-F3: run only once argument RRefs are confirmed
                 user.confirmed.wait()
         except BaseException as exc:  # the owner could not be reached to confirm a fork
-            self._reply_error(msg, exc)
+            self.reply_error(msg, exc)
             return
         kind = msg.kind
         token = None
@@ -488,33 +470,24 @@ class RpcAgent:
                 self._run(msg, func, args, kwargs, on_value=owner)
             elif kind is Kind.RREF_FETCH:
                 owner = self.rrefs.get_or_create_owner(obj)
-                owner.value._add_internal_callback(lambda f: self._reply_from(msg, f))
+                add_internal_callback(owner.value, lambda f: self._reply_from(msg, f))
             elif kind is Kind.RREF_TYPE:
                 owner = self.rrefs.get_or_create_owner(obj)
-                owner.value._add_internal_callback(lambda f: self._reply_from(msg, f, transform=type))
-            elif kind in RREF_CONTROL_KINDS or kind is Kind.CONTEXT_CLEANUP:
+                add_internal_callback(owner.value, lambda f: self._reply_from(msg, f, transform=type))
+            elif self.control.handles(kind):
                 # Control messages are resent until acked; a duplicate is acked without being
-                # handled or counted as served again (join counts logical requests; _rref_context).
-                fresh, body = self.rrefs.accept_control(msg.src, obj)
-                if fresh:
-                    if kind is Kind.CONTEXT_CLEANUP:  # hook: autograd context release (DAG-10)
-                        self.autograd.on_cleanup(msg.src, body)
-                    elif kind is Kind.RREF_USER_DELETE:
-                        self.rrefs.on_user_delete(*body)
-                    elif kind is Kind.RREF_FORK_REQUEST:
-                        self.rrefs.on_fork_request(*body)
-                    else:
-                        self.rrefs.on_child_accept(body)
-                    self._reply(msg, None)
+                # handled or counted as served again (join counts logical requests; twinrpc._control_channel).
+                if self.control.receive(msg.src, kind, obj):
+                    self.reply(msg, None)
                 else:
                     payload, _ = _serialize.dumps(None)
                     self.world.send(Message(Kind.RESPONSE, msg.id, self.info.id, msg.src, payload))
             elif kind is Kind.GRADIENT:  # hook: distributed backward (twinrpc._fast_engine)
                 self.autograd.on_gradient(msg, obj)
             else:
-                self._reply_error(msg, RPCError(f"{self.info} cannot serve a {kind.name} request"))
+                self.reply_error(msg, RPCError(f"{self.info} cannot serve a {kind.name} request"))
         except BaseException as exc:
-            self._reply_error(msg, exc)
+            self.reply_error(msg, exc)
         finally:
             if token is not None:
                 CURRENT_CONTEXT.reset(token)
@@ -548,7 +521,7 @@ class RpcAgent:
                 self._finish_run(msg, value, None, on_value)
 
         if isinstance(result, Future):
-            result._add_internal_callback(done)  # only replies: the protocol's own, never blocks
+            add_internal_callback(result, done)  # only replies: the protocol's own, never blocks
         else:
             result.add_done_callback(done)
 
@@ -560,11 +533,11 @@ class RpcAgent:
                 owner.value.try_set_result(value)
             else:
                 owner.value.try_set_exception(exc)
-            self._reply(msg, None)
+            self.reply(msg, None)
         elif exc is None:
-            self._reply(msg, value)
+            self.reply(msg, value)
         else:
-            self._reply_error(msg, exc)
+            self.reply_error(msg, exc)
 
     def _reply_from(
         self, msg: Message, f: Future[Any], transform: Callable[[Any], Any] | None = None
@@ -572,11 +545,11 @@ class RpcAgent:
         try:
             value = f.wait()
         except BaseException as exc:
-            self._reply_error(msg, exc)
+            self.reply_error(msg, exc)
             return
-        self._reply(msg, value if transform is None else transform(value))
+        self.reply(msg, value if transform is None else transform(value))
 
-    def _reply(self, msg: Message, value: Any) -> None:
+    def reply(self, msg: Message, value: Any) -> None:
         fork = ForkRecorder(self.rrefs, msg.src)
         try:
             # hook: the reply to a request served inside an autograd context joins it (DAG-4)
@@ -584,7 +557,7 @@ class RpcAgent:
             payload, tensors = linked if linked is not None else _serialize.dumps(value, fork)
         except BaseException as exc:
             self.rrefs.unfork(fork.forks)  # this reply is not sent: an error reply goes instead
-            self._reply_error(
+            self.reply_error(
                 msg,
                 serialization_error(
                     f"the result of a {msg.kind.name} request on {self.info} cannot be sent back: {exc}",
@@ -594,7 +567,7 @@ class RpcAgent:
             return
         self._send_reply(msg, Message(Kind.RESPONSE, msg.id, self.info.id, msg.src, payload, tensors))
 
-    def _reply_error(self, msg: Message, exc: BaseException) -> None:
+    def reply_error(self, msg: Message, exc: BaseException) -> None:
         if self.autograd.replies:  # hook: no reply will join the context
             self.autograd.forget_reply(msg)
         text = "".join(traceback.format_exception(exc))
@@ -622,124 +595,6 @@ class RpcAgent:
             reply.deferrable = True
         self.world.send(reply)
 
-    # -- collectives for shutdown ---------------------------------------------------------------
-    def all_gather(self, tag: Any, value: Any, timeout: float) -> list[Any]:
-        """Gather one value per worker through the leader (lexicographically smallest name)."""
-        n = len(self.workers)
-        me = self.info.id
-        if me == self.leader.id:
-            with self._lock:
-                # A dead worker (any: the leader needs all) fails the collective instead of letting it
-                # wait forever; checked under the lock that on_peer_failed takes, so a death between
-                # this check and the wait still fails the wait.
-                dead = self._peer_dead_error()
-                if dead is None:
-                    got = self._gathered.setdefault(tag, {})
-                    got[me] = value
-                    done = self._gather_done.setdefault(tag, Future())
-                    complete = len(got) == n
-            if dead is not None:
-                self._abort_gather(tag, dead)
-                raise dead
-            if complete:
-                done.try_set_result(None)
-            try:
-                self._wait_bounded(done, timeout, lambda: self._gather_timeout_msg(tag, timeout))
-            except WorkerUnavailableError as exc:
-                self._abort_gather(tag, exc)
-                raise
-            with self._lock:
-                got = self._gathered.pop(tag)
-                self._gather_done.pop(tag, None)
-            result = [got[w.id] for w in self.workers]
-            payload, _ = _serialize.dumps((tag, result))
-            for w in self.workers:
-                if w.id != me:
-                    self.world.send(Message(Kind.SCATTER, 0, me, w.id, payload))
-            return result
-        with self._lock:
-            dead = self._peer_dead_error()
-            if dead is None:
-                fut = self._scattered.setdefault(tag, Future())
-        if dead is not None:
-            raise dead
-        fut.label = f"the shutdown leader {self.leader.name} to answer _all_gather {tag}"
-        payload, _ = _serialize.dumps((tag, value))
-        self.world.send(Message(Kind.GATHER, 0, me, self.leader.id, payload))
-        result = self._wait_bounded(
-            fut,
-            timeout,
-            lambda: (
-                f"{self.info} timed out after {timeout} s waiting for the shutdown leader "
-                f"{self.leader} in _all_gather"
-            ),
-        )
-        with self._lock:
-            self._scattered.pop(tag, None)
-        return result  # type: ignore[no-any-return]
-
-    def _gather_timeout_msg(self, tag: Any, timeout: float) -> str:
-        with self._lock:
-            got = self._gathered.get(tag, {})
-        missing = [w.name for w in self.workers if w.id not in got]
-        return f"Followers {missing} timed out in _all_gather after {timeout:.2f} seconds"
-
-    def _on_gather(self, msg: Message) -> None:
-        (tag, value), _ = _serialize.loads(msg.payload, msg.tensors, msg.src)
-        with self._lock:
-            got = self._gathered.setdefault(tag, {})
-            got[msg.src] = value
-            done = self._gather_done.setdefault(tag, Future())
-            complete = len(got) == len(self.workers)
-        if complete:
-            done.try_set_result(None)
-
-    def _on_scatter(self, msg: Message) -> None:
-        (tag, result), _ = _serialize.loads(msg.payload, msg.tensors, msg.src)
-        with self._lock:
-            fut = self._scattered.setdefault(tag, Future())
-        if isinstance(result, _GatherAborted):
-            fut.try_set_exception(
-                WorkerUnavailableError(
-                    f"the shutdown leader {self.leader.name} aborted _all_gather: {result.why}"
-                )
-            )
-        else:
-            fut.try_set_result(result)
-
-    def _peer_dead_error(self) -> WorkerUnavailableError | None:
-        """An error for the first peer found dead (or departed), if any; call with ``self._lock`` held.
-
-        The first one: when the leader fails because a worker died, its own departure follows, and the
-        error must name the worker that died, not the leader that left."""
-        for cause in self._peer_errors.values():
-            err = WorkerUnavailableError(str(cause))
-            err.departure = getattr(cause, "departure", None)
-            err.__cause__ = cause
-            return err
-        return None
-
-    def _abort_gather(self, tag: Any, exc: WorkerUnavailableError) -> None:
-        """Leader: a worker died during the all-gather; tell the live followers why it failed, so
-        their ``shutdown`` raises the same error naming the dead worker instead of waiting (SHUT-2)."""
-        with self._lock:
-            self._gathered.pop(tag, None)
-            self._gather_done.pop(tag, None)
-            dead = set(self._peer_errors)
-        payload, _ = _serialize.dumps((tag, _GatherAborted(str(exc))))
-        for w in self.workers:
-            if w.id != self.info.id and w.id not in dead:
-                self.world.send(Message(Kind.SCATTER, 0, self.info.id, w.id, payload))
-
-    def _wait_bounded(self, fut: Future[Any], timeout: float, message: Callable[[], str]) -> Any:
-        if timeout > 0 and not fut.done():
-            timer = self.world.call_later(timeout, lambda: fut.try_set_exception(RPCTimeoutError(message())))
-            try:
-                return fut.wait()
-            finally:
-                timer.cancel()
-        return fut.wait()
-
     # -- shutdown -------------------------------------------------------------------------------
     def wait_idle(self) -> None:
         """Block until this worker has no outstanding client call."""
@@ -752,44 +607,22 @@ class RpcAgent:
             idle = self._idle
         idle.wait()
 
-    def join(self, timeout: float) -> None:
-        """Wait until no request is in flight anywhere (SHUT-1 step 3).
-
-        Four-counter termination detection: each round every worker first drains its own calls, then
-        all-gathers (requests sent, requests served, control messages not yet settled); the world is
-        quiet when sent equals served, nothing is unsettled, and the totals are unchanged across two
-        consecutive rounds. Control messages are not counted as requests: each is resent until acked
-        and handled once, so its sender tracks it until it is acked or given up (after its retries,
-        or when the peer is gone), and a control message lost for good cannot keep the counts apart.
-        """
-        previous = None
-        backoff = _JOIN_BACKOFF_MIN
-        for round_no in itertools.count():
-            self.wait_idle()
-            with self._lock:
-                sent, served = self._sent_requests, self._served_requests
-            # not under self._lock: the control channel's own lock is never taken inside it
-            counts = (sent, served, self.rrefs.unsettled_controls())
-            gathered = self.all_gather(("join", round_no), counts, timeout)
-            totals = tuple(sum(c[i] for c in gathered) for i in range(3))
-            quiet = totals[0] == totals[1] and totals[2] == 0
-            if quiet and totals == previous:
-                return
-            if not quiet and totals == previous:
-                # Requests are still being served somewhere (a slow handler), or a control message
-                # waits to be resent: don't spin rounds.
-                self.sleep(backoff)
-                backoff = min(backoff * 2, _JOIN_BACKOFF_MAX)
-            previous = totals
-
     def sleep(self, seconds: float) -> None:
         """Block this task for ``seconds`` of the world's clock."""
         fut: Future[None] = Future()
         self.world.call_later(seconds, lambda: fut.set_result(None))
         fut.wait()
 
+    def request_counts(self) -> tuple[int, int]:
+        """(requests sent, requests served) so far, control messages excluded: what graceful
+        shutdown's join compares across the world (twinrpc._shutdown)."""
+        with self._lock:
+            return self._sent_requests, self._served_requests
+
     def shutdown(self, graceful: bool, timeout: float, *, ignore_rref_leak: bool = True) -> None:
-        if self.dynamic:  # leave the group; the others keep working (LIFE-5)
+        """``rpc.shutdown``: the graceful protocol (twinrpc._shutdown) when ``graceful``, then the local
+        teardown; a dynamic member only leaves its group (LIFE-5)."""
+        if self.dynamic:
             from ._membership import leave_group
 
             leave_group(self, graceful, timeout, ignore_rref_leak=ignore_rref_leak)
@@ -797,23 +630,7 @@ class RpcAgent:
         completed = False
         try:
             if graceful:
-                self.all_gather(("shutdown",), None, timeout)
-                self.join(timeout)
-                drain_bound = timeout if timeout > 0 else _OWNER_DRAIN_TIMEOUT
-                # RRefs (SHUT-1 step 2): confirm pending forks, delete every user RRef held here.
-                self.rrefs.release_for_shutdown(drain_bound)
-                try:
-                    self._wait_bounded(
-                        self.rrefs.wait_owners_drained(),
-                        drain_bound,
-                        lambda: (
-                            f"{self.info} timed out after {drain_bound} s waiting for its owner RRefs "
-                            "to be released"
-                        ),
-                    )
-                except RPCTimeoutError as exc:  # as in PyTorch, only logged; the leak check reports it
-                    _log.warning("twinrpc: %s", exc)
-                self.join(timeout)
+                self.shutdown_protocol.run(timeout)
                 completed = True
         finally:
             self.finalize(graceful=graceful, ignore_rref_leak=ignore_rref_leak, completed=completed)
@@ -830,6 +647,7 @@ class RpcAgent:
         if not self.running:
             return
         self.running = False
+        self.control.close()
         leak_error = self.rrefs.close(graceful, ignore_rref_leak)  # RRef leak check (SHUT-4)
         with self._lock:
             pending, self._pending = self._pending, {}

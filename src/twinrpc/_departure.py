@@ -16,7 +16,7 @@ import enum
 from ._errors import WorkerUnavailableError
 from ._worker_info import WorkerInfo
 
-__all__ = ["Departure", "departure_error"]
+__all__ = ["Departure", "departure_error", "relayed_departure"]
 
 
 class Departure(enum.Enum):
@@ -76,4 +76,14 @@ def departure_error(
         "workers keep working"
     )
     err.departure = departure
+    return err
+
+
+def relayed_departure(text: str, departure: str | None, relay: str | None = None) -> WorkerUnavailableError:
+    """A departure error raised again: a fresh instance for each waiter, with the first error's
+    ``text`` (so every worker names the departed worker in the same words) and ``departure`` (a
+    :class:`Departure` value; None if unknown). ``relay``: who passed it on (the shutdown leader that
+    aborted a collective because of it), for a worker that did not see the departure itself."""
+    err = WorkerUnavailableError(text if relay is None else f"{relay} aborted _all_gather: {text}")
+    err.departure = Departure(departure) if departure is not None else None
     return err

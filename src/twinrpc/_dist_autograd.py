@@ -22,10 +22,11 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from . import _serialize
+from ._control_channel import RetryPolicy
 from ._errors import NotInitializedError, ShutdownError, WorkerUnavailableError
-from ._future import Future
+from ._future import Future, add_internal_callback
 from ._message import Kind, Message
-from ._rref_context import RetryPolicy
+from ._rref import agent_of
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
@@ -313,6 +314,7 @@ class DistAutogradContainer:
         #: (src, request id) -> (context id, what) for requests served inside a context; the agent's
         #: reply path checks this dict's truthiness only, so it costs nothing outside autograd
         self.replies: dict[tuple[int, int], tuple[int, str]] = {}
+        agent.control.register(Kind.CONTEXT_CLEANUP, self.on_cleanup)  # releases travel reliably
         self.observer: AutogradObserver | None = None
 
     # -- ids and contexts ----------------------------------------------------------------------
@@ -384,7 +386,7 @@ class DistAutogradContainer:
             # Deferrable: nothing waits on a release, and in a training loop the next iteration's
             # first call to ``dst`` carries it (the gloo world), instead of a frame and a wake-up of
             # its own on the critical path of both workers.
-            fut = self.agent.rrefs.send_control(
+            fut = self.agent.control.send(
                 dst, Kind.CONTEXT_CLEANUP, context_id, CLEANUP_RETRY, deferrable=True
             )
         except Exception as exc:  # the agent is shutting down
@@ -392,7 +394,7 @@ class DistAutogradContainer:
                 "twinrpc: could not send the release of context %d to rank %d: %s", context_id, dst, exc
             )
             return
-        fut._add_internal_callback(lambda f: self._cleanup_done(f, dst))
+        add_internal_callback(fut, lambda f: self._cleanup_done(f, dst))
 
     def _cleanup_done(self, fut: Future[None], dst: int) -> None:
         try:
@@ -540,4 +542,4 @@ def backward_owner_value(agent: RpcAgent, value: Any, context_id: int, retain_gr
 
 def rref_backward_on_owner(rref: Any, context_id: int, retain_graph: bool) -> None:
     """Runs on the owner (an RPC from a user RRef's ``backward``)."""
-    backward_owner_value(rref._agent, rref.local_value(), context_id, retain_graph)
+    backward_owner_value(agent_of(rref), rref.local_value(), context_id, retain_graph)

@@ -43,7 +43,7 @@ from ._dist_autograd import (
     context_not_found,
 )
 from ._fork import on_fork_survivor
-from ._future import Future
+from ._future import Future, add_internal_callback
 from ._leaf_grads import context_grads_in_leaves
 from ._message import Kind, Message
 
@@ -372,7 +372,7 @@ class GraphPass:
             with self.lock:
                 self.outstanding -= 1
             raise exc
-        fut._add_internal_callback(self._gradient_answered)
+        add_internal_callback(fut, self._gradient_answered)
 
     def _gradient_answered(self, fut: Future[Any]) -> None:
         try:
@@ -433,7 +433,7 @@ class GraphPass:
                 self.done.try_set_result(None)
         elif held is not None:
             for request in (held, *copies):
-                self.agent._reply(request, statuses)
+                self.agent.reply(request, statuses)
 
     def _fail(self, exc: BaseException, remote: bool = False) -> None:
         me = self.agent.info
@@ -461,7 +461,7 @@ class GraphPass:
             self.done.try_set_exception(err)
         elif held is not None:
             for request in (held, *copies):
-                self.agent._reply_error(request, err)
+                self.agent.reply_error(request, err)
 
 
 def _node_error(remote: str) -> str:
@@ -535,7 +535,7 @@ def _answer_copy(agent: Any, gp: GraphPass, msg: Message) -> None:
     before the work it stands for. Otherwise the original was answered already; so is the copy."""
     with gp.lock:
         if not _hold_copy(gp, msg):
-            agent._reply(msg, None)
+            agent.reply(msg, None)
 
 
 def _hold_copy(gp: GraphPass, msg: Message) -> bool:
@@ -574,7 +574,7 @@ def on_gradient_request(container: DistAutogradContainer, msg: Message, obj: Any
                     ctx.current_pass = gp
                 gp = ctx.current_pass
     except BaseException as exc:
-        agent._reply_error(msg, exc)
+        agent.reply_error(msg, exc)
         return
     # Holding the request and queueing its gradients is one step: a runner finishing in between
     # would otherwise answer the held request before these gradients were processed.
@@ -598,12 +598,12 @@ def on_gradient_request(container: DistAutogradContainer, msg: Message, obj: Any
             gp.running = gp.running or start
     if copy:
         if not copy_held:
-            agent._reply(msg, None)
+            agent.reply(msg, None)
         return
     if error is not None:
-        agent._reply_error(msg, error)
+        agent.reply_error(msg, error)
         return
     if not hold:  # the worker is busy already: its held request stands for this work (DAG-6)
-        agent._reply(msg, None)
+        agent.reply(msg, None)
     if start:
         gp._drain()

@@ -25,6 +25,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from ._errors import RPCTimeoutError
+
 T = TypeVar("T")
 S = TypeVar("S")
 
@@ -234,6 +236,41 @@ class Future(torch.futures.Future[T]):
         state = "pending" if not self.done() else ("error" if self._exception else "done")
         label = f": {self.label}" if self.label else ""
         return f"<twinrpc Future {state}{label}>"
+
+
+# -- the protocol's own uses of a Future (package-internal: users have then, add_done_callback, wait) --
+def add_internal_callback(fut: Future[T], callback: Callable[[Future[T]], None]) -> None:
+    """Run ``callback(fut)`` on completion, on whatever completes ``fut`` (a gloo receiver included):
+    for the protocol's own callbacks, which never block."""
+    fut._add_internal_callback(callback)
+
+
+def then_internal(fut: Future[T], callback: Callable[[Future[T]], S]) -> Future[S]:
+    """As ``fut.then(callback)``, for the protocol's own callbacks (see :func:`add_internal_callback`)."""
+    return fut._then_internal(callback)
+
+
+def add_waiter(fut: Future[Any], wake: Callable[[Future[Any]], None]) -> bool:
+    """Register ``wake`` to run at once when ``fut`` completes; False (nothing registered) if it
+    already has. How a world's blocker parks a task on a future."""
+    return fut._add_callback_if_pending(wake)
+
+
+def wait_bounded(
+    fut: Future[T],
+    timeout: float,
+    message: Callable[[], str],
+    call_later: Callable[[float, Callable[[], Any]], Any],
+) -> T:
+    """``fut.wait()``, failing with ``RPCTimeoutError(message())`` after ``timeout`` seconds of the
+    world's clock (``call_later``: the world's timer); ``timeout <= 0`` waits forever."""
+    if timeout > 0 and not fut.done():
+        timer = call_later(timeout, lambda: fut.try_set_exception(RPCTimeoutError(message())))
+        try:
+            return fut.wait()
+        finally:
+            timer.cancel()
+    return fut.wait()
 
 
 def _check_callable(method: str, callback: Any) -> None:

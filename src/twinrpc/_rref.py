@@ -259,3 +259,19 @@ def rref_for_current_agent(value: Any) -> RRef[Any]:
     """``RRef(value)`` on the calling worker (used by the optimizer and proxies)."""
     current_agent()
     return RRef(value)
+
+
+# -- the protocol's own access to an RRef (package-internal: an RRef's state is not user API) ---------
+def wrap_rref(agent: RpcAgent, state: OwnerState | UserState) -> RRef[Any]:
+    """The user-facing RRef for ``state`` on ``agent``'s worker (an owner or a user fork)."""
+    return RRef._wrap(agent, state)
+
+
+def state_of(rref: RRef[Any]) -> OwnerState | UserState:
+    """The protocol state behind ``rref``."""
+    return rref._state
+
+
+def agent_of(rref: RRef[Any]) -> RpcAgent:
+    """The agent of the worker that holds ``rref``."""
+    return rref._agent

@@ -10,19 +10,11 @@ Bookkeeping (all guarded by one lock):
 - ``pending_children``: forks this worker (a user) sent whose owner confirmation has not reached us;
   the parent is kept alive until then (G2).
 
-Control messages (user delete, fork request, child accept) are requests answered by an ack. They are
-**retried** when the ack does not come within a retry interval (a lost message or a lost ack), with
-exponential backoff, until acked, the peer is known dead, or this agent shuts down. Distributed
-autograd's context cleanup travels on the same channel with PyTorch's own schedule for it (a
-:class:`RetryPolicy` with a bounded number of retries, in twinrpc._dist_autograd). Every control
-message carries ``(seq, low, body)``: ``seq`` numbers the logical message per destination and is reused
-by its resends; ``low`` is the smallest sequence number the sender has not seen acked yet, so the
-receiver can forget everything below it. The receiver handles each ``seq`` once and acks duplicates
-without handling them again, so a duplicated or resent fork request can never resurrect a fork that
-was deleted in between. Its memory is bounded by the number of unacked messages.
+Control messages (user delete, fork request, child accept) travel on the agent's reliable control
+channel (twinrpc._control_channel): resent until acked, handled once however often they arrive.
 
 Deletion of a user RRef whose last Python reference went away (``UserState.__del__``) is deferred to
-a task of the world (``World.schedule_gc_callback`` when the world has it, else ``World.spawn``):
+a task of the world (``World.schedule_rref_delete``):
 ``__del__`` may run inside any allocation, holding any lock, so sending from it could deadlock. In the
 simulator the deferral is a seeded delay: *when* garbage collection triggers the delete is a
 scheduling choice the simulation explores.
@@ -34,58 +26,27 @@ import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._errors import RPCError, RPCTimeoutError, ShutdownError
-from ._future import Future
+from ._errors import RPCError, RPCTimeoutError
+from ._future import Future, add_internal_callback, then_internal, wait_bounded
 from ._message import Kind
-from ._rref import RREF_TIMEOUT_MSG, ForkData, GloballyUniqueId, OwnerState, RRef, UserState
+from ._rref import (
+    RREF_TIMEOUT_MSG,
+    ForkData,
+    GloballyUniqueId,
+    OwnerState,
+    RRef,
+    UserState,
+    state_of,
+    wrap_rref,
+)
 from ._serialize import LoadState
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
 
 _log = logging.getLogger("twinrpc")
-
-#: first resend of an unacked control message after this many seconds of the world's clock
-CONTROL_RETRY_INITIAL = 1.0
-#: the backoff doubles up to this interval
-CONTROL_RETRY_MAX = 16.0
-
-
-@dataclass(frozen=True, slots=True)
-class RetryPolicy:
-    """When a control message that got no ack is sent again.
-
-    Attempt ``k`` (0 is the first send) waits ``min(ack_wait * ack_wait_growth**k, ack_wait_max)``
-    seconds for its ack (``ack_wait`` None: the agent's ``rpc_timeout``, and 0 waits forever). After a
-    timeout, attempt ``k + 1`` is sent once ``spacing * backoff**k`` seconds have passed since attempt
-    ``k`` was sent (at once if they have). ``max_retries`` bounds the resends (None: until acked).
-    """
-
-    ack_wait: float | None
-    ack_wait_growth: float = 1.0
-    ack_wait_max: float = float("inf")
-    spacing: float = 0.0
-    backoff: float = 1.0
-    max_retries: int | None = None
-
-    def ack_timeout(self, attempt: int, rpc_timeout: float) -> float:
-        if self.ack_wait is None:
-            return rpc_timeout
-        return min(self.ack_wait * self.ack_wait_growth**attempt, self.ack_wait_max)
-
-    def next_send_after(self, attempt: int) -> float:
-        """Seconds after attempt ``attempt`` was sent that attempt ``attempt + 1`` may be sent."""
-        return self.spacing * self.backoff**attempt
-
-
-#: RRef control messages: resent as soon as an ack wait of 1 s, doubling up to 16 s, expires; no bound
-CONTROL_RETRY = RetryPolicy(
-    ack_wait=CONTROL_RETRY_INITIAL, ack_wait_growth=2.0, ack_wait_max=CONTROL_RETRY_MAX
-)
 
 #: how long graceful shutdown waits for pending users/children to be confirmed (PyTorch: 100 s)
 PENDING_CONFIRM_TIMEOUT = 100.0
@@ -118,7 +79,10 @@ class RRefObserver(Protocol):
     def delete_heard(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None: ...
     def owner_registered(self, rank: int, state: OwnerState) -> None: ...
     def owner_dropped(self, rank: int, state: OwnerState) -> None: ...
-    def closed(self, rank: int, graceful: bool) -> None: ...
+    def closed(
+        self, rank: int, graceful: bool, leaks: list[tuple[GloballyUniqueId, list[GloballyUniqueId]]]
+    ) -> None:
+        """The worker's RRef context closed (shutdown); ``leaks``: owned rref ids with live forks."""
 
 
 class ForkRecorder:
@@ -139,41 +103,6 @@ class ForkRecorder:
         return data
 
 
-class _Outbox:
-    """Sender side of the control channel to one peer."""
-
-    __slots__ = ("seq", "unacked")
-
-    def __init__(self) -> None:
-        self.seq = itertools.count()
-        self.unacked: set[int] = set()
-
-
-@dataclass(frozen=True, slots=True)
-class _Control:
-    """One control message being sent: what every (re)send of it needs."""
-
-    dst: int
-    kind: Kind
-    seq: int
-    body: Any
-    #: completes when the ack arrives, or fails (see send_control)
-    done: Future[None]
-    policy: RetryPolicy
-    #: its first attempt may ride with the next message to dst (Message.deferrable)
-    deferrable: bool
-
-
-class _Inbox:
-    """Receiver side of the control channel from one peer: which sequence numbers were handled."""
-
-    __slots__ = ("floor", "seen")
-
-    def __init__(self) -> None:
-        self.floor = 0  # every seq below this was handled (the sender saw it acked)
-        self.seen: set[int] = set()  # handled seqs >= floor
-
-
 class RRefContext:
     def __init__(self, agent: RpcAgent) -> None:
         self.agent = agent
@@ -187,14 +116,14 @@ class RRefContext:
         self.users: weakref.WeakValueDictionary[GloballyUniqueId, UserState] = weakref.WeakValueDictionary()
         #: deletes of dead users not sent yet: fork id -> (owner rank, rref id)
         self._deferred_deletes: dict[GloballyUniqueId, tuple[int, GloballyUniqueId]] = {}
-        self._outboxes: dict[int, _Outbox] = {}
-        self._inboxes: dict[int, _Inbox] = {}
         self._owners_empty: Future[None] | None = None
         self._pending_empty: Future[None] | None = None
         self.closed = False
-        #: control-message resends so far (observability; the soak and property tests read it)
-        self.control_resends = 0
         self.observer: RRefObserver | None = None
+        control = agent.control
+        control.register(Kind.RREF_USER_DELETE, lambda _src, body: self.on_user_delete(*body))
+        control.register(Kind.RREF_FORK_REQUEST, lambda _src, body: self.on_fork_request(*body))
+        control.register(Kind.RREF_CHILD_ACCEPT, lambda _src, fork_id: self.on_child_accept(fork_id))
 
     def new_id(self) -> GloballyUniqueId:
         return GloballyUniqueId(self.rank, next(self._counter))
@@ -235,7 +164,7 @@ class RRefContext:
         if self.observer is not None:
             self.observer.fork_known(self.rank, rref_id, fork_id)
 
-    def _drop_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+    def drop_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         with self._lock:
             forks = self.forks.get(rref_id)
             if forks is None:
@@ -262,7 +191,7 @@ class RRefContext:
                 if not self.owners and self._owners_empty is not None:
                     done, self._owners_empty = self._owners_empty, None
         if creating:
-            state.value._add_internal_callback(lambda _f: self._maybe_drop_owner(rref_id))
+            add_internal_callback(state.value, lambda _f: self._maybe_drop_owner(rref_id))
             return
         if self.observer is not None:
             self.observer.owner_dropped(self.rank, state)
@@ -327,7 +256,7 @@ class RRefContext:
     # -- forks: pickling and unpickling ------------------------------------------------------
     def fork(self, rref: RRef[Any], dst: int) -> ForkData:
         """Pickle ``rref`` for a message to ``dst`` (RREF-F1)."""
-        state = rref._state
+        state = state_of(rref)
         if isinstance(state, OwnerState):
             fork_id = self.new_id()
             with self._lock:
@@ -360,7 +289,7 @@ class RRefContext:
             if self.observer is not None:
                 self.observer.fork_abandoned(self.rank, data.rref_id, data.fork_id)
             if data.owner == self.rank:
-                self._drop_fork(data.rref_id, data.fork_id)
+                self.drop_fork(data.rref_id, data.fork_id)
             else:
                 self.on_child_accept(data.fork_id)
 
@@ -370,7 +299,7 @@ class RRefContext:
         if data.owner == self.rank:
             owner = self.get_or_create_owner(data.rref_id)
             if data.parent == self.rank:
-                self._drop_fork(data.rref_id, data.fork_id)  # the owner sent its RRef to itself
+                self.drop_fork(data.rref_id, data.fork_id)  # the owner sent its RRef to itself
             else:
                 # A phantom fork: never added to the owner's forks; the parent may now let go.
                 if self.observer is not None:
@@ -380,11 +309,11 @@ class RRefContext:
                     # handled (the accept only lets the parent drop a reference).
                     parent, fork_id = data.parent, data.fork_id
                     load.after_handling.append(
-                        lambda: self._send_quietly(parent, Kind.RREF_CHILD_ACCEPT, fork_id)
+                        lambda: self.agent.control.send_quietly(parent, Kind.RREF_CHILD_ACCEPT, fork_id)
                     )
                 # In a request, the reply accepts it (implied_accept on the parent): the parent is
                 # this request's sender, and the reply leaves only after the request was unpickled.
-            return RRef._wrap(agent, owner)
+            return wrap_rref(agent, owner)
         state = UserState(agent, data.owner, data.rref_id, data.fork_id)
         with self._lock:
             self.users[data.fork_id] = state
@@ -398,9 +327,9 @@ class RRefContext:
         else:
             load.unconfirmed_rrefs.append(state)
             parent = data.parent
-            fut = self.send_control(data.owner, Kind.RREF_FORK_REQUEST, (data.rref_id, data.fork_id))
-            fut._add_internal_callback(lambda f: self._fork_request_acked(f, state, parent))
-        return RRef._wrap(agent, state)
+            fut = self.agent.control.send(data.owner, Kind.RREF_FORK_REQUEST, (data.rref_id, data.fork_id))
+            add_internal_callback(fut, lambda f: self._fork_request_acked(f, state, parent))
+        return wrap_rref(agent, state)
 
     def _fork_request_acked(self, f: Future[Any], state: UserState, parent: int) -> None:
         try:
@@ -415,119 +344,13 @@ class RRefContext:
                 done.set_result(None)
             return
         self.confirm_user(state)
-        self._send_quietly(parent, Kind.RREF_CHILD_ACCEPT, state.fork_id)
-
-    # -- the control channel ----------------------------------------------------------------
-    def send_control(
-        self, dst: int, kind: Kind, body: Any, policy: RetryPolicy = CONTROL_RETRY, deferrable: bool = False
-    ) -> Future[None]:
-        """Send a control message to ``dst``, resending it per ``policy`` until acked (see the module
-        docstring). The receiver handles it once however often it arrives. ``deferrable``: the first
-        attempt may wait briefly to travel with the next message to ``dst`` (``Message.deferrable``).
-
-        The returned future completes when the ack arrives, or fails when the peer is unreachable, this
-        agent shuts down or the policy's retries are used up.
-        """
-        with self._lock:
-            out = self._outboxes.get(dst)
-            if out is None:
-                out = self._outboxes[dst] = _Outbox()
-            seq = next(out.seq)
-            out.unacked.add(seq)
-        done: Future[None] = Future()
-        done.label = f"ack of {kind.name} seq {seq} from rank {dst}"
-        self._attempt(_Control(dst, kind, seq, body, done, policy, deferrable), 0)
-        return done
-
-    def _attempt(self, c: _Control, attempt: int) -> None:
-        out = self._outboxes[c.dst]
-        if self.closed and attempt:
-            out.unacked.discard(c.seq)
-            c.done.try_set_exception(ShutdownError(f"{c.kind.name} to rank {c.dst} abandoned: RPC shut down"))
-            return
-        with self._lock:
-            low = min(out.unacked)
-        agent = self.agent
-        timeout = c.policy.ack_timeout(attempt, agent.rpc_timeout)
-        sent_at = agent.world.now()
-        try:
-            fut = agent.request(c.dst, c.kind, (c.seq, low, c.body), timeout, c.deferrable and not attempt)
-        except BaseException as exc:
-            with self._lock:
-                out.unacked.discard(c.seq)
-            c.done.try_set_exception(exc)
-            return
-        if attempt:
-            with self._lock:
-                self.control_resends += 1
-        fut._add_internal_callback(lambda f: self._attempt_done(f, c, attempt, sent_at))
-
-    def _attempt_done(self, f: Future[Any], c: _Control, attempt: int, sent_at: float) -> None:
-        policy = c.policy
-        try:
-            f.wait()
-        except RPCTimeoutError as exc:
-            if policy.max_retries is not None and attempt >= policy.max_retries:
-                with self._lock:
-                    self._outboxes[c.dst].unacked.discard(c.seq)
-                err = RPCError(
-                    "The RPC has not succeeded after the specified number of max retries "
-                    f"({policy.max_retries}): {c.kind.name} to rank {c.dst}"
-                )
-                err.__cause__ = exc
-                c.done.try_set_exception(err)
-                return
-            _log.debug("twinrpc: no ack for %s seq %d to rank %d; resending", c.kind.name, c.seq, c.dst)
-            wait = sent_at + policy.next_send_after(attempt) - self.agent.world.now()
-            if wait > 0:
-                self.agent.world.call_later(wait, lambda: self._attempt(c, attempt + 1))
-            else:
-                self._attempt(c, attempt + 1)
-            return
-        except BaseException as exc:
-            with self._lock:
-                self._outboxes[c.dst].unacked.discard(c.seq)
-            c.done.try_set_exception(exc)
-            return
-        with self._lock:
-            self._outboxes[c.dst].unacked.discard(c.seq)
-        c.done.try_set_result(None)
-
-    def unsettled_controls(self) -> int:
-        """Control messages sent and neither acked nor given up yet (what join() waits for)."""
-        with self._lock:
-            return sum(len(out.unacked) for out in self._outboxes.values())
-
-    def _send_quietly(self, dst: int, kind: Kind, body: Any) -> None:
-        """Fire-and-forget control message (retried); failures are only logged."""
-        try:
-            fut = self.send_control(dst, kind, body)
-        except Exception as exc:  # the agent may be going away
-            _log.debug("twinrpc: could not send %s to rank %d: %s", kind.name, dst, exc)
-            return
-        fut._add_internal_callback(lambda f: _log_failure(f, kind, dst))
-
-    def accept_control(self, src: int, payload: Any) -> tuple[bool, Any]:
-        """Receiver side: ``(fresh, body)``; ``fresh`` is False for a duplicate or a resend of a
-        message already handled (it must be acked, not handled again)."""
-        seq, low, body = payload
-        with self._lock:
-            inbox = self._inboxes.get(src)
-            if inbox is None:
-                inbox = self._inboxes[src] = _Inbox()
-            if low > inbox.floor:
-                inbox.floor = low
-                inbox.seen = {s for s in inbox.seen if s >= low}
-            if seq < inbox.floor or seq in inbox.seen:
-                return False, body
-            inbox.seen.add(seq)
-        return True, body
+        self.agent.control.send_quietly(parent, Kind.RREF_CHILD_ACCEPT, state.fork_id)
 
     # -- control message handlers (run on the receiving worker, each at most once per message) --
     def on_user_delete(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         if self.observer is not None:
             self.observer.delete_heard(self.rank, rref_id, fork_id)
-        self._drop_fork(rref_id, fork_id)
+        self.drop_fork(rref_id, fork_id)
 
     def on_fork_request(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         self.get_or_create_owner(rref_id)
@@ -573,13 +396,8 @@ class RRefContext:
         fork_id, owner, rref_id = state.fork_id, state.owner, state.rref_id
         with self._lock:
             self._deferred_deletes[fork_id] = (owner, rref_id)
-        world = self.agent.world
-        schedule: Callable[[Callable[[], Any]], None] | None = getattr(world, "schedule_gc_callback", None)
         try:
-            if schedule is not None:
-                schedule(lambda: self._send_deferred_delete(fork_id))
-            else:
-                world.spawn(self._send_deferred_delete, fork_id)
+            self.agent.world.schedule_rref_delete(lambda: self._send_deferred_delete(fork_id))
         except Exception as exc:  # the world is stopping; shutdown's flush sends it if still possible
             _log.debug("twinrpc: could not schedule RREF_USER_DELETE for %s: %s", fork_id, exc)
 
@@ -589,13 +407,13 @@ class RRefContext:
         if entry is None or self.closed:
             return  # already flushed by shutdown, or too late
         owner, rref_id = entry
-        self._send_quietly(owner, Kind.RREF_USER_DELETE, (rref_id, fork_id))
+        self.agent.control.send_quietly(owner, Kind.RREF_USER_DELETE, (rref_id, fork_id))
 
     def _flush_deferred_deletes(self) -> None:
         with self._lock:
             pending, self._deferred_deletes = self._deferred_deletes, {}
         for fork_id, (owner, rref_id) in sorted(pending.items()):
-            self._send_quietly(owner, Kind.RREF_USER_DELETE, (rref_id, fork_id))
+            self.agent.control.send_quietly(owner, Kind.RREF_USER_DELETE, (rref_id, fork_id))
 
     def release_for_shutdown(self, timeout: float) -> None:
         """Graceful shutdown, SHUT-1 step 2: wait (bounded, only logged) until pending users and
@@ -611,13 +429,15 @@ class RRefContext:
                 pending = None
         if pending is not None:
             try:
-                self.agent._wait_bounded(
+                agent = self.agent
+                wait_bounded(
                     pending,
                     timeout,
                     lambda: (
-                        f"{self.agent.info} timed out after {timeout} s waiting for pending RRef users and "
+                        f"{agent.info} timed out after {timeout} s waiting for pending RRef users and "
                         "children to be confirmed"
                     ),
+                    agent.world.call_later,
                 )
             except RPCTimeoutError as exc:  # as in PyTorch, only logged
                 _log.warning("twinrpc: %s", exc)
@@ -656,9 +476,9 @@ class RRefContext:
         when ``ignore_leak`` is False and an owner still has forks (the caller raises it after the
         rest of the teardown, as PyTorch's ``_finalize_shutdown``)."""
         self.closed = True
-        if self.observer is not None:
-            self.observer.closed(self.rank, graceful)
         leaks = self.leaks()
+        if self.observer is not None:
+            self.observer.closed(self.rank, graceful, leaks)
         if not leaks:
             return None
         lines = "".join(
@@ -673,7 +493,7 @@ class RRefContext:
 
     # -- values -------------------------------------------------------------------------------
     def to_here(self, rref: RRef[Any], timeout: float) -> Any:
-        state = rref._state
+        state = state_of(rref)
         if isinstance(state, OwnerState):
             return state.value.wait()
         if state.deleted:
@@ -687,11 +507,11 @@ class RRefContext:
 
     def get_type(self, rref: RRef[Any], timeout: float) -> Future[type]:
         """RREF-7: the type of the value, one cached Future per RRef (owner or user)."""
-        state = rref._state
+        state = state_of(rref)
         if state.type_future is not None:
             return state.type_future
         if isinstance(state, OwnerState):
-            state.type_future = state.value._then_internal(_type_of_value)
+            state.type_future = then_internal(state.value, _type_of_value)
             return state.type_future
         if state.timed_out:
             raise RPCError(RREF_TIMEOUT_MSG)
@@ -705,7 +525,7 @@ class RRefContext:
         owner only."""
         from ._dist_autograd import backward_owner_value, rref_backward_on_owner
 
-        state = rref._state
+        state = state_of(rref)
         if isinstance(state, OwnerState):
             backward_owner_value(self.agent, state.value.wait(), ctx_id, retain_graph)
             return
@@ -724,9 +544,7 @@ class RRefContext:
                 "num_pending_children": len(self.pending_children),
                 "num_users": len(self.users),
                 "num_deferred_deletes": len(self._deferred_deletes),
-                "num_control_unacked": sum(len(o.unacked) for o in self._outboxes.values()),
-                "num_control_resends": self.control_resends,
-            }
+            } | self.agent.control.statistics()  # the control channel carries the RRef messages
 
     def debug_info(self) -> dict[str, Any]:
         """PyTorch's ``_rref_context_get_debug_info()`` keys (string values, as PyTorch) plus twinrpc's
@@ -742,10 +560,3 @@ class RRefContext:
 
 def _type_of_value(f: Future[Any]) -> type:
     return type(f.wait())
-
-
-def _log_failure(f: Future[Any], kind: Kind, dst: int) -> None:
-    try:
-        f.wait()
-    except BaseException as exc:
-        _log.debug("twinrpc: %s to rank %d was not acknowledged: %s", kind.name, dst, exc)

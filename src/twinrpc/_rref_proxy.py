@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._future import Future
+from ._rref import agent_of
 
 if TYPE_CHECKING:
     from ._rref import RRef
@@ -51,7 +52,7 @@ class _ProxyMethod:
         # The context's cached type future, not the public _get_type(): that one returns whatever
         # its first caller got (a type or a Future), as in PyTorch. On an RRef still being created
         # the owner answers once the value exists (RREF-7).
-        type_fut = rref._agent.rrefs.get_type(rref, timeout)
+        type_fut = agent_of(rref).rrefs.get_type(rref, timeout)
         if self._mode != "rpc_async":
             return invoke(type_fut.wait())
         # rpc_async: don't block on the type lookup; chain it.

@@ -1,0 +1,258 @@
+"""Graceful shutdown (SHUT-1, SHUT-2): the barrier, the join and the RRef drain, for both worlds.
+
+``shutdown(graceful=True)`` is PyTorch's sequence: an all-gather of every worker (the barrier), a
+join that waits until no request is in flight anywhere, the RRef release (SHUT-1 step 2) and a
+second join. The all-gather goes through the leader (the lexicographically smallest name), as in
+PyTorch's ``_all_gather``; a worker that departs without completing its own graceful shutdown fails
+every all-gather still in progress, and the leader tells the live followers why, so every
+``shutdown`` raises the same error naming the departed worker instead of waiting (SHUT-2).
+
+The local teardown that follows (``RpcAgent.finalize``) is the agent's: it is also what a
+non-graceful shutdown does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import _serialize
+from ._departure import relayed_departure
+from ._errors import RPCTimeoutError, WorkerUnavailableError
+from ._future import Future, wait_bounded
+from ._message import Kind, Message
+
+if TYPE_CHECKING:
+    from ._agent import RpcAgent
+
+__all__ = ["ShutdownProtocol"]
+
+_log = logging.getLogger("twinrpc")
+
+#: how long graceful shutdown waits for owners to be released when no timeout is given (PyTorch: 100 s)
+OWNER_DRAIN_TIMEOUT = 100.0
+#: join rounds back off while requests are still in flight, so a slow handler costs no busy loop
+_JOIN_BACKOFF_MIN = 1e-3
+_JOIN_BACKOFF_MAX = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class _GatherAborted:
+    """The leader's answer to an all-gather that a departed worker made impossible: the error it
+    failed with (its text, and how the worker left as ``Departure.value``)."""
+
+    why: str
+    departure: str | None
+
+
+class ShutdownProtocol:
+    """One worker's part in graceful shutdown. Thread-safe."""
+
+    def __init__(self, agent: RpcAgent) -> None:
+        self._agent = agent
+        self._lock = threading.Lock()
+        self._gathered: dict[Hashable, dict[int, Any]] = {}
+        self._gather_done: dict[Hashable, Future[None]] = {}
+        self._scattered: dict[Hashable, Future[Any]] = {}
+        #: the first error of each peer that departed without completing a graceful shutdown
+        self._peer_errors: dict[int, WorkerUnavailableError] = {}
+
+    # -- what the agent reports --------------------------------------------------------------------
+    def peer_failed(self, peer: int, exc: WorkerUnavailableError, orderly: bool) -> None:
+        """``peer`` departed. Every all-gather needs every worker (the leader waits for all, followers
+        for the leader, which waits for all): none in progress can complete any more. Except when the
+        peer left in order, after the final join of its graceful shutdown: it no longer takes part,
+        and the verdict it saw is on its way to us."""
+        if orderly:
+            return
+        with self._lock:
+            self._peer_errors.setdefault(peer, exc)
+            waits: list[Future[Any]] = [*self._gather_done.values(), *self._scattered.values()]
+        for fut in waits:
+            fut.try_set_exception(exc)
+
+    def peer_joined(self, peer: int) -> None:
+        """A new worker took ``peer``'s rank in a dynamic group: the old one's departure is history."""
+        with self._lock:
+            self._peer_errors.pop(peer, None)
+
+    def on_message(self, msg: Message) -> None:
+        """A ``GATHER`` (at the leader) or ``SCATTER`` (at a follower) arrived."""
+        if msg.kind is Kind.GATHER:
+            self._on_gather(msg)
+        else:
+            self._on_scatter(msg)
+
+    # -- the sequence ----------------------------------------------------------------------------
+    def run(self, timeout: float) -> None:
+        """SHUT-1: barrier, join, RRef release, join. ``timeout`` (seconds, 0 = unbounded) bounds each
+        wait. Raises what ends it early (a departed worker, a timeout); the caller tears down either way."""
+        agent = self._agent
+        self.all_gather(("shutdown",), None, timeout)
+        self.join(timeout)
+        drain_bound = timeout if timeout > 0 else OWNER_DRAIN_TIMEOUT
+        # RRefs (SHUT-1 step 2): confirm pending forks, delete every user RRef held here.
+        agent.rrefs.release_for_shutdown(drain_bound)
+        try:
+            wait_bounded(
+                agent.rrefs.wait_owners_drained(),
+                drain_bound,
+                lambda: (
+                    f"{agent.info} timed out after {drain_bound} s waiting for its owner RRefs to be released"
+                ),
+                agent.world.call_later,
+            )
+        except RPCTimeoutError as exc:  # as in PyTorch, only logged; the leak check reports it
+            _log.warning("twinrpc: %s", exc)
+        self.join(timeout)
+
+    def join(self, timeout: float) -> None:
+        """Wait until no request is in flight anywhere (SHUT-1 step 3).
+
+        Four-counter termination detection: each round every worker first drains its own calls, then
+        all-gathers (requests sent, requests served, control messages not yet settled); the world is
+        quiet when sent equals served, nothing is unsettled, and the totals are unchanged across two
+        consecutive rounds. Control messages are not counted as requests: each is resent until acked
+        and handled once, so its sender tracks it until it is acked or given up (after its retries,
+        or when the peer is gone), and a control message lost for good cannot keep the counts apart.
+        """
+        agent = self._agent
+        previous = None
+        backoff = _JOIN_BACKOFF_MIN
+        for round_no in itertools.count():
+            agent.wait_idle()
+            sent, served = agent.request_counts()
+            counts = (sent, served, agent.control.unsettled())
+            gathered = self.all_gather(("join", round_no), counts, timeout)
+            totals = tuple(sum(c[i] for c in gathered) for i in range(3))
+            quiet = totals[0] == totals[1] and totals[2] == 0
+            if quiet and totals == previous:
+                return
+            if not quiet and totals == previous:
+                # Requests are still being served somewhere (a slow handler), or a control message
+                # waits to be resent: don't spin rounds.
+                agent.sleep(backoff)
+                backoff = min(backoff * 2, _JOIN_BACKOFF_MAX)
+            previous = totals
+
+    # -- the all-gather --------------------------------------------------------------------------
+    def all_gather(self, tag: Hashable, value: Any, timeout: float) -> list[Any]:
+        """Gather one value per worker through the leader; every worker gets the list, in rank order."""
+        agent = self._agent
+        me = agent.info.id
+        if me == agent.leader.id:
+            return self._gather_as_leader(tag, value, timeout)
+        with self._lock:
+            dead = self._first_departure()
+            if dead is None:
+                fut = self._scattered.setdefault(tag, Future())
+        if dead is not None:
+            raise dead
+        fut.label = f"the shutdown leader {agent.leader.name} to answer _all_gather {tag}"
+        payload, _ = _serialize.dumps((tag, value))
+        agent.world.send(Message(Kind.GATHER, 0, me, agent.leader.id, payload))
+        result = wait_bounded(
+            fut,
+            timeout,
+            lambda: (
+                f"{agent.info} timed out after {timeout} s waiting for the shutdown leader {agent.leader} in _all_gather"
+            ),
+            agent.world.call_later,
+        )
+        with self._lock:
+            self._scattered.pop(tag, None)
+        return result  # type: ignore[no-any-return]
+
+    def _gather_as_leader(self, tag: Hashable, value: Any, timeout: float) -> list[Any]:
+        agent = self._agent
+        me = agent.info.id
+        workers = agent.workers
+        with self._lock:
+            # A departed worker (any: the leader needs all) fails the collective instead of letting it
+            # wait forever; checked under the lock that peer_failed takes, so a departure between this
+            # check and the wait still fails the wait.
+            dead = self._first_departure()
+            if dead is None:
+                got = self._gathered.setdefault(tag, {})
+                got[me] = value
+                done = self._gather_done.setdefault(tag, Future())
+                complete = len(got) == len(workers)
+        if dead is not None:
+            self._abort_gather(tag, dead)
+            raise dead
+        if complete:
+            done.try_set_result(None)
+        try:
+            wait_bounded(
+                done, timeout, lambda: self._gather_timeout_msg(tag, timeout), agent.world.call_later
+            )
+        except WorkerUnavailableError as exc:
+            self._abort_gather(tag, exc)
+            raise
+        with self._lock:
+            got = self._gathered.pop(tag)
+            self._gather_done.pop(tag, None)
+        result = [got[w.id] for w in workers]
+        payload, _ = _serialize.dumps((tag, result))
+        for w in workers:
+            if w.id != me:
+                agent.world.send(Message(Kind.SCATTER, 0, me, w.id, payload))
+        return result
+
+    def _gather_timeout_msg(self, tag: Hashable, timeout: float) -> str:
+        with self._lock:
+            got = self._gathered.get(tag, {})
+        missing = [w.name for w in self._agent.workers if w.id not in got]
+        return f"Followers {missing} timed out in _all_gather after {timeout:.2f} seconds"
+
+    def _on_gather(self, msg: Message) -> None:
+        (tag, value), _ = _serialize.loads(msg.payload, msg.tensors, msg.src)
+        with self._lock:
+            got = self._gathered.setdefault(tag, {})
+            got[msg.src] = value
+            done = self._gather_done.setdefault(tag, Future())
+            complete = len(got) == len(self._agent.workers)
+        if complete:
+            done.try_set_result(None)
+
+    def _on_scatter(self, msg: Message) -> None:
+        (tag, result), _ = _serialize.loads(msg.payload, msg.tensors, msg.src)
+        with self._lock:
+            fut = self._scattered.setdefault(tag, Future())
+        if isinstance(result, _GatherAborted):
+            fut.try_set_exception(
+                relayed_departure(
+                    result.why, result.departure, f"the shutdown leader {self._agent.leader.name}"
+                )
+            )
+        else:
+            fut.try_set_result(result)
+
+    def _first_departure(self) -> WorkerUnavailableError | None:
+        """A fresh error for the first peer found departed, if any; call with ``self._lock`` held.
+
+        The first one: when the leader fails because a worker died, its own departure follows, and the
+        error must name the worker that died, not the leader that left."""
+        for cause in self._peer_errors.values():
+            err = relayed_departure(str(cause), cause.departure.value if cause.departure else None)
+            err.__cause__ = cause
+            return err
+        return None
+
+    def _abort_gather(self, tag: Hashable, exc: WorkerUnavailableError) -> None:
+        """Leader: a worker departed during the all-gather; tell the live followers why it failed, so
+        their ``shutdown`` raises the same error naming that worker instead of waiting (SHUT-2)."""
+        agent = self._agent
+        with self._lock:
+            self._gathered.pop(tag, None)
+            self._gather_done.pop(tag, None)
+            dead = set(self._peer_errors)
+        departure = exc.departure.value if exc.departure is not None else None
+        payload, _ = _serialize.dumps((tag, _GatherAborted(str(exc), departure)))
+        for w in agent.workers:
+            if w.id != agent.info.id and w.id not in dead:
+                agent.world.send(Message(Kind.SCATTER, 0, agent.info.id, w.id, payload))
