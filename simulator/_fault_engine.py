@@ -21,10 +21,14 @@ Decisions (documented in ``docs/howto/fault-plan.md``):
   duplicated, or a worker declared dead. Delays, holds, healed partitions, pauses and duplicated
   replies keep them on.
 - **Silence.** A gloo worker declares a peer dead when nothing (no frame, no heartbeat) came from it
-  for ``heartbeat_interval * heartbeat_misses`` seconds (default 10 s), and then trusts nothing it
-  sends; the peer, no longer hearing from it, does the same a threshold later. The simulator models
-  exactly that with ``NetworkModel.heartbeat_timeout``: a worker paused, or a link held or
-  partitioned, for longer than it makes the listening side declare the silent one dead.
+  for ``heartbeat_interval * heartbeat_misses`` seconds of its own options (default 1 s x 10; never
+  with ``heartbeat_interval=0``), and then trusts nothing it sends; the peer, no longer hearing from
+  it, does the same its own threshold later. The simulator models exactly that in virtual time: a
+  worker paused, or a link held or partitioned, for longer than the listening worker's bound
+  (:func:`silence_bound`: the options it passed to ``init_rpc``, the default options while it has no
+  agent, or ``NetworkModel.heartbeat_timeout`` for everyone when that is set) makes the listening side
+  declare the silent one dead. A bound is read when a silence starts, when the listener calls
+  ``init_rpc`` (:meth:`NetworkFaults.bound_changed`) and again when it expires.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from twinrpc._departure import Departure
 from twinrpc._message import RREF_CONTROL_KINDS, Kind, Message
 from twinrpc._serialize import copy_storages
+from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
 from ._errors import FaultPlanError
 from ._faults import (
@@ -137,6 +142,29 @@ class _Queued:
 class _Silence:
     since: float
     cause: str = field(default="")
+    #: the listener's bound its pending check was scheduled with (None: none scheduled)
+    bound: float | None = None
+
+
+def silence_bound(sim: Simulation, rank: int) -> tuple[float, str]:
+    """How many seconds worker ``rank`` lets a peer be silent before declaring it dead (0 = never),
+    and where that bound comes from, in the words of the error it raises.
+
+    ``NetworkModel.heartbeat_timeout`` when set (for every worker); otherwise the
+    ``heartbeat_interval * heartbeat_misses`` of the options ``rank`` passed to ``init_rpc`` while its
+    agent runs, and of the default options before that and after its shutdown, as in the gloo world.
+    """
+    override = sim.network.heartbeat_timeout
+    if override is not None:
+        return override, "NetworkModel.heartbeat_timeout"
+    world = sim.workers[rank].world
+    options = sim.heartbeat_options.get(rank) if world is not None and not world.stopped else None
+    interval, misses = options or (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES)
+    default = "" if options else ", the default options"
+    return (
+        interval * misses if interval > 0 else 0.0,
+        f"heartbeat_interval x heartbeat_misses = {interval:g} s x {misses}{default}",
+    )
 
 
 class NetworkFaults:
@@ -468,7 +496,6 @@ class NetworkFaults:
         return src in self.paused_until or bool(self._blocks.get((src, dst)))
 
     def _silence_changed(self, pairs: list[tuple[int, int]], cause: str) -> None:
-        timeout = self.sim.network.heartbeat_timeout
         now = self.sim.sched.now
         for pair in pairs:
             src, dst = pair
@@ -477,10 +504,27 @@ class NetworkFaults:
             silent = self._is_silent(src, dst)
             if silent and pair not in self._silent:
                 entry = self._silent[pair] = _Silence(now, cause)
-                if timeout > 0:
-                    self.sim.sched.call_later(timeout, functools.partial(self._silence_check, pair, entry))
+                self._watch(pair, entry)
             elif not silent:
                 self._silent.pop(pair, None)
+
+    def _watch(self, pair: tuple[int, int], entry: _Silence) -> None:
+        """Check the silence ``entry`` of ``pair`` once it lasts the listener's current bound (no
+        check with a bound of 0; nothing new when a check with this bound is already pending)."""
+        bound, _ = silence_bound(self.sim, pair[1])
+        if bound == entry.bound:
+            return
+        entry.bound = bound
+        if bound > 0:
+            now = self.sim.sched.now
+            delay = bound if entry.since == now else max(0.0, entry.since + bound - now)
+            self.sim.sched.call_later(delay, functools.partial(self._silence_check, pair, entry, bound))
+
+    def bound_changed(self, rank: int) -> None:
+        """Worker ``rank`` called ``init_rpc``: the silences it listens to are judged by its options."""
+        for pair, entry in list(self._silent.items()):
+            if pair[1] == rank:
+                self._watch(pair, entry)
 
     def _ends_now(self, src: int, dst: int) -> bool:
         """The silence of src -> dst ends at this very instant (a pause or window that ends now)."""
@@ -490,44 +534,52 @@ class NetworkFaults:
         blocks = self._blocks.get((src, dst), [])
         return all(b.end is not None and b.end <= now for b in blocks)
 
-    def _silence_check(self, pair: tuple[int, int], entry: _Silence) -> None:
-        if self._silent.get(pair) is not entry or self._ends_now(*pair):
+    def _silence_check(self, pair: tuple[int, int], entry: _Silence, bound: float) -> None:
+        if self._silent.get(pair) is not entry or entry.bound != bound or self._ends_now(*pair):
             return
         src, dst = pair
-        timeout = self.sim.network.heartbeat_timeout
-        self.declare_dead(
-            dst, src, f"nothing from it for {timeout:g} s ({entry.cause} at t={entry.since:g}s)"
-        )
+        if silence_bound(self.sim, dst)[0] != bound:  # the listener shut down since: default options
+            self._watch(pair, entry)
+            return
+        self.declare_dead(dst, src, f"{entry.cause} at t={entry.since:g}s")
 
     def declare_dead(self, observer: int, dead: int, why: str) -> None:
-        """``observer`` declares ``dead`` dead, as the gloo world does after heartbeat silence."""
+        """``observer`` declares ``dead`` dead, as the gloo world does after heartbeat silence (of
+        ``observer``'s :func:`silence_bound`)."""
         sim = self.sim
         if observer in sim.crashed or dead in sim.crashed or (dead, observer) in self.distrusted:
             return
         self.distrusted.add((dead, observer))
-        self._record(observer, f"worker {observer} declares worker {dead} dead: {why}")
-        sim._stop_monitors(f"worker {observer} declared worker {dead} dead ({why})")
+        bound, limit = silence_bound(sim, observer)
+        self._record(
+            observer,
+            f"worker {observer} declares worker {dead} dead: nothing from it for {bound:g} s ({why})",
+        )
+        sim._stop_monitors(
+            f"worker {observer} declared worker {dead} dead (nothing from it for {bound:g} s; {why})"
+        )
         world = sim.workers[observer].world
         if world is not None and not world.stopped:
-            timeout = sim.network.heartbeat_timeout
             sim._peer_unavailable(
                 world,
                 observer,
                 dead,
                 Departure.SILENT,
-                f"no frame or heartbeat from it for more than {timeout:g} s (simulated heartbeat_timeout; "
+                f"no frame or heartbeat from it for more than {bound:g} s of simulated time (limit: {limit}; "
                 f"{why}); its process is stopped, hung or cut off from this one",
             )
         # The observer stops talking to the dead one (a failed gloo link sends no more heartbeats), so
-        # that one declares the observer dead a threshold after it can next listen.
+        # that one declares the observer dead its own threshold after it can next listen (never when
+        # its heartbeats are off).
         listens_from = max(sim.sched.now, self.paused_until.get(dead, sim.sched.now))
-        timeout = sim.network.heartbeat_timeout
-        sim.sched.call_later(
-            listens_from - sim.sched.now + timeout,
-            lambda: self.declare_dead(
-                dead, observer, f"worker {observer} declared it dead and stopped talking to it"
-            ),
-        )
+        timeout, _ = silence_bound(sim, dead)
+        if timeout > 0:
+            sim.sched.call_later(
+                listens_from - sim.sched.now + timeout,
+                lambda: self.declare_dead(
+                    dead, observer, f"worker {observer} declared it dead and stopped talking to it"
+                ),
+            )
 
 
 def _copy(msg: Message) -> Message:

@@ -29,8 +29,13 @@ class NetworkModel:
         failure_detection: how long after a worker crashes its peers learn of it (the real world
             sees a closed connection within milliseconds of a process dying).
         heartbeat_timeout: how long a worker may hear nothing from a peer (the peer is paused, or the
-            link is held or partitioned) before declaring it dead, as the gloo world does after
-            ``heartbeat_interval * heartbeat_misses`` seconds (default 1 s x 10); 0 = never.
+            link is held or partitioned) before declaring it dead. ``None``, the default: each worker's
+            own heartbeat options decide, in virtual time, as in the gloo world: the
+            ``heartbeat_interval * heartbeat_misses`` seconds of the options it passed to ``init_rpc``
+            (default 1 s x 10; never with ``heartbeat_interval=0``), and the default options while it
+            has no agent (before ``init_rpc``, after ``shutdown``). A number overrides the options of
+            every worker (0 = never), e.g. to explore short and long bounds without changing the
+            program.
         message_cost: virtual seconds of work each message costs its sender (pickling, framing)
             before it leaves and its receiver (unpickling, dispatch) before its handler starts. A worker
             does this work for one message at a time, in order (one Python process holds one GIL), so
@@ -39,7 +44,8 @@ class NetworkModel:
             messages. What handlers compute (the user's functions, autograd) is never charged.
 
     Raises:
-        FaultPlanError: a value is negative, not a number, or ``bandwidth`` is 0.
+        FaultPlanError: a value is negative or not a number (``heartbeat_timeout`` may also be
+            ``None``), or ``bandwidth`` is 0.
     """
 
     latency: float = 50e-6
@@ -47,7 +53,7 @@ class NetworkModel:
     bandwidth: float = 2e9
     loopback_latency: float = 5e-6
     failure_detection: float = 1e-3
-    heartbeat_timeout: float = 10.0
+    heartbeat_timeout: float | None = None
     message_cost: float = 0.0
 
     def __post_init__(self) -> None:
@@ -61,8 +67,11 @@ class NetworkModel:
             "message_cost",
         ):
             value = getattr(self, name)
+            if value is None and name == "heartbeat_timeout":
+                continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-                raise FaultPlanError(f"NetworkModel.{name} must be a number >= 0, got {value!r}")
+                also = " or None" if name == "heartbeat_timeout" else ""
+                raise FaultPlanError(f"NetworkModel.{name} must be a number >= 0{also}, got {value!r}")
         if self.bandwidth == 0:
             raise FaultPlanError("NetworkModel.bandwidth must be > 0 (bytes per second)")
 

@@ -15,6 +15,7 @@ from twinrpc._future import Future
 from twinrpc._membership import MIXED_GROUP_ERROR
 from twinrpc._message import REQUEST_KINDS, Message
 from twinrpc._worker_info import WorkerInfo
+from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
 from ._compute import ComputeMeter, ComputeModel
 from ._dynamic_group import DynamicGroup, DynamicMember
@@ -134,6 +135,9 @@ class Simulation:
         self._rendezvous_done: dict[int, Future[None]] = {}
         #: generation -> its dynamic group (init_rpc without world_size, LIFE-5)
         self._dynamic: dict[int, DynamicGroup] = {}
+        #: rank -> (heartbeat_interval, heartbeat_misses) of its latest init_rpc's options: how long it
+        #: lets a silent peer be before declaring it dead (simulator/_fault_engine.py, silence_bound)
+        self.heartbeat_options: dict[int, tuple[float, int]] = {}
         self._used = False
         if isinstance(faults, Swarm):
             faults = faults.plan(seed, world_size)
@@ -350,6 +354,7 @@ class Simulation:
         infos = [WorkerInfo(joined[r], r) for r in sorted(joined)]
         world = SimWorld(worker, options.num_worker_threads)
         worker.world = world
+        self._heartbeats_of(worker.rank, options)
         return world, infos[worker.rank], infos
 
     def _join_dynamic(
@@ -377,7 +382,19 @@ class Simulation:
         world = SimWorld(worker, options.num_worker_threads)
         world.membership = DynamicMember(group, worker.rank)
         worker.world = world
+        self._heartbeats_of(worker.rank, options)
         return world, WorkerInfo(name, worker.rank), infos
+
+    def _heartbeats_of(self, rank: int, options: Any) -> None:
+        """Worker ``rank`` is up with ``options``: from now on it declares a peer dead after
+        ``heartbeat_interval * heartbeat_misses`` seconds of virtual silence (never with an interval of
+        0), as a gloo worker judges with its own options, unless ``network.heartbeat_timeout`` is set."""
+        self.heartbeat_options[rank] = (
+            float(getattr(options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL)),
+            int(getattr(options, "heartbeat_misses", DEFAULT_HEARTBEAT_MISSES)),
+        )
+        if self.faults is not None:
+            self.faults.bound_changed(rank)
 
     # -- crashes --------------------------------------------------------------------------------------
     def crash(

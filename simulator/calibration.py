@@ -188,7 +188,9 @@ def fit_network_model(
         pipelined: calls with many in flight; they set ``message_cost`` (without them it stays 0 and
             all per-call overhead is latency: a busy worker would not slow down).
         base: the other fields (``loopback_latency``, ``failure_detection``, ``heartbeat_timeout``)
-            are taken from it (default: :class:`~twinrpc.simulator.NetworkModel`'s defaults).
+            are taken from it (default: :class:`~twinrpc.simulator.NetworkModel`'s defaults, where
+            ``heartbeat_timeout=None`` leaves silence detection to each worker's heartbeat options:
+            the measurements say nothing about it).
 
     Raises:
         CalibrationError: fewer than two distinct round-trip sizes, or a time that is not positive.

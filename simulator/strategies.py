@@ -379,7 +379,12 @@ def _names(values: Collection[Any], allowed: tuple[Any, ...], what: str) -> tupl
 
 
 def network_models() -> st.SearchStrategy[NetworkModel]:
-    """Network models from fast and even to slow and jittery; shrinks towards the default model."""
+    """Network models from fast and even to slow and jittery; shrinks towards the default model.
+
+    ``heartbeat_timeout`` is ``None`` (each worker's heartbeat options decide, the default) or a bound
+    of 10, 1 or 0.1 s for every worker, so that silent peers are declared dead sooner or later than
+    the program's options say.
+    """
     return st.builds(
         NetworkModel,
         latency=st.sampled_from((50e-6, 1e-6, 500e-6, 5e-3)),
@@ -387,7 +392,7 @@ def network_models() -> st.SearchStrategy[NetworkModel]:
         bandwidth=st.sampled_from((2e9, 1e8, 1e10)),
         loopback_latency=st.sampled_from((5e-6, 0.0, 50e-6)),
         failure_detection=st.sampled_from((1e-3, 1e-4, 0.1, 1.0)),
-        heartbeat_timeout=st.sampled_from((10.0, 1.0, 0.1)),
+        heartbeat_timeout=st.sampled_from((None, 10.0, 1.0, 0.1)),
     )
 
 
