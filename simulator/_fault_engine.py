@@ -201,6 +201,9 @@ class NetworkFaults:
         self._silent: dict[tuple[int, int], _Silence] = {}
         #: (dead rank, observer) pairs: the observer declared the first dead and trusts nothing from it
         self.distrusted: set[tuple[int, int]] = set()
+        #: (observer, dead rank) -> when the observer declared it dead and closed their connection, for
+        #: closures the dead one cannot notice yet (it is paused, or the link to it is held or cut)
+        self._closures: dict[tuple[int, int], float] = {}
         plan = self.plan
         plan.check_world(sim.world_size)
         for f in plan.faults:
@@ -445,6 +448,8 @@ class NetworkFaults:
                 released += 1
         self._record(-1, f"{block.fault}: {how}; {released} held message(s) released")
         self._silence_changed(changed, "")
+        for src, dst in changed:
+            self._notice_closure(src, dst)
         return released
 
     def blocks_of(self, kind: type) -> list[_Block]:
@@ -490,6 +495,8 @@ class NetworkFaults:
         for msg, classes in self._paused_inbox.pop(rank, []):
             self._send(msg, classes, 0.0)
         self._silence_changed([(rank, r) for r in range(self.sim.world_size) if r != rank], "")
+        for observer in range(self.sim.world_size):
+            self._notice_closure(observer, rank)
 
     # -- silence: heartbeat-style failure detection --------------------------------------------------
     def _is_silent(self, src: int, dst: int) -> bool:
@@ -568,17 +575,40 @@ class NetworkFaults:
                 f"no frame or heartbeat from it for more than {bound:g} s of simulated time (limit: {limit}; "
                 f"{why}); its process is stopped, hung or cut off from this one",
             )
-        # The observer stops talking to the dead one (a failed gloo link sends no more heartbeats), so
-        # that one declares the observer dead its own threshold after it can next listen (never when
-        # its heartbeats are off).
-        listens_from = max(sim.sched.now, self.paused_until.get(dead, sim.sched.now))
-        timeout, _ = silence_bound(sim, dead)
-        if timeout > 0:
-            sim.sched.call_later(
-                listens_from - sim.sched.now + timeout,
-                lambda: self.declare_dead(
-                    dead, observer, f"worker {observer} declared it dead and stopped talking to it"
-                ),
+        # The observer fails its link, which closes the pair's connection (gloo's PeerLink.abandon):
+        # the dead one finds the connection lost as soon as the closure can reach it, heartbeats or not.
+        self._closures[(observer, dead)] = sim.sched.now
+        self._notice_closure(observer, dead)
+
+    def _notice_closure(self, observer: int, dead: int) -> None:
+        """Let ``dead`` notice that ``observer`` closed their connection, unless it cannot yet: it is
+        paused, or the link from ``observer`` is held or cut (then its resume, or the link's healing,
+        calls this again)."""
+        declared_at = self._closures.get((observer, dead))
+        if declared_at is None or self._is_silent(observer, dead) or dead in self.paused_until:
+            return
+        del self._closures[(observer, dead)]
+        self.sim.sched.call_later(
+            self.sim.network.failure_detection,
+            lambda: self._connection_closed_by(observer, dead, declared_at),
+        )
+
+    def _connection_closed_by(self, observer: int, dead: int, declared_at: float) -> None:
+        """``dead`` (alive after all) finds its connection to ``observer`` closed: to it, ``observer``
+        is gone as a crashed worker is."""
+        sim = self.sim
+        if observer in sim.crashed or dead in sim.crashed or (observer, dead) in self.distrusted:
+            return
+        self.distrusted.add((observer, dead))
+        self._record(dead, f"worker {dead} finds its connection to worker {observer} closed")
+        world = sim.workers[dead].world
+        if world is not None and not world.stopped:
+            sim._peer_unavailable(
+                world,
+                dead,
+                observer,
+                Departure.CRASHED,
+                f"connection lost (closed by the peer, which declared this worker dead at t={declared_at:g} s)",
             )
 
 

@@ -302,8 +302,9 @@ class Hold:
     """Hold every message ``src`` sends to ``dst`` from ``start`` on, and release them all at ``end``
     (``None``: until ``Simulation.release``): a one-way partition that heals, delivering late.
 
-    While held, ``dst`` hears nothing from ``src``: held longer than the network model's
-    ``heartbeat_timeout``, ``dst`` declares ``src`` dead, as the gloo world's heartbeats do.
+    While held, ``dst`` hears nothing from ``src``: held longer than ``dst``'s heartbeat bound (its
+    ``heartbeat_interval * heartbeat_misses``, or the network model's ``heartbeat_timeout`` when
+    set), ``dst`` declares ``src`` dead, as the gloo world's heartbeats do.
     """
 
     src: int
@@ -348,7 +349,7 @@ class Partition:
         mode: ``"hold"`` (default) queues the messages and delivers them when the partition heals,
             as TCP does when a partition heals before the connection times out; ``"drop"`` loses
             them (see :class:`Drop` for what a loss means). Either way a side that hears nothing
-            for longer than ``heartbeat_timeout`` declares the other dead.
+            for longer than its heartbeat bound declares the other dead.
     """
 
     a: tuple[int, ...]
@@ -433,8 +434,10 @@ class Crash:
 class Pause:
     """Stop ``worker`` for ``duration`` seconds from ``at`` (like SIGSTOP then SIGCONT: a stalled or
     very slow process). None of its tasks runs, its timers fire late, messages to it queue and are
-    received when it resumes. Paused longer than the network model's ``heartbeat_timeout``, its peers
-    declare it dead (as the gloo world's heartbeats do) and it later declares them dead too."""
+    received when it resumes. Paused longer than a peer's heartbeat bound (the peer's
+    ``heartbeat_interval * heartbeat_misses``, or the network model's ``heartbeat_timeout`` when
+    set), that peer declares it dead (as the gloo world's heartbeats do) and closes their
+    connection, which the paused worker finds lost as soon as it resumes."""
 
     worker: int
     duration: float

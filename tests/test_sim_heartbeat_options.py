@@ -149,3 +149,40 @@ def test_a_network_model_without_an_override_round_trips_through_its_files(tmp_p
         assert NetworkModel.load(path) == NetworkModel(latency=1e-3)
     assert NetworkModel.from_dict({"heartbeat_timeout": None}).heartbeat_timeout is None
     assert NetworkModel.from_dict({"heartbeat_timeout": 2}).heartbeat_timeout == 2.0
+
+
+def _declared_dead_then_resumes(rank: int, heartbeats: dict[int, tuple[float, int]]) -> Any:
+    """Worker 0 waits on worker 1, which is paused long enough for worker 0 to declare it dead; once
+    resumed, worker 1 calls worker 0. Returns (outcome, virtual time it ended, text)."""
+    _init(rank, 2, heartbeats)
+    out: Any = None
+    if rank == 0:
+        sleep(2 * START - now())
+        try:
+            rpc.rpc_sync("worker1", operator.add, args=(1, 2), timeout=0)
+        except rpc.WorkerUnavailableError:
+            pass
+        sleep(10.0)  # up while worker 1 tries to reach it
+    else:
+        sleep(3 * START - now())  # the pause (from START for 2 s) stops it here
+        try:
+            rpc.rpc_sync("worker0", operator.add, args=(1, 2), timeout=0)
+            out = ("returned", now(), "")
+        except rpc.WorkerUnavailableError as exc:
+            out = ("unavailable", now(), str(exc))
+    rpc.shutdown(graceful=False)
+    return out
+
+
+def test_a_resumed_worker_finds_its_connection_closed_by_the_peer_that_declared_it_dead() -> None:
+    # gloo: a worker that declares a peer dead closes their connection (PeerLink.abandon), and the
+    # peer, once it runs again, sees the connection lost at once, with heartbeats off too (before:
+    # the simulator only let it declare the other dead after its own bound, and never with
+    # heartbeats off, so its call waited forever).
+    plan = FaultPlan([Pause(1, 2.0, at=START)])
+    result = Simulation(2, seed=1, faults=plan).run(_declared_dead_then_resumes, {0: (0.1, 3), 1: (0.0, 3)})
+    outcome, when, message = result.values()[1]
+    assert outcome == "unavailable", message
+    assert when == pytest.approx(START + 2.0, abs=0.01)
+    assert "'worker0' (rank 0) is unavailable" in message
+    assert "connection lost" in message and "Its process has probably died" in message

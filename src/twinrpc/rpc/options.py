@@ -44,12 +44,13 @@ class RpcBackendOptions:
         init_method: rendezvous URL (``env://``, ``tcp://host:port``, ``file://path``).
         num_worker_threads: size of the pool that serves incoming requests (keyword-only; twinrpc
             accepts it here as well as on ``TensorPipeRpcBackendOptions``).
-        heartbeat_interval: twinrpc only, gloo world: seconds between the small liveness frames each
+        heartbeat_interval: twinrpc only: seconds between the small liveness frames each
             worker sends on every link (0 turns heartbeats off). A peer whose process is stopped or
             cut off without its connection closing (SIGSTOP, a partition) is declared dead (ERR-7)
             after ``heartbeat_interval * heartbeat_misses`` seconds without any frame from it while
             this worker waits for one. Heartbeats come from a thread of their own, so a peer busy
-            in a long user function stays alive. The simulator ignores these options.
+            in a long user function stays alive. The simulator applies the same bound in virtual
+            time (unless its ``NetworkModel.heartbeat_timeout`` overrides it).
         heartbeat_misses: twinrpc only: see ``heartbeat_interval``.
     """
 
