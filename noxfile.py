@@ -222,6 +222,14 @@ def twin(session: nox.Session) -> None:
             env[options[name]] = value or args.pop(0)
         else:
             rest.append(arg)
+    # One test runs every program: the per-test faulthandler dump (pyproject) would fire mid-run.
     session.run(
-        "pytest", "tests/test_twin_differential.py", "-q", "--hypothesis-show-statistics", *rest, env=env
+        "pytest",
+        "tests/test_twin_differential.py",
+        "-q",
+        "--hypothesis-show-statistics",
+        "-o",
+        "faulthandler_timeout=0",
+        *rest,
+        env=env,
     )
