@@ -565,16 +565,13 @@ class NetworkFaults:
         sim._stop_monitors(
             f"worker {observer} declared worker {dead} dead (nothing from it for {bound:g} s; {why})"
         )
-        world = sim.workers[observer].world
-        if world is not None and not world.stopped:
-            sim._peer_unavailable(
-                world,
-                observer,
-                dead,
-                Departure.SILENT,
-                f"no frame or heartbeat from it for more than {bound:g} s of simulated time (limit: {limit}; "
-                f"{why}); its process is stopped, hung or cut off from this one",
-            )
+        self._tell(
+            observer,
+            dead,
+            Departure.SILENT,
+            f"no frame or heartbeat from it for more than {bound:g} s of simulated time (limit: {limit}; "
+            f"{why}); its process is stopped, hung or cut off from this one",
+        )
         # The observer fails its link, which closes the pair's connection (gloo's PeerLink.abandon):
         # the dead one finds the connection lost as soon as the closure can reach it, heartbeats or not.
         self._closures[(observer, dead)] = sim.sched.now
@@ -601,15 +598,18 @@ class NetworkFaults:
             return
         self.distrusted.add((observer, dead))
         self._record(dead, f"worker {dead} finds its connection to worker {observer} closed")
-        world = sim.workers[dead].world
+        self._tell(
+            dead,
+            observer,
+            Departure.CRASHED,
+            f"connection lost (closed by the peer, which declared this worker dead at t={declared_at:g} s)",
+        )
+
+    def _tell(self, rank: int, peer: int, departure: Departure, detail: str) -> None:
+        """Worker ``rank``, if still running RPC, learns that ``peer`` departed."""
+        world = self.sim.workers[rank].world
         if world is not None and not world.stopped:
-            sim._peer_unavailable(
-                world,
-                dead,
-                observer,
-                Departure.CRASHED,
-                f"connection lost (closed by the peer, which declared this worker dead at t={declared_at:g} s)",
-            )
+            self.sim._peer_unavailable(world, rank, peer, departure, detail)
 
 
 def _copy(msg: Message) -> Message:
