@@ -11,7 +11,9 @@ draws the faults too). A run fails when any of its processes, children included,
 uncaught exception, when a worker exits non-zero, or when the simulation hangs; the first exception
 to happen is the failure, and hypothesis shrinks the run to the smallest one that fails the same way.
 The minimal plan is written to ``DIR/faults.json``, a regression test to ``DIR/test_<program>_regression.py``,
-and the ``run`` command that replays the minimal run is printed. Exit status 0 when every run passed,
+and the ``run`` command that replays the minimal run is printed. Both carry the environment variables
+the program read (:func:`~twinrpc.simulator._launch.replay_environment`, over all the runs: each run
+starts from the same environment), set or unset as they were. Exit status 0 when every run passed,
 1 when one failed, 2 on bad input.
 """
 
@@ -25,12 +27,13 @@ import os
 import shlex
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ._errors import SimulationDeadlock
 from ._explore import Case, Failure, _Outcome, _Search, cases, regression_header
-from ._launch import LaunchError, LaunchOptions, launch, load_network
+from ._launch import LaunchError, LaunchOptions, environment_prefix, launch, load_network
 
 
 class ProgramError(Exception):
@@ -61,7 +64,10 @@ def parse_traceback(text: str) -> tuple[str, str]:
     return name, message.strip()
 
 
-def _outcome(options: LaunchOptions, case: Case, workdir: Path) -> _Outcome:
+def _outcome(
+    options: LaunchOptions, case: Case, workdir: Path, environment: dict[str, str | None]
+) -> _Outcome:
+    """Run ``case``; what it read of the environment is added to ``environment``."""
     plan_file = workdir / "faults.json"
     plan_file.write_text(case.faults.to_json(), encoding="utf-8")
     opts = dataclasses.replace(options, seed=case.seed, faults=str(plan_file))
@@ -71,6 +77,7 @@ def _outcome(options: LaunchOptions, case: Case, workdir: Path) -> _Outcome:
         opts = dataclasses.replace(opts, network=str(net_file))
     sink = io.StringIO()
     result = launch(opts, stdout=sink, stderr=sink)
+    environment.update(result.environment)
     if result.tracebacks:
         when, rank, _pid, text = result.tracebacks[0]
         name, message = parse_traceback(text)
@@ -91,22 +98,39 @@ def _outcome(options: LaunchOptions, case: Case, workdir: Path) -> _Outcome:
     return _Outcome(None, duration=result.virtual_time)
 
 
-def run_command_line(options: LaunchOptions, case: Case, plan_path: str, network_path: str | None) -> str:
-    """The ``run`` command that replays ``case`` (its plan written to ``plan_path``)."""
+def run_command_line(
+    options: LaunchOptions,
+    case: Case,
+    plan_path: str,
+    network_path: str | None,
+    environment: Mapping[str, str | None] | None = None,
+) -> str:
+    """The ``run`` command that replays ``case`` (its plan written to ``plan_path``), after the
+    environment the program read (:func:`~twinrpc.simulator._launch.environment_prefix`)."""
     cmd = ["python", "-m", "twinrpc.simulator", "run", "--nproc-per-node", str(options.nproc_per_node)]
     cmd += ["--seed", str(case.seed), "--faults", plan_path]
     if network_path is not None:
         cmd += ["--network", network_path]
     if options.max_time is not None:
         cmd += ["--max-time", repr(options.max_time)]
-    return shlex.join([*cmd, options.program, *options.args])
+    return environment_prefix(environment or {}) + shlex.join([*cmd, options.program, *options.args])
 
 
 def export_program_test(
-    failure: Failure, options: LaunchOptions, out_dir: Path, name: str, expect: str
+    failure: Failure,
+    options: LaunchOptions,
+    out_dir: Path,
+    name: str,
+    expect: str,
+    environment: Mapping[str, str | None] | None = None,
 ) -> str:
     """A pytest file that runs the program under the minimal case with ``run`` in a fresh interpreter,
-    and asserts it passes (or, ``expect="fail"``, that it fails the known way)."""
+    and asserts it passes (or, ``expect="fail"``, that it fails the known way). The interpreter gets
+    the test's own environment with ``environment`` applied: the variables the program read, set
+    (``ENVIRONMENT``) or unset (``UNSET``) as they were in the failing run."""
+    environment = environment or {}
+    setenv = {k: v for k, v in environment.items() if v is not None}
+    unset = [k for k, v in environment.items() if v is None]
     program = os.path.relpath(os.path.abspath(options.program), os.path.abspath(out_dir))
     network = None if failure.network is None else dataclasses.asdict(failure.network)
     args = [
@@ -124,10 +148,12 @@ def export_program_test(
         "if NETWORK is not None:",
         "    (tmp_path / 'network.json').write_text(json.dumps(NETWORK), encoding='utf-8')",
         "    extra = ['--network', str(tmp_path / 'network.json')]",
+        "env = {k: v for k, v in os.environ.items() if k not in UNSET}",
+        "env.update(ENVIRONMENT)",
         "run = subprocess.run(",
         "    [sys.executable, '-m', 'twinrpc.simulator', 'run', *RUN_ARGS, '--faults', str(plan), *extra,",
         "     str(PROGRAM), *PROGRAM_ARGS],",
-        "    cwd=PROGRAM.parent, capture_output=True, text=True, timeout=600,",
+        "    cwd=PROGRAM.parent, env=env, capture_output=True, text=True, timeout=600,",
         ")",
     ]
     if expect == "pass":
@@ -151,6 +177,7 @@ def export_program_test(
             "from __future__ import annotations",
             "",
             "import json",
+            "import os",
             *(["import re"] if expect == "fail" else []),
             "import subprocess",
             "import sys",
@@ -162,6 +189,9 @@ def export_program_test(
             f"FAULTS = {failure.faults_data!r}",
             f"NETWORK = {network!r}",
             f"PATTERN = {failure.pattern!r}",
+            "#: the environment variables the program read, as the failing run had them (set, or unset)",
+            f"ENVIRONMENT = {setenv!r}",
+            f"UNSET = {unset!r}",
             "",
             "",
             f"def {name}(tmp_path: Path) -> None:",
@@ -233,6 +263,7 @@ def explore_command(args: argparse.Namespace) -> int:
         print(f"python -m twinrpc.simulator explore: {exc}", file=err)
         return 2
     n = args.nproc_per_node
+    environment: dict[str, str | None] = {}  # what the runs read of the environment
     with tempfile.TemporaryDirectory(prefix="twinrpc-explore-") as tmp:
         workdir = Path(tmp)
 
@@ -240,7 +271,7 @@ def explore_command(args: argparse.Namespace) -> int:
             case = draw(n)
             if network is not None and case.network is None:
                 case = Case(case.seed, case.faults, network)
-            return _outcome(options, case, workdir)
+            return _outcome(options, case, workdir, environment)
 
         search = _Search(
             body,
@@ -268,14 +299,15 @@ def explore_command(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     plan_path = out_dir / "faults.json"
     plan_path.write_text(case.faults.to_json() + "\n", encoding="utf-8")
-    command = run_command_line(options, case, str(plan_path), args.network)
+    environment = dict(sorted(environment.items()))
+    command = run_command_line(options, case, str(plan_path), args.network, environment)
     failure = search.failure(
         world_size=n,
         program=None,
         args=(),
         check=None,
         command=lambda c: command,
-        exporter=lambda f, name, expect: export_program_test(f, options, out_dir, name, expect),
+        exporter=lambda f, name, expect: export_program_test(f, options, out_dir, name, expect, environment),
         case=case,
     )
     stem = "".join(ch if ch.isalnum() else "_" for ch in Path(args.program).stem)

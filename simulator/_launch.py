@@ -13,6 +13,12 @@ virtual clock (:mod:`twinrpc.simulator._virtual_time`). Output lines carry torch
 exit status is 0 iff every worker exits 0, and a failure prints torchrun's ``ChildFailedError``
 summary plus the command that replays the run.
 
+That command carries the environment the program read (:func:`replay_environment`): each worker's
+``os.environ`` records the variables the program's own code reads (:class:`~._program.EnvironmentReads`),
+and those whose value is not what the command's own flags give them are written before it as
+``VAR=value`` (or, for a variable that was unset, ``env -u VAR``, so that a replay does not see one the
+replaying shell happens to export).
+
 twinrpc's extension to torchrun's arguments: ``{rank}``, ``{local_rank}`` and ``{world_size}`` in the
 program's arguments are replaced per worker (torchrun itself only knows ``${local_rank}``, also
 replaced), so a program that takes its rank as an argument runs unchanged.
@@ -21,12 +27,13 @@ replaced), so a program that takes its rank as an argument runs unchanged.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shlex
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +52,8 @@ from ._trace import Trace
 from ._virtual_time import VIRTUAL_EPOCH, simulated_time
 
 DEFAULT_PREFIX_TEMPLATE = "[rank${rank}]:"
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
 _PLACEHOLDER = re.compile(r"\{(rank|local_rank|world_size)\}|\$\{local_rank\}")
 
 
@@ -65,13 +74,14 @@ class LaunchOptions:
     faults: str | None = None
     trace: str | None = None
     max_time: float | None = None
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
     log_line_prefix_template: str = DEFAULT_PREFIX_TEMPLATE
     local_ranks_filter: frozenset[int] | None = None
 
-    def replay_command(self) -> str:
-        """The command line that runs exactly this run again."""
+    def replay_command(self, environment: Mapping[str, str | None] | None = None) -> str:
+        """The command line that runs exactly this run again: ``environment`` (the variables the
+        program read, :attr:`LaunchResult.environment`) goes before it (:func:`environment_prefix`)."""
         cmd = ["python", "-m", "twinrpc.simulator", "run", "--nproc-per-node", str(self.nproc_per_node)]
         cmd += ["--seed", str(self.seed)]
         for flag, value in (
@@ -83,7 +93,11 @@ class LaunchOptions:
                 cmd += [flag, value]
         if self.max_time is not None:
             cmd += ["--max-time", repr(self.max_time)]
-        return shlex.join([*cmd, self.program, *self.args])
+        if self.master_addr != DEFAULT_MASTER_ADDR:
+            cmd += ["--master-addr", self.master_addr]
+        if self.master_port != DEFAULT_MASTER_PORT:
+            cmd += ["--master-port", str(self.master_port)]
+        return environment_prefix(environment or {}) + shlex.join([*cmd, self.program, *self.args])
 
 
 @dataclass(frozen=True)
@@ -101,6 +115,8 @@ class LaunchResult:
     #: the uncaught exceptions of the run's processes (children included) in the order they exited:
     #: (virtual time, rank, pid, the traceback as Python prints it); what ``explore`` judges runs by
     tracebacks: tuple[tuple[float, int, int, str], ...] = ()
+    #: the environment a replay needs (:func:`replay_environment`): variable -> value, None for unset
+    environment: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
 
 
 def substitute(args: Sequence[str], rank: int, local_rank: int, world_size: int) -> list[str]:
@@ -140,6 +156,65 @@ def torchrun_environment(options: LaunchOptions, rank: int, error_file: str) -> 
     elif n > 1:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default for more than one process per node
     return env
+
+
+#: the launcher's variables a user's environment overrides: name -> the launcher's default (None: unset)
+_OVERRIDABLE: dict[str, Callable[[LaunchOptions], str | None]] = {
+    "OMP_NUM_THREADS": lambda options: "1" if options.nproc_per_node > 1 else None,
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": lambda options: "1",
+}
+
+#: variables the launcher reads on every worker's behalf, whether the program does or not (torch reads
+#: OMP_NUM_THREADS at startup; here the launcher sets torch's threads from it)
+READ_BY_THE_LAUNCHER = ("OMP_NUM_THREADS",)
+
+
+def replay_environment(
+    options: LaunchOptions, read: Sequence[str], environ: Mapping[str, str]
+) -> dict[str, str | None]:
+    """The variables a replay of the run must set (name -> value) or unset (name -> None).
+
+    ``read``: the variables the program read (:class:`~._program.EnvironmentReads`);
+    ``environ``: the launcher's environment the run started from. The *default* environment is what a
+    fresh ``run`` gives a worker from an empty one: the torchrun variables of
+    :func:`torchrun_environment`, and nothing else. So
+
+    - a variable the launcher sets from its flags (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+      ``TORCHELASTIC_*``...) is left out: the command's flags (``--nproc-per-node``,
+      ``--master-addr``, ``--master-port``) give it again;
+    - ``OMP_NUM_THREADS`` (read by the launcher itself, whether the program reads it or not) and
+      ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` are in when ``environ`` set them to something other than the
+      launcher's default;
+    - any other variable read is in: with its value when it was set, as None (unset it) when not.
+    """
+    launcher = torchrun_environment(options, 0, "")
+    replay: dict[str, str | None] = {}
+    for name in dict.fromkeys([*READ_BY_THE_LAUNCHER, *read]):
+        value = environ.get(name)
+        if name in _OVERRIDABLE:
+            default = _OVERRIDABLE[name](options)
+            if value is None or value == default:
+                continue  # the launcher's default, which a replay gets again
+        elif name in launcher:
+            continue  # from the command's flags (or a temporary file: TORCHELASTIC_ERROR_FILE)
+        replay[name] = value
+    return dict(sorted(replay.items()))
+
+
+def environment_prefix(environment: Mapping[str, str | None]) -> str:
+    """What goes before a command to give it ``environment``: ``VAR=value `` assignments, or
+    ``env -u VAR VAR=value `` when a variable must be unset or a name is not a shell identifier."""
+    if not environment:
+        return ""
+    plain = all(v is not None and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) for k, v in environment.items())
+    if plain:
+        return "".join(f"{k}={shlex.quote(v or '')} " for k, v in environment.items())
+    words = ["env"]
+    for name, value in environment.items():
+        if value is None:
+            words += ["-u", name]
+    words += [f"{k}={v}" for k, v in environment.items() if v is not None]
+    return shlex.join(words) + " "
 
 
 # -- --network / --faults files ----------------------------------------------------------------------
@@ -198,6 +273,7 @@ def launch(
     except ValueError as exc:  # a plan naming a worker the run does not have, a bad max_time
         raise LaunchError(str(exc)) from exc
     images = ProcessImages(os.path.dirname(path))
+    environ = dict(os.environ)  # what the run starts from, before the program changes anything
     launcher = ProcessLauncher(sim, images, path, code)
     shown = options.local_ranks_filter
     error: SimulationError | None = None
@@ -215,7 +291,9 @@ def launch(
                     pid=images.new_pid(),
                     rank=rank,
                     local_rank=rank,
-                    environ=encode_environ(os.environ._data, env),  # type: ignore[attr-defined]
+                    environ=images.environment.environ(
+                        encode_environ(os.environ._data, env)  # type: ignore[attr-defined]
+                    ),
                     argv=[options.program, *substitute(options.args, rank, rank, n)],
                     stdout=cast(TextIO, RankStream(out, prefix, show=show)),
                     stderr=cast(TextIO, RankStream(err, prefix, show=show)),
@@ -235,14 +313,15 @@ def launch(
                 error = exc
         exitcodes = tuple(launcher.main_image(r).exitcode for r in range(n))
         failed = error is not None or any(c != 0 for c in exitcodes)
+        replay = replay_environment(options, images.environment.names(), environ)
         if failed:
-            _report_failure(options, launcher, exitcodes, error_files, error, err)
+            _report_failure(options, launcher, exitcodes, error_files, error, err, replay)
     if options.trace is not None:
         sim.trace.save(options.trace)
     tracebacks = tuple(
         sorted((p.exit_time or 0.0, p.rank, p.pid, p.error) for p in launcher.processes if p.error)
     )
-    return LaunchResult(exitcodes, 1 if failed else 0, sim.now, sim.trace, error, tracebacks)
+    return LaunchResult(exitcodes, 1 if failed else 0, sim.now, sim.trace, error, tracebacks, replay)
 
 
 @contextmanager
@@ -278,6 +357,7 @@ def _report_failure(
     error_files: list[str],
     error: SimulationError | None,
     err: TextIO,
+    environment: Mapping[str, str | None],
 ) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
@@ -299,7 +379,7 @@ def _report_failure(
     hung = [r for r, c in enumerate(exitcodes) if c is None]
     if hung:
         print(f"twinrpc.simulator: rank(s) {hung} did not exit", file=err)
-    print(f"twinrpc.simulator: replay this run with: {options.replay_command()}", file=err)
+    print(f"twinrpc.simulator: replay this run with: {options.replay_command(environment)}", file=err)
     err.flush()
 
 

@@ -34,7 +34,7 @@ import os
 import sys
 import traceback
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from string import Template
 from typing import Any, TextIO
 
@@ -186,6 +186,8 @@ class ProcessImages:
             if name in sys.modules:
                 self.outside.modules[name] = sys.modules[name]
         self._libraries = _library_dirs()
+        #: the environment variables the program reads (each process's ``os.environ`` records them)
+        self.environment = EnvironmentReads(self._libraries)
         self._finder = _ProgramFinder(self)
         self._previous_tracer: Any = None
         self._next_pid = 1000
@@ -274,6 +276,103 @@ def encode_environ(base: dict[Any, Any], updates: dict[str, str]) -> dict[Any, A
     for key, value in updates.items():
         env[os.environ.encodekey(key)] = os.environ.encodevalue(value)
     return env
+
+
+#: modules whose frames are ``os.environ``'s own machinery (``os.getenv``, ``Mapping.get``,
+#: ``in``, ``setdefault``, ``copy``...), skipped to find the code that asked for a variable
+_ENVIRON_MACHINERY = frozenset({"os", "_collections_abc", "collections.abc", __name__})
+
+
+class EnvironmentReads:
+    """Which environment variables a run's program read: the launcher's record, for the replay command.
+
+    Every simulated process's ``os.environ`` storage is a :class:`RecordingEnviron` tied to this record.
+    A variable counts when the *program's own code* (a program module, as :class:`ProcessImages` tells
+    them apart: not the standard library, an installed package or twinrpc) reads it, through
+    ``os.environ[...]``, ``os.environ.get``, ``os.getenv``, ``in os.environ`` or ``setdefault``, before
+    that process wrote it; a read of an unset variable counts too (a replay must not set it). What does
+    not count: reads by libraries (torch's, the standard library's: their settings describe the
+    installation, and torch reads most of them at import, before any worker runs), a variable the
+    process set or deleted before reading it (it reads its own value), and reading the whole
+    environment at once (``dict(os.environ)``, ``os.environ.copy()``, iterating over it), which is
+    not a read of each variable.
+    """
+
+    def __init__(self, libraries: tuple[str, ...]) -> None:
+        self._libraries = libraries
+        #: the names read, in the order first read (os.environ's encoded keys)
+        self.keys: dict[Any, None] = {}
+        #: where the environment was last enumerated: (frame, instruction); reads from there are bulk
+        self._bulk: tuple[types.FrameType, int] | None = None
+
+    def names(self) -> list[str]:
+        """The variables the program read, in the order it first read them."""
+        return [os.environ.decodekey(k) for k in self.keys]
+
+    def environ(self, data: dict[Any, Any]) -> RecordingEnviron:
+        """A process environment (``os.environ``'s storage) holding ``data``, recorded here."""
+        return RecordingEnviron(data, self)
+
+    def _caller(self) -> tuple[types.FrameType, int] | None:
+        """The frame (and its instruction) outside os.environ's machinery that is reading, if it is
+        the program's own code."""
+        frame: types.FrameType | None = sys._getframe(2)
+        while frame is not None and frame.f_globals.get("__name__") in _ENVIRON_MACHINERY:
+            frame = frame.f_back
+        if frame is None:
+            return None
+        filename = frame.f_code.co_filename
+        if filename.startswith("<frozen") or filename.startswith(self._libraries):
+            return None
+        return frame, frame.f_lasti
+
+    def _enumerated(self) -> None:
+        self._bulk = self._caller()
+
+    def _read(self, key: Any) -> None:
+        if key in self.keys:
+            return
+        site = self._caller()
+        if site is None:
+            return
+        bulk = self._bulk
+        if bulk is not None and bulk[0] is site[0] and bulk[1] == site[1]:
+            return  # one of the reads of dict(os.environ), os.environ.copy(), a loop over items()
+        self.keys[key] = None
+
+
+class RecordingEnviron(dict[Any, Any]):
+    """A simulated process's ``os.environ`` storage that tells :class:`EnvironmentReads` what the
+    program reads (see there). ``written``: the keys this process set or deleted."""
+
+    def __init__(
+        self, data: dict[Any, Any], reads: EnvironmentReads, written: set[Any] | None = None
+    ) -> None:
+        super().__init__(data)
+        self.reads = reads
+        self.written: set[Any] = set() if written is None else written
+
+    def __getitem__(self, key: Any) -> Any:
+        if key not in self.written:
+            self.reads._read(key)
+        return super().__getitem__(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.written.add(key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self.written.add(key)
+        super().__delitem__(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.reads._enumerated()
+        return super().__iter__()
+
+    def child(self) -> RecordingEnviron:
+        """A copy for a process this one starts (a copy of its environment, as ``fork`` and
+        ``spawn`` give), recorded in the same record; what this process wrote stays its own value."""
+        return RecordingEnviron(dict.copy(self), self.reads, set(self.written))
 
 
 def prefix_for(template: str, rank: int, local_rank: int, role: str = "default") -> str:

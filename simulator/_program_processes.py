@@ -41,7 +41,7 @@ import greenlet
 
 from twinrpc._world import TimerHandle
 
-from ._program import IMAGE, ProcessImage, ProcessImages, exec_main, run_process
+from ._program import IMAGE, ProcessImage, ProcessImages, RecordingEnviron, exec_main, run_process
 
 if TYPE_CHECKING:
     from ._scheduler import Task
@@ -220,7 +220,7 @@ class ProcessLauncher:
             pid=self.images.new_pid(),
             rank=parent.rank,
             local_rank=parent.local_rank,
-            environ=dict(os.environ._data),  # type: ignore[attr-defined]
+            environ=_environ_copy(os.environ._data),  # type: ignore[attr-defined]
             argv=list(sys.argv),
             stdout=sys.stdout,
             stderr=sys.stderr,
@@ -266,6 +266,12 @@ class ProcessLauncher:
                         task.g.throw(greenlet.GreenletExit())
 
         sim.sched.schedule(0.0, reap)
+
+
+def _environ_copy(data: dict[Any, Any]) -> dict[Any, Any]:
+    """A child's copy of its parent's environment (recording what the program reads, as the
+    parent's does: :class:`~._program.EnvironmentReads`)."""
+    return data.child() if isinstance(data, RecordingEnviron) else dict(data)
 
 
 def _default_start_method() -> str:
