@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 SPEC = "# Requirements\n### RPC-1: rpc_sync returns the result\n### RPC-7: nested RPC\n"
-CONFTEST = "from conformance._harness.plugin import *  # noqa: F403\n"
+CONFTEST = "from conformance.harness.plugin import *  # noqa: F403\n"
 
 
 @pytest.fixture
@@ -205,7 +205,7 @@ def test_deviation_naming_a_missing_test_is_an_error(suite: pytest.Pytester) -> 
 def test_a_backend_that_declares_itself_unavailable_refuses_to_start(suite: pytest.Pytester) -> None:
     suite.makepyfile(
         notyet=(
-            "from conformance._harness._backend import Backend\n\n"
+            "from conformance.harness import Backend\n\n"
             "class NotYet(Backend):\n"
             "    name = 'notyet'\n"
             "    unavailable = 'this world arrives later'\n"

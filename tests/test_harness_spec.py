@@ -1,4 +1,4 @@
-"""Unit tests of the harness's spec reading (conformance/_harness/_spec.py): no pytest plugin involved."""
+"""Unit tests of the harness's spec reading (conformance/harness/spec.py): no pytest plugin involved."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance._harness._spec import (
+from conformance.harness.spec import (
     Deviation,
     SpecError,
     find_test_definitions,

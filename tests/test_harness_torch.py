@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from conformance._harness import BackendConfig, World
-from conformance._harness._torch import TorchBackend
+from conformance.harness import BackendConfig, World
+from conformance.harness._torch import TorchBackend
 
 
 def add_on_peer(ctx: Any) -> tuple[int, list[float]]:
@@ -145,7 +145,7 @@ def test_unpicklable_worker_exception_becomes_runtime_error_with_its_text(world:
 
 
 def test_ctx_init_rpc_is_refused_inside_run(world: World) -> None:
-    from conformance._harness import HarnessUsageError
+    from conformance.harness import HarnessUsageError
 
     with pytest.raises(HarnessUsageError, match=r"world\.spawn"):
         world.run_on(0, use_init_rpc_in_run)

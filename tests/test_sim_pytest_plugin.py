@@ -233,7 +233,7 @@ def test_a_bad_fault_plan_option_is_named(pytester: pytest.Pytester) -> None:
 
 
 def test_the_conformance_suite_reads_the_shared_sim_seed(pytester: pytest.Pytester) -> None:
-    pytester.makeconftest("from conformance._harness.plugin import *  # noqa: F403\n")
+    pytester.makeconftest("from conformance.harness.plugin import *  # noqa: F403\n")
     pytester.mkdir("spec")
     (pytester.path / "spec" / "rpc.md").write_text("# Requirements\n### RPC-1: rpc_sync\n", encoding="utf-8")
     pytester.makepyfile(

@@ -52,8 +52,8 @@ AREA_ORDER = ("rpc", "errors", "lifecycle", "shutdown", "rref", "autograd", "opt
 
 # -- reading -----------------------------------------------------------------------------------------
 def _load_harness_spec(root: Path) -> ModuleType:
-    """``conformance/_harness/_spec.py`` loaded by path (it is pytest-free; its package is not)."""
-    path = root / "conformance" / "_harness" / "_spec.py"
+    """``conformance/harness/spec.py`` loaded by path (it is pytest-free; its package is not)."""
+    path = root / "conformance" / "harness" / "spec.py"
     spec = importlib.util.spec_from_file_location("_twinrpc_docs_harness_spec", path)
     if spec is None or spec.loader is None:
         raise ExtensionError(f"cannot load {path}")

@@ -2,7 +2,7 @@
 
 :func:`interpret` is a conformance-harness worker program (``fn(ctx, program, run_id)``): the
 simulator runner calls it inside a :class:`~twinrpc.simulator.Simulation`, the gloo runner sends it
-by reference to real processes (``conformance._harness``'s gloo backend). Worker 0 performs the
+by reference to real processes (``conformance.harness``'s gloo backend). Worker 0 performs the
 operations and records what each one observed; the others serve and, in a fresh world
 (``ctx.spawned``), obey the driver's orders to leave, die or finish.
 

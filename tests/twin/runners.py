@@ -3,7 +3,7 @@
 * :class:`SimRunner` runs it in :class:`~twinrpc.simulator.Simulation` under several seeds; the
   set of outcomes is everything the simulator says may happen.
 * :class:`GlooRunner` runs it in real processes through the conformance harness's gloo backend
-  (``conformance._harness``): programs without departures share a started pool world (a call costs
+  (``conformance.harness``): programs without departures share a started pool world (a call costs
   milliseconds), programs where a worker leaves or dies get a fresh world of warm spare processes.
 * :func:`check` is the differential verdict: the gloo outcome must be one the simulator produced
   for some seed. Where the simulator is deterministic that means equal; where it is not (a race
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance._harness._backend import BackendConfig
-from conformance._harness._gloo import GlooBackend
-from conformance._harness._sim import SimContext
+from conformance.harness import BackendConfig
+from conformance.harness._gloo import GlooBackend
+from conformance.harness._sim import SimContext
 
 from .interpreter import interpret
 from .outcome import Outcome, first_difference, fragment

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from ._backend import Backend, WorkerProgram, fail_world
-from ._context import WorldContext
+from .backend import Backend, WorkerProgram, fail_world
+from .context import WorldContext
 
 __all__ = ["SimBackend", "SimContext"]
 

@@ -1,13 +1,15 @@
 """The conformance pytest plugin: backend selection, spec tags, deviations, the matrix, ``world``.
 
-Loaded by re-exporting its hooks and fixtures from a conftest (``from conformance._harness.plugin
+Loaded by re-exporting its hooks and fixtures from a conftest (``from conformance.harness.plugin
 import *``); the directory of such a conftest is a *suite* and the rules below apply to the tests under
 it only, so running ``pytest`` from the repository root leaves ``tests/`` alone.
 
 Rules, in the order they act:
 
-* configure: ``--backend`` must name a usable backend (``gloo`` is refused until it exists);
-  ``spec/deviations.toml`` must parse and name existing requirements and tests (usage error otherwise).
+* configure: ``--backend`` must name a usable backend; the backend's deviations file must parse and
+  name existing requirements, tests and only the backends it belongs to (usage error otherwise). That
+  file is ``--deviations FILE`` if given, else ``spec/deviations.toml`` for the built-in backends and
+  the file a third-party backend names in ``Backend.deviations`` (twinrpc's file is not read for it).
 * collection: every test carries ``@pytest.mark.spec(...)`` with IDs that are headings in
   ``spec/*.md``; ``@pytest.mark.backends(...)`` names known backends and its test has a docstring saying
   why. Violations make the test's module a collection error that names the test.
@@ -29,8 +31,8 @@ from typing import Any
 
 import pytest
 
-from ._backend import BUILTIN_BACKENDS, Backend, BackendConfig, load_backend_class
-from ._spec import (
+from .backend import BUILTIN_BACKENDS, Backend, BackendConfig, is_builtin, load_backend_class
+from .spec import (
     Deviation,
     SpecError,
     find_test_definitions,
@@ -38,7 +40,7 @@ from ._spec import (
     parse_requirement_ids,
     validate_deviations,
 )
-from ._world import World
+from .world import World
 
 __all__ = [
     "_twinrpc_backend",
@@ -70,6 +72,7 @@ class _State:
     suite_dirs: tuple[Path, ...]
     spec_ids: dict[str, str]
     deviations: tuple[Deviation, ...]
+    deviations_file: Path | None
     backend: Backend | None = None
     records: dict[str, dict[str, Any]] = field(default_factory=dict)
     deselected: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -117,6 +120,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--matrix-json", metavar="PATH", default=None, help="write the requirement x backend results"
     )
     group.addoption("--spec-dir", metavar="DIR", default=None, help="spec folder (default: <rootdir>/spec)")
+    group.addoption(
+        "--deviations",
+        metavar="FILE",
+        default=None,
+        help="the backend's deviations file, instead of its default: spec/deviations.toml for sim, torch "
+        "and gloo, the file named by the backend class's `deviations` attribute for others",
+    )
 
 
 def _suite_dirs(config: pytest.Config) -> tuple[Path, ...]:
@@ -152,6 +162,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if unavailable:
         raise pytest.UsageError(f"--backend {name}: {unavailable}")
 
+    builtin = is_builtin(backend_cls)
+    if not builtin and backend_cls.name in BUILTIN_BACKENDS:
+        raise pytest.UsageError(
+            f"--backend {name}: its name {backend_cls.name!r} is a built-in backend's; choose another name"
+        )
+
     spec_dir = Path(config.getoption("spec_dir") or config.rootpath / "spec")
     spec_ids = parse_requirement_ids(spec_dir)
     if not spec_ids:
@@ -162,16 +178,20 @@ def pytest_configure(config: pytest.Config) -> None:
             stacklevel=2,
         )
     suite_dirs = _suite_dirs(config)
+    deviations_file = _deviations_file(config, backend_cls, builtin, spec_dir)
     try:
-        deviations = load_deviations(spec_dir / "deviations.toml")
+        deviations = load_deviations(deviations_file) if deviations_file is not None else ()
     except SpecError as exc:
         raise pytest.UsageError(str(exc)) from exc
     problems = validate_deviations(
-        deviations, known_ids=spec_ids, known_tests=find_test_definitions(suite_dirs)
+        deviations,
+        known_ids=spec_ids,
+        known_tests=find_test_definitions(suite_dirs),
+        known_backends=set(BUILTIN_BACKENDS) if builtin else {backend_cls.name},
     )
     if problems:
         raise pytest.UsageError(
-            f"{spec_dir / 'deviations.toml'} is inconsistent with the suite:\n  " + "\n  ".join(problems)
+            f"{deviations_file} is inconsistent with the suite:\n  " + "\n  ".join(problems)
         )
 
     world_timeout = float(config.getoption("world_timeout"))
@@ -188,9 +208,35 @@ def pytest_configure(config: pytest.Config) -> None:
         suite_dirs=suite_dirs,
         spec_ids=spec_ids,
         deviations=deviations,
+        deviations_file=deviations_file,
     )
     config.stash[_STATE] = state
     config.pluginmanager.register(_MatrixRecorder(state), "twinrpc-matrix-recorder")
+
+
+def _deviations_file(
+    config: pytest.Config, backend_cls: type[Backend], builtin: bool, spec_dir: Path
+) -> Path | None:
+    """Which deviations file applies to this run (see the module docstring); None: no deviations.
+
+    A file named explicitly (``--deviations`` or ``Backend.deviations``) must exist; twinrpc's
+    ``spec/deviations.toml`` may be absent (no deviations).
+    """
+    option = config.getoption("deviations")
+    if option:
+        path = config.invocation_params.dir / Path(option)
+        origin = "--deviations"
+    elif builtin:
+        return spec_dir / "deviations.toml"
+    else:
+        found = backend_cls.deviations_path()
+        if found is None:
+            return None
+        path = found
+        origin = f"{backend_cls.__module__}.{backend_cls.__qualname__}.deviations"
+    if not path.is_file():
+        raise pytest.UsageError(f"{origin}: no deviations file at {path}")
+    return path
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -199,6 +245,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [
         f"twinrpc backend: {state.backend_name}{seed}, --world-timeout {state.config.world_timeout:g} s; "
         f"{len(state.spec_ids)} spec IDs, {len(state.deviations)} deviations"
+        + (f" from {state.deviations_file}" if state.deviations else "")
     ]
 
 
@@ -409,6 +456,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     matrix = {
         "backend": state.backend_name,
         "sim_seed": state.config.sim_seed if state.backend_name == "sim" else None,
+        "deviations_file": str(state.deviations_file) if state.deviations_file else None,
         "deviations": [
             {"id": d.id, "requirement": d.requirement, "backends": list(d.backends), "reason": d.reason}
             for d in state.deviations

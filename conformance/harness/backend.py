@@ -1,7 +1,7 @@
 """The backend seam: a small class with ``run`` and ``spawn`` that the ``world`` fixture drives.
 
 To run the conformance suite against another implementation, subclass :class:`Backend` (and
-:class:`~conformance._harness._context.WorldContext` for its ``ctx``) and pass
+:class:`~conformance.harness.WorldContext` for its ``ctx``) and pass
 ``--backend package.module:ClassName``. See conformance/README.md.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ __all__ = [
     "BackendConfig",
     "WorkerProgram",
     "fail_world",
+    "is_builtin",
     "load_backend_class",
 ]
 
@@ -28,9 +30,9 @@ WorkerProgram = Callable[..., Any]
 
 #: Name -> "module:Class" of the backends that ship with the harness.
 BUILTIN_BACKENDS: dict[str, str] = {
-    "sim": "conformance._harness._sim:SimBackend",
-    "torch": "conformance._harness._torch:TorchBackend",
-    "gloo": "conformance._harness._gloo:GlooBackend",
+    "sim": "conformance.harness._sim:SimBackend",
+    "torch": "conformance.harness._torch:TorchBackend",
+    "gloo": "conformance.harness._gloo:GlooBackend",
 }
 
 
@@ -77,6 +79,12 @@ class Backend(abc.ABC):
     #: The name tests see as ``world.backend`` / ``ctx.backend`` and deviations refer to.
     name: ClassVar[str]
 
+    #: This backend's deviations file (format in conformance/CONTRACT.md), relative to the directory
+    #: of the module that defines the class, or absolute; ``None``: no deviations. Ignored by the
+    #: built-in backends, whose deviations are twinrpc's ``spec/deviations.toml``, and overridden by
+    #: ``--deviations FILE``.
+    deviations: ClassVar[str | None] = None
+
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
 
@@ -113,6 +121,23 @@ class Backend(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release processes and files at session end. Must not hang."""
 
+    @classmethod
+    def deviations_path(cls) -> Path | None:
+        """:attr:`deviations` resolved against the directory of the class's module (None if unset)."""
+        if cls.deviations is None:
+            return None
+        path = Path(cls.deviations)
+        if path.is_absolute():
+            return path
+        module_file = getattr(sys.modules.get(cls.__module__), "__file__", None)
+        base = Path(module_file).resolve().parent if module_file else Path.cwd()
+        return base / path
+
+
+def is_builtin(cls: type[Backend]) -> bool:
+    """Whether ``cls`` is one of the backends that ship with the harness (``sim``, ``torch``, ``gloo``)."""
+    return BUILTIN_BACKENDS.get(cls.name) == f"{cls.__module__}:{cls.__qualname__}"
+
 
 def load_backend_class(name: str) -> type[Backend]:
     """Resolve ``--backend``: a built-in name or ``package.module:ClassName``.
@@ -129,5 +154,5 @@ def load_backend_class(name: str) -> type[Backend]:
     module = importlib.import_module(module_name)
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
-        raise ValueError(f"backend {name!r}: {target} is not a conformance._harness.Backend subclass")
+        raise ValueError(f"backend {name!r}: {target} is not a conformance.harness.Backend subclass")
     return cls

@@ -1,12 +1,14 @@
-"""Reading the spec: requirement IDs from ``spec/*.md`` and deviations from ``spec/deviations.toml``.
+"""Reading the spec: requirement IDs from ``spec/*.md`` and deviation files.
 
-Kept free of pytest so it can be unit-tested directly and reused by the docs' matrix generator.
+A deviation file lists where an implementation deliberately differs from PyTorch; twinrpc's own is
+``spec/deviations.toml``, a third-party backend keeps its own (see conformance/CONTRACT.md for the
+format). Kept free of pytest so it can be unit-tested directly and reused by the docs' matrix generator.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,14 +36,14 @@ class SpecError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Deviation:
-    """One entry of ``spec/deviations.toml``: where twinrpc deliberately differs from PyTorch.
+    """One ``[[deviation]]`` entry: where an implementation deliberately differs from PyTorch.
 
     Attributes:
         id: The deviation's own ID, e.g. ``"DEV-1"``.
         requirement: The requirement ID the deviation is about.
         backends: Backends on which the listed tests are expected to FAIL.
         tests: Test function names (without parametrization suffix).
-        reason: Why twinrpc differs and what PyTorch does instead.
+        reason: Why the implementation differs and what PyTorch does instead.
     """
 
     id: str
@@ -144,14 +146,27 @@ def find_test_definitions(roots: Iterable[Path]) -> set[str]:
 
 
 def validate_deviations(
-    deviations: Iterable[Deviation], *, known_ids: Mapping[str, str], known_tests: set[str]
+    deviations: Iterable[Deviation],
+    *,
+    known_ids: Mapping[str, str],
+    known_tests: set[str],
+    known_backends: Collection[str] | None = None,
 ) -> list[str]:
     """Problems that make the deviation list inconsistent with the spec or the suite (empty if none).
 
     ``known_ids`` may be empty (spec not written yet): the requirement check is then skipped.
+    ``known_backends``, when given, are the backend names the file may name (a file belongs to the
+    built-in backends or to one third-party backend).
     """
     problems: list[str] = []
     for dev in deviations:
+        if known_backends is not None:
+            for backend in dev.backends:
+                if backend not in known_backends:
+                    problems.append(
+                        f"deviation {dev.id}: names backend {backend!r}; this file may name only "
+                        f"{sorted(known_backends)}"
+                    )
         if known_ids and dev.requirement not in known_ids:
             problems.append(
                 f"deviation {dev.id}: requirement {dev.requirement!r} is not a heading in spec/*.md"

@@ -1,10 +1,12 @@
-"""Worker-process side of the torch backend (runs in ``spawn``-started interpreters, never in pytest).
+"""Worker-process side of a :class:`~conformance.harness.ProcessBackend` (never runs in pytest).
 
-A child starts warm (torch.distributed.rpc imported), then waits for its first message:
+A child is a ``spawn``-started interpreter. It imports its context's ``rpc`` module at once (warm), then
+waits for its first message:
 
-* ``("serve", header, b"")``: become rank ``header["rank"]`` of a pool world: ``init_rpc`` once, then
-  loop on ``("call", header, payload)`` messages, running each program in the MAIN thread while the
-  RPC agent's own threads keep serving peers, until ``("shutdown", ...)`` or EOF.
+* ``("serve", header, b"")``: become rank ``header["rank"]`` of a pool world: ``init_rpc`` once (with
+  :meth:`ProcessContext.pool_options`), then loop on ``("call", header, payload)`` messages, running
+  each program in the MAIN thread while the RPC agent's own threads keep serving peers, until
+  ``("shutdown", ...)`` or EOF.
 * ``("once", header, payload)``: run one ``world.spawn`` program with RPC not initialised, reply, exit.
 * ``("exit", ...)``: an unused spare is being released.
 
@@ -14,11 +16,15 @@ unpickled here (e.g. a module that fails to import) still gets a readable harnes
 Replies are pickled tuples: ``("ok", value, healthy)``, ``("raised", exc, traceback_text, healthy)``,
 ``("harness", message, healthy)`` and ``("ready", pid, True)``. ``healthy`` is False when the
 program left this rank's RPC agent shut down, telling the parent to rebuild the pool.
+
+What a child serves is decided by its :class:`ProcessContext` subclass: the modules ``ctx`` exposes,
+the options a pool world starts with, and how to tell whether the RPC agent is still up.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import os
 import pickle
 import signal
@@ -29,40 +35,52 @@ import traceback
 import warnings
 from multiprocessing.connection import Connection
 from pathlib import Path
+from types import ModuleType
 from typing import Any, NoReturn
 
-from ._context import WorldContext
+from .context import WorldContext
 
-__all__ = ["TorchContext", "main"]
-
-
-#: The modules ``ctx`` exposes for each flavour of real-process backend: upstream PyTorch (the oracle)
-#: and twinrpc's own gloo world. Both take ``TensorPipeRpcBackendOptions`` (twinrpc accepts PyTorch's).
-FLAVOURS: dict[str, dict[str, str]] = {
-    "torch": {
-        "rpc": "torch.distributed.rpc",
-        "dist_autograd": "torch.distributed.autograd",
-        "optim": "torch.distributed.optim",
-        "futures": "torch.futures",
-    },
-    "gloo": {
-        "rpc": "twinrpc.rpc",
-        "dist_autograd": "twinrpc.autograd",
-        "optim": "twinrpc.optim",
-        "futures": "twinrpc.futures",
-    },
-}
-_FLAVOUR = "torch"
+__all__ = ["ProcessContext", "main"]
 
 
-class TorchContext(WorldContext):
-    """``ctx`` in a real process: the flavour's modules and TensorPipe options on file:// rendezvous."""
+class ProcessContext(WorldContext):
+    """``ctx`` in a worker process of a :class:`~conformance.harness.ProcessBackend`.
 
-    MODULES = FLAVOURS["torch"]
+    Subclass it to serve another implementation: set ``MODULES`` (attribute -> dotted module name, as
+    for every :class:`WorldContext`), and override :meth:`pool_options`, :meth:`_make_options` or
+    :meth:`agent_alive` when the implementation's options or agent bookkeeping differ from
+    ``torch.distributed.rpc``'s. The class must be importable by its module name: it is pickled by
+    reference into the worker processes.
 
-    def __init__(self, *, rank: int, world_size: int, spawned: bool, base_dir: str) -> None:
-        super().__init__(rank=rank, world_size=world_size, backend=_FLAVOUR, spawned=spawned)
+    Rendezvous are ``file://`` paths under a directory private to the call (``base_dir``), so
+    parallel runs never race for TCP ports.
+    """
+
+    def __init__(self, *, rank: int, world_size: int, backend: str, spawned: bool, base_dir: str) -> None:
+        super().__init__(rank=rank, world_size=world_size, backend=backend, spawned=spawned)
         self._base_dir = base_dir
+
+    @classmethod
+    def rpc_module(cls) -> ModuleType:
+        """The module that plays ``torch.distributed.rpc`` (``MODULES["rpc"]``)."""
+        return importlib.import_module(cls.MODULES["rpc"])
+
+    @classmethod
+    def pool_options(cls, init_method: str) -> Any:
+        """Options a pool world's ranks pass to ``init_rpc`` (``world.run`` worlds).
+
+        Default: ``rpc.TensorPipeRpcBackendOptions(init_method=init_method)``.
+        """
+        return cls.rpc_module().TensorPipeRpcBackendOptions(init_method=init_method)
+
+    @classmethod
+    def agent_alive(cls) -> bool:
+        """Whether this process's RPC agent is still installed (not shut down by the program).
+
+        Default: ``rpc._is_current_rpc_agent_set()``, private but stable in PyTorch since 1.6. A pool
+        rank whose program shut RPC down is replaced before the next test.
+        """
+        return bool(cls.rpc_module()._is_current_rpc_agent_set())
 
     def _make_options(self, k: int, /, **kwargs: Any) -> Any:
         # One file per (world, k) under a directory private to this call: collision-free across tests
@@ -81,13 +99,9 @@ class TorchContext(WorldContext):
         raise AssertionError("unreachable: SIGKILL did not kill the process")  # pragma: no cover
 
 
-class GlooContext(TorchContext):
-    """``ctx`` on twinrpc's gloo world: twinrpc's modules, same options and rendezvous."""
-
-    MODULES = FLAVOURS["gloo"]
-
-
-_CONTEXTS: dict[str, type[TorchContext]] = {"torch": TorchContext, "gloo": GlooContext}
+#: Set by :func:`main` in each child: the context class and backend name of this process.
+_CONTEXT: type[ProcessContext] = ProcessContext
+_BACKEND = ""
 
 
 def _exit(code: int = 0) -> NoReturn:
@@ -103,23 +117,6 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
         if os.getppid() != parent_pid:
             os._exit(70)
-
-
-def _rpc() -> Any:
-    import importlib
-
-    return importlib.import_module(FLAVOURS[_FLAVOUR]["rpc"])
-
-
-def _agent_alive() -> bool:
-    if _FLAVOUR == "gloo":
-        from twinrpc._current import maybe_current_agent
-
-        return maybe_current_agent() is not None
-    import torch.distributed.rpc as rpc
-
-    # Private but stable since torch 1.6: whether init_rpc's agent is still installed (not shut down).
-    return bool(rpc._is_current_rpc_agent_set())  # type: ignore[attr-defined]
 
 
 def _encode_exception(exc: BaseException, healthy: bool) -> bytes:
@@ -146,14 +143,18 @@ def _run_program(header: dict[str, Any], payload: bytes, *, spawned: bool) -> by
     except BaseException as exc:
         message = f"rank {rank} could not unpickle the program: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         return pickle.dumps(("harness", message, True))
-    ctx = _CONTEXTS[_FLAVOUR](
-        rank=rank, world_size=header["world_size"], spawned=spawned, base_dir=header["base_dir"]
+    ctx = _CONTEXT(
+        rank=rank,
+        world_size=header["world_size"],
+        backend=_BACKEND,
+        spawned=spawned,
+        base_dir=header["base_dir"],
     )
     try:
         value = fn(ctx, *args)
     except BaseException as exc:
-        return _encode_exception(exc, spawned or _agent_alive())
-    healthy = spawned or _agent_alive()
+        return _encode_exception(exc, spawned or _CONTEXT.agent_alive())
+    healthy = spawned or _CONTEXT.agent_alive()
     try:
         return pickle.dumps(("ok", value, healthy))
     except Exception as exc:
@@ -165,15 +166,15 @@ def _run_program(header: dict[str, Any], payload: bytes, *, spawned: bool) -> by
 
 
 def _serve(conn: Connection, header: dict[str, Any]) -> NoReturn:
-    rpc = _rpc()
+    rpc: Any = _CONTEXT.rpc_module()
     rank, world_size = header["rank"], header["world_size"]
     try:
-        options = rpc.TensorPipeRpcBackendOptions(init_method=header["init_method"])
-        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)  # type: ignore[no-untyped-call]
+        options = _CONTEXT.pool_options(header["init_method"])
+        rpc.init_rpc(WorldContext.name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
     except BaseException as exc:
         conn.send_bytes(_encode_exception(exc, False))
         _exit(1)
-    default_timeout = rpc.get_rpc_timeout()  # type: ignore[attr-defined]
+    default_timeout = rpc.get_rpc_timeout()
     conn.send_bytes(pickle.dumps(("ready", os.getpid(), True)))
     while True:
         try:
@@ -183,8 +184,8 @@ def _serve(conn: Connection, header: dict[str, Any]) -> NoReturn:
         if kind == "call":
             reply = _run_program(header, payload, spawned=False)
             # Agent-global settings a program may change must not leak into the next test.
-            if _agent_alive() and rpc.get_rpc_timeout() != default_timeout:  # type: ignore[attr-defined]
-                rpc._set_rpc_timeout(default_timeout)  # type: ignore[attr-defined]
+            if _CONTEXT.agent_alive() and rpc.get_rpc_timeout() != default_timeout:
+                rpc._set_rpc_timeout(default_timeout)
             conn.send_bytes(reply)
         elif kind == "shutdown":
             try:
@@ -198,17 +199,28 @@ def _serve(conn: Connection, header: dict[str, Any]) -> NoReturn:
             conn.send_bytes(pickle.dumps(("harness", f"unknown command {kind!r}", False)))
 
 
-def main(conn: Connection, parent_pid: int, stack_path: str, flavour: str = "torch") -> None:
-    """Entry point of every real-process backend child (see the module docstring)."""
-    global _FLAVOUR
-    _FLAVOUR = flavour
+def main(
+    conn: Connection, parent_pid: int, stack_path: str, context: type[ProcessContext], backend: str
+) -> None:
+    """Entry point of every worker process of a process backend (see the module docstring).
+
+    Args:
+        conn: This child's end of the pipe to the pytest process.
+        parent_pid: The pytest process; the child exits on its own when that process is gone.
+        stack_path: File faulthandler writes all threads' stacks to on SIGUSR1 (sent before a hung
+            world is killed).
+        context: The :class:`ProcessContext` subclass programs receive as ``ctx``.
+        backend: The backend's name (``ctx.backend``).
+    """
+    global _CONTEXT, _BACKEND
+    _CONTEXT, _BACKEND = context, backend
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
     # The parent sends SIGUSR1 before killing a hung world, so the failure shows where it hung.
     stack_file = open(stack_path, "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\..*")
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\..*")
-    _rpc()  # warm the import so the first program starts fast
+    context.rpc_module()  # warm the import so the first program starts fast
 
     try:
         kind, header, payload = pickle.loads(conn.recv_bytes())

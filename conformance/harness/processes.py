@@ -1,4 +1,9 @@
-"""The ``torch`` backend: upstream torch.distributed.rpc (TensorPipe) in real processes, the oracle.
+"""Process backends: worker programs run in real ``spawn``-started processes, one per rank.
+
+:class:`ProcessBackend` is the machinery behind the built-in ``torch`` (upstream PyTorch, the oracle)
+and ``gloo`` (twinrpc's real world) backends, and the base for a third-party implementation that runs
+in real processes: subclass it, set ``name`` and ``context`` (a
+:class:`~conformance.harness.ProcessContext` subclass naming the implementation's modules), done.
 
 Cost model. Starting an interpreter that imports torch costs ~1-2 s, far too much per test, so:
 
@@ -29,12 +34,13 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from . import _child
-from ._backend import Backend, BackendConfig, WorkerProgram, fail_world
+from . import child as _child
+from .backend import Backend, BackendConfig, WorkerProgram, fail_world
+from .child import ProcessContext
 
-__all__ = ["TorchBackend"]
+__all__ = ["DEATH_GRACE", "MAX_POOLED_PROCESSES", "SHUTDOWN_BOUND", "ProcessBackend"]
 
 #: Above this many pooled processes, the least recently used pool is shut down before starting another.
 MAX_POOLED_PROCESSES = 8
@@ -114,12 +120,22 @@ class _Replies:
     stacks: dict[int, str] = field(default_factory=dict)
 
 
-class TorchBackend(Backend):
-    """Runs programs on real torch.distributed.rpc processes (see the module docstring)."""
+class ProcessBackend(Backend):
+    """Runs programs in real processes: pooled worlds for ``run``, warm spares for ``spawn``.
 
-    name = "torch"
-    #: which modules the child processes serve (see ``_child.FLAVOURS``)
-    flavour = "torch"
+    Subclasses set two class attributes::
+
+        class MyBackend(ProcessBackend):
+            name = "mine"
+            context = MyContext  # a ProcessContext subclass: MODULES and, if needed, options hooks
+
+    Every rank is a child process running :func:`conformance.harness.child.main`; programs and
+    results travel over pipes (pickled), rendezvous are ``file://`` paths under
+    ``config.tmp_dir``, and every wait is bounded by the call's ``timeout`` (see the module docstring).
+    """
+
+    #: The ``ctx`` class the worker processes build; it also decides which modules they serve.
+    context: ClassVar[type[ProcessContext]]
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
@@ -142,7 +158,7 @@ class TorchBackend(Backend):
         stack_path.touch()
         process = self._mp.Process(
             target=_child.main,
-            args=(child_conn, os.getpid(), str(stack_path), self.flavour),
+            args=(child_conn, os.getpid(), str(stack_path), self.context, self.name),
             name=f"twinrpc-{self.name}-{n}",
             daemon=True,  # multiprocessing's atexit handler terminates it if close() never ran
         )
@@ -299,7 +315,8 @@ class TorchBackend(Backend):
             ]
             if errors:
                 fail_world(
-                    f"starting a torch pool of {world_size} ranks failed in init_rpc:\n" + "\n".join(errors)
+                    f"starting a {self.name} pool of {world_size} ranks failed in init_rpc:\n"
+                    + "\n".join(errors)
                 )
         except BaseException:
             pool.kill()
@@ -416,7 +433,7 @@ class TorchBackend(Backend):
         return values
 
     def warm_up(self) -> None:
-        """Start two interpreters importing torch now, so the first pool (world_size 2) finds them warm."""
+        """Start two interpreters importing the implementation now, so the first pool finds them warm."""
         if not self._spares and not self._pools:
             self._spares = [self._start_worker() for _ in range(2)]
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from ._backend import Backend, WorkerProgram, fail_world
+from .backend import Backend, WorkerProgram, fail_world
 
 __all__ = ["World"]
 
@@ -78,9 +78,9 @@ class World:
             fail_world(f"expect_dead must be a proper subset of range({world_size}), got {expect_dead!r}")
         if not dead:  # backends written before expect_dead existed keep working
             return self._backend.spawn(fn, args, world_size=world_size, timeout=self._timeout(timeout))
-        return self._backend.spawn(
-            fn, args, world_size=world_size, timeout=self._timeout(timeout), expect_dead=dead
-        )
+        # Optional in the Backend signature: only backends that support ctx.crash() accept it.
+        spawn: Callable[..., list[Any]] = self._backend.spawn
+        return spawn(fn, args, world_size=world_size, timeout=self._timeout(timeout), expect_dead=dead)
 
     def _timeout(self, timeout: float | None) -> float:
         return self._default_timeout if timeout is None else timeout
