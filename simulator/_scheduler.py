@@ -62,6 +62,15 @@ class Scheduler:
         self.now = 0.0
         self.max_time = max_time
         self._heap: list[tuple[float, float, int, Callable[[Any], None], Any]] = []
+        #: call_later's events: a heap of their own, merged with ``_heap`` in key order when popped, so
+        #: the order of events is the one a single heap gives. Timers are mostly far off (RPC timeouts)
+        #: and mostly cancelled; apart, they keep the heap every message goes through small.
+        self._timers: list[tuple[float, float, int, Callable[[Any], None], Any]] = []
+        #: the latest time of a skipped no-op event (:meth:`schedule_many`) at or before ``max_time``,
+        #: and whether one was later: what popping them would have done to ``now`` (seen only in a
+        #: deadlock's or a max_time error's report), applied when the run stops on one of those
+        self._skipped_until = 0.0
+        self._skipped_past_max = False
         self._seq = 0
         self._task_ids = 0
         self.tasks: dict[int, Task] = {}
@@ -81,6 +90,68 @@ class Scheduler:
     def schedule(self, delay: float, fn: Callable[[Any], None], arg: Any = None) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (self.now + delay, self.rng.random(), self._seq, fn, arg))
+
+    def reserve(self, delay: float) -> tuple[float, float, int]:
+        """The key :meth:`schedule` would give an event ``delay`` from now (drawing the same random
+        tie-break and sequence number), for :meth:`schedule_many`."""
+        self._seq += 1
+        return (self.now + delay, self.rng.random(), self._seq)
+
+    def schedule_many(
+        self,
+        events: list[tuple[float, float, int, Callable[[Any], None], Any]],
+        dead: Callable[[Any], bool],
+    ) -> None:
+        """Schedule ``events`` (keys from :meth:`reserve`), in the order separate :meth:`schedule`
+        calls would run them, holding one of them in the heap at a time.
+
+        ``dead(arg)`` says an event has become a no-op for good (e.g. an announcement to a worker that
+        has stopped since): such events are dropped unrun instead of being popped one by one. (A worker
+        stopping announces it to every peer: N^2 events a run, nearly all to peers stopped by then.)
+        """
+        if not events:
+            return
+        head = min(events)
+        self._push_step([head, events, dead, False])
+
+    def _push_step(self, state: list[Any]) -> None:
+        head = state[0]
+        heapq.heappush(self._heap, (head[0], head[1], head[2], self._step, state))
+
+    def _step(self, state: list[Any]) -> None:
+        head, rest, dead, ordered = state
+        if not ordered:  # the first of them is due: drop the dead, order the rest (latest first)
+            live = []
+            for ev in rest:
+                if ev is head:
+                    continue
+                if dead(ev[4]):
+                    self._skip(ev[0])
+                else:
+                    live.append(ev)
+            live.sort(reverse=True)
+            state[1] = rest = live
+            state[3] = True
+        while rest:
+            ev = rest.pop()
+            if dead(ev[4]):
+                self._skip(ev[0])
+                continue
+            state[0] = ev
+            self._push_step(state)
+            break
+        head[3](head[4])
+
+    def _skip(self, t: float) -> None:
+        if self.max_time is not None and t > self.max_time:
+            self._skipped_past_max = True
+        elif t > self._skipped_until:
+            self._skipped_until = t
+
+    def _catch_up(self) -> None:
+        """``now`` as if the skipped no-op events before it had been popped (see ``_skipped_until``)."""
+        if self._skipped_until > self.now:
+            self.now = self._skipped_until
 
     # -- tasks ------------------------------------------------------------------------------------
     def spawn(
@@ -205,7 +276,10 @@ class Scheduler:
 
     def call_later(self, delay: float, fn: Callable[[], None]) -> TimerHandle:
         handle = TimerHandle()
-        self.schedule(delay, self._fire, (handle, fn))
+        self._seq += 1
+        heapq.heappush(
+            self._timers, (self.now + delay, self.rng.random(), self._seq, self._fire, (handle, fn))
+        )
         return handle
 
     @staticmethod
@@ -219,22 +293,34 @@ class Scheduler:
         """Run events until ``until()`` holds. Raises SimulationDeadlock when nothing can run."""
         self.hub = greenlet.getcurrent()
         heap = self._heap
+        timers = self._timers
         pop = heapq.heappop
+        max_time = self.max_time
         while not until():
             if self.failure is not None:
                 raise self.failure
-            if not heap:
+            if timers and (not heap or timers[0] < heap[0]):  # keys are unique: fn is never compared
+                t, _, _, fn, arg = pop(timers)
+            elif heap:
+                t, _, _, fn, arg = pop(heap)
+            else:
+                self._catch_up()
+                if self._skipped_past_max:  # popping the skipped events would have passed max_time
+                    raise self._past_max_time()
                 raise SimulationDeadlock(self.deadlock_report())
-            t, _, _, fn, arg = pop(heap)
-            if self.max_time is not None and t > self.max_time:
-                raise SimulationError(
-                    f"virtual time passed max_time={self.max_time} s with work still pending:\n"
-                    + self.deadlock_report()
-                )
+            if max_time is not None and t > max_time:
+                self._catch_up()
+                raise self._past_max_time()
             self.now = t
             fn(arg)
         if self.failure is not None:
             raise self.failure
+
+    def _past_max_time(self) -> SimulationError:
+        return SimulationError(
+            f"virtual time passed max_time={self.max_time} s with work still pending:\n"
+            + self.deadlock_report()
+        )
 
     def deadlock_report(self) -> str:
         blocked = [t for t in self.tasks.values() if not t.done]

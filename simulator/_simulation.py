@@ -497,18 +497,35 @@ class Simulation:
             self._stop_monitors(
                 f"worker {rank} shut down RPC without a graceful shutdown at t={sched.now:.6f}"
             )
+        # One event per peer, in the order and with the random draws of one call_later each; held
+        # in the heap one at a time, and those to peers that stop meanwhile (nearly all, when the
+        # whole world shuts down) are dropped unrun (Scheduler.schedule_many).
+        delay_of, rng, now, crashed = self.network.delay, sched.rng, sched.now, self.crashed
+        last_arrival, reserve, departed = world.last_arrival, sched.reserve, self._departed
+        events: list[tuple[float, float, int, Callable[[Any], None], Any]] = []
         for other in self.workers:
             target = other.world
-            if other.rank == rank or target is None or target.stopped or other.rank in self.crashed:
+            if other.rank == rank or target is None or target.stopped or other.rank in crashed:
                 continue
-            delay = self.network.delay(rank, other.rank, 0, sched.rng)
-            delay = max(delay, world.last_arrival.get(other.rank, 0.0) - sched.now)
-            sched.call_later(delay, functools.partial(self._departed, target, rank, departure))
+            delay = delay_of(rank, other.rank, 0, rng)
+            delay = max(delay, last_arrival.get(other.rank, 0.0) - now)
+            events.append((*reserve(delay), departed, (target, rank, departure)))
+        sched.schedule_many(events, self._departure_moot)
 
-    def _departed(self, observer: SimWorld, rank: int, departure: Departure) -> None:
-        current = self.workers[observer.rank].world
-        if observer.stopped or observer.rank in self.crashed or observer is not current:
+    def _departure_moot(self, item: tuple[SimWorld, int, Departure]) -> bool:
+        """An announcement to ``observer`` that can no longer do anything: it stopped, crashed or
+        was replaced by a new init_rpc (each for good)."""
+        observer = item[0]
+        return (
+            observer.stopped
+            or observer.rank in self.crashed
+            or observer is not self.workers[observer.rank].world
+        )
+
+    def _departed(self, item: tuple[SimWorld, int, Departure]) -> None:
+        if self._departure_moot(item):
             return
+        observer, rank, departure = item
         self._peer_unavailable(observer, observer.rank, rank, departure)
 
     # -- network --------------------------------------------------------------------------------------
