@@ -149,3 +149,45 @@ def test_a_missing_deviation_file_is_a_usage_error(tmp_path: Path) -> None:
     proc = _pytest("conformance/test_smoke.py", "--deviations", str(tmp_path / "nowhere.toml"))
     assert proc.returncode == USAGE_ERROR, proc.stdout + proc.stderr
     assert f"--deviations: no deviations file at {tmp_path / 'nowhere.toml'}" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ('    name = "sim"\n', "its name 'sim' is a built-in backend's; choose another name"),
+        (
+            '    deviations = "missing.deviations.toml"\n',
+            "my_backend.MyBackend.deviations: no deviations file at {tmp}/missing.deviations.toml",
+        ),
+    ],
+    ids=["builtin-name", "missing-own-file"],
+)
+def test_a_backend_class_with_a_builtin_name_or_a_missing_own_file_is_a_usage_error(
+    tmp_path: Path, body: str, message: str
+) -> None:
+    (tmp_path / "my_backend.py").write_text(
+        "from slow_network_backend import SlowNetworkBackend\n\n\nclass MyBackend(SlowNetworkBackend):\n"
+        + body,
+        encoding="utf-8",
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(EXAMPLES), str(ROOT)])}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "conformance/test_smoke.py",
+            "--backend",
+            "my_backend:MyBackend",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert proc.returncode == USAGE_ERROR, proc.stdout + proc.stderr
+    assert message.format(tmp=tmp_path) in proc.stderr

@@ -88,3 +88,12 @@ def test_deviation_problems_name_unknown_requirements_and_tests() -> None:
     ]
     # Without a spec yet, only the tests are checked.
     assert len(validate_deviations([dev], known_ids={}, known_tests={"test_nested"})) == 1
+
+
+def test_validation_checks_the_backends_a_file_may_name() -> None:
+    dev = Deviation("MINE-1", "RPC-7", ("mine", "torch"), ("test_nested",), "because")
+    known = {"known_ids": {"RPC-7": "nested"}, "known_tests": {"test_nested"}}
+    assert validate_deviations([dev], **known) == []  # type: ignore[arg-type]
+    assert validate_deviations([dev], known_backends={"mine"}, **known) == [  # type: ignore[arg-type]
+        "deviation MINE-1: names backend 'torch'; this file may name only ['mine']"
+    ]
