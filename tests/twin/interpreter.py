@@ -38,8 +38,18 @@ from .programs import (
 
 __all__ = ["HOLD", "LONG", "SETTLE", "SHORT", "interpret"]
 
-#: how long a :class:`Slow` or :class:`Start` handler sleeps (seconds)
+#: how long a :class:`Slow` handler sleeps (seconds), and a :class:`Start` handler in a program
+#: without departures
 HOLD = 0.6
+#: how long a :class:`Start` handler sleeps in a program with departures: far longer than a departure
+#: takes to happen, so that a departure ordered while it runs happens before it returns in both
+#: worlds, however slow the operations between them were on the wall clock (see _drive's Leave/Kill
+#: branch; with HOLD, 0.15 s of operations on a loaded host let the reply beat the departure)
+START_HOLD = 3.0
+#: wall-clock slack the driver leaves for operations' own cost: a pending Start to a departing worker
+#: whose *nominal* elapsed time (the sleeps the program itself made, equal in both worlds) is within
+#: this of START_HOLD is waited for before the departure, so both worlds see it complete
+SLACK = 1.5
 #: the timeout of ``Slow(timeout=True)``: far below HOLD, so it expires in both worlds
 SHORT = 0.1
 #: every other call's timeout: far above anything a program does, so only a lost reply reaches it
@@ -162,6 +172,10 @@ def _drive(ctx: Any, program: Program, run_id: str) -> dict[str, Any]:
     pending: list[tuple[int, Any]] = []  # (index of the Start, future)
     gone: set[int] = set()
     timed_out = False
+    #: the sleeps the driver's program made so far (virtual seconds; the same in both worlds), and
+    #: per pending Start its destination and that nominal time when it started
+    nominal = 0.0
+    started_at: dict[int, tuple[int, float]] = {}
 
     def pick(items: list[Any], slot: int) -> int | None:
         return slot % len(items) if items else None
@@ -192,10 +206,13 @@ def _drive(ctx: Any, program: Program, run_id: str) -> dict[str, Any]:
             timed_out = timed_out or op.timeout
             timeout = SHORT if op.timeout else LONG
             res = _attempt(lambda op=op, t=timeout: rpc.rpc_sync(op.dst, _hold, args=(HOLD,), timeout=t))
+            nominal += SHORT if op.timeout else HOLD
         elif isinstance(op, Start):
-            started = _attempt(lambda op=op: rpc.rpc_async(op.dst, _hold, args=(HOLD,), timeout=LONG))
+            hold = START_HOLD if ctx.spawned else HOLD
+            started = _attempt(lambda op=op, h=hold: rpc.rpc_async(op.dst, _hold, args=(h,), timeout=LONG))
             if started[0] == "ok":
                 pending.append((i, started[1]))
+                started_at[i] = (op.dst, nominal)
                 res = ("started",)
             else:
                 res = started
@@ -234,11 +251,16 @@ def _drive(ctx: Any, program: Program, run_id: str) -> dict[str, Any]:
                 skip(i)
                 continue
             gone.add(op.rank)
+            for start, fut in pending:
+                dst, t0 = started_at[start]
+                if dst == op.rank and nominal - t0 + SETTLE + GRACE > START_HOLD - SLACK:
+                    _attempt(fut.wait)  # too close to call on the wall clock: let it finish first
             order = "kill" if isinstance(op, Kill) else "leave-graceful" if op.graceful else "leave"
             res = _attempt(
                 lambda op=op, o=order: rpc.rpc_sync(op.rank, _order, args=(run_id, o), timeout=LONG)
             )
             _sleep(SETTLE)
+            nominal += SETTLE
         else:  # pragma: no cover - the Op union is exhaustive
             raise TypeError(f"not an operation: {op!r}")
         records.append((i, "op", res))
