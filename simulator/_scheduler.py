@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from ._trace import Trace
 
 
+#: the fewest timers worth compacting (Scheduler._compact_timers)
+_COMPACT_MIN = 1024
+
+
 class Task:
     """A simulated task: a worker's main program, a request handler, a delivery, a timer callback."""
 
@@ -71,6 +75,8 @@ class Scheduler:
         #: deadlock's or a max_time error's report), applied when the run stops on one of those
         self._skipped_until = 0.0
         self._skipped_past_max = False
+        #: the timers' size at which the cancelled ones are dropped (see :meth:`_compact_timers`)
+        self._compact_at = _COMPACT_MIN
         self._seq = 0
         self._task_ids = 0
         self.tasks: dict[int, Task] = {}
@@ -277,10 +283,26 @@ class Scheduler:
     def call_later(self, delay: float, fn: Callable[[], None]) -> TimerHandle:
         handle = TimerHandle()
         self._seq += 1
-        heapq.heappush(
-            self._timers, (self.now + delay, self.rng.random(), self._seq, self._fire, (handle, fn))
-        )
+        timers = self._timers
+        heapq.heappush(timers, (self.now + delay, self.rng.random(), self._seq, self._fire, (handle, fn)))
+        if len(timers) > self._compact_at:
+            self._compact_timers()
         return handle
+
+    def _compact_timers(self) -> None:
+        """Drop the cancelled timers (an RPC's timeout is cancelled by its reply and would stay in
+        the heap, with its closures, until its time, a minute later), as no-op events skipped unrun
+        (:meth:`_skip`), as the gloo world's timer compacts its heap."""
+        timers = self._timers
+        live = []
+        for ev in timers:
+            if ev[4][0].cancelled:
+                self._skip(ev[0])
+            else:
+                live.append(ev)
+        heapq.heapify(live)
+        timers[:] = live  # in place: run() holds the list
+        self._compact_at = max(_COMPACT_MIN, 2 * len(live))
 
     @staticmethod
     def _fire(item: tuple[TimerHandle, Callable[[], None]]) -> None:

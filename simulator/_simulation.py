@@ -133,6 +133,9 @@ class Simulation:
         self.booking = bool(self.network.message_cost) or compute is not None
         self._rendezvous: dict[int, dict[int, str]] = {}
         self._rendezvous_done: dict[int, Future[None]] = {}
+        #: generation -> (members when built, the static group's workers, or the error of a name
+        #: two members share): see _roster
+        self._rosters: dict[int, tuple[int, list[WorkerInfo], str | None]] = {}
         #: generation -> its dynamic group (init_rpc without world_size, LIFE-5)
         self._dynamic: dict[int, DynamicGroup] = {}
         #: rank -> (heartbeat_interval, heartbeat_misses) of its latest init_rpc's options: how long it
@@ -344,18 +347,33 @@ class Simulation:
         if len(joined) == world_size:
             self.sched.call_later(_RENDEZVOUS_DELAY, lambda: done.set_result(None))
         done.wait()
-        by_name: dict[str, int] = {}
-        for r in sorted(joined):
-            other = by_name.setdefault(joined[r], r)
-            if other != r:
-                raise RuntimeError(
-                    f"RPC worker name {joined[r]} is not unique. Workers {other} and {r} share the same name."
-                )
-        infos = [WorkerInfo(joined[r], r) for r in sorted(joined)]
+        infos = self._roster(generation, joined)
         world = SimWorld(worker, options.num_worker_threads)
         worker.world = world
         self._heartbeats_of(worker.rank, options)
         return world, infos[worker.rank], infos
+
+    def _roster(self, generation: int, joined: dict[int, str]) -> list[WorkerInfo]:
+        """The workers of a static group (by rank), once for all its members: each member building
+        its own took N^2 time and kept N^2 WorkerInfo objects alive. Raises, for each member, when
+        two share a name."""
+        cached = self._rosters.get(generation)
+        if cached is None or cached[0] != len(joined):
+            by_name: dict[str, int] = {}
+            error = None
+            for r in sorted(joined):
+                other = by_name.setdefault(joined[r], r)
+                if other != r:
+                    error = (
+                        f"RPC worker name {joined[r]} is not unique. Workers {other} and {r} share the "
+                        "same name."
+                    )
+                    break
+            infos = [WorkerInfo(joined[r], r) for r in sorted(joined)] if error is None else []
+            cached = self._rosters[generation] = (len(joined), infos, error)
+        if cached[2] is not None:
+            raise RuntimeError(cached[2])
+        return cached[1]
 
     def _join_dynamic(
         self, worker: SimWorker, *, name: str, options: Any, generation: int
@@ -552,7 +570,11 @@ class Simulation:
             if ready > self.sched.now:
                 self.sched.schedule(ready - self.sched.now, self._handle, msg)
                 return
-        self._handle(msg)
+        dst = self.workers[msg.dst].world  # _handle, inlined: this runs for every message
+        if dst is None:
+            self._bounce(msg, Departure.SHUT_DOWN, "it has not initialised RPC")
+            return
+        dst.deliver(msg)
 
     def _handle(self, msg: Message) -> None:
         if msg.dst in self.crashed:  # crashed while the message waited to be handled

@@ -38,6 +38,10 @@ MESSAGE_EVENTS = frozenset({"send", "deliver", "drop", "duplicate", "hold", "los
 #: events after which the message is gone (delivered, lost, dropped or bounced)
 _FINAL = frozenset({"deliver", "lost", "bounce", "drop"})
 _SWITCH = "switch"
+#: a message kind -> its name, which a message event stores in place of the kind (it renders the same):
+#: a trace of numbers and strings only is untracked by the cyclic GC, which otherwise walks every
+#: event of a long run again and again
+_KIND_NAMES: dict[Any, str] = {k: k.name for k in Kind}
 
 
 class TraceFormatError(SimulationError, ValueError):
@@ -167,7 +171,10 @@ class Trace:
             n = self._sent
             self._sent = n + 1
             self._numbers[id(msg)] = n
-            self._events.append((time, worker, "send", (msg.kind, msg.id, msg.src, msg.dst, nbytes, n, "")))
+            kind = msg.kind
+            self._events.append(
+                (time, worker, "send", (_KIND_NAMES.get(kind, kind), msg.id, msg.src, msg.dst, nbytes, n, ""))
+            )
 
     def message(self, time: float, worker: int, event: str, msg: Message, note: str = "") -> None:
         """Record an event about ``msg`` (``deliver``, ``drop``, ``lost``...); ``note`` is appended to
@@ -185,7 +192,15 @@ class Trace:
             n = self._numbers.get(id(msg))
             if event == "duplicate" and n is not None:
                 self._copies.setdefault((msg.src, msg.dst, msg.kind, msg.id), []).append(n)
-        self._events.append((time, worker, event, (msg.kind, msg.id, msg.src, msg.dst, msg.nbytes, n, note)))
+        kind = msg.kind
+        self._events.append(
+            (
+                time,
+                worker,
+                event,
+                (_KIND_NAMES.get(kind, kind), msg.id, msg.src, msg.dst, msg.nbytes, n, note),
+            )
+        )
 
     def _copy_number(self, msg: Message) -> int | None:
         key = (msg.src, msg.dst, msg.kind, msg.id)
