@@ -164,7 +164,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy (strict) on the twinrpc package, simulator included."""
+    """mypy (strict) on the twinrpc package, simulator included, and on the public conformance harness."""
     _install(session, "test,dev")
     # mypy cannot follow setuptools' package-dir mapping, so check a tree of links that has the
     # import layout (twinrpc/, twinrpc/simulator/, twinrpc/impl/).
@@ -184,6 +184,8 @@ def typecheck(session: nox.Session) -> None:
     (pkg / "simulator").symlink_to(ROOT / "simulator")
     (pkg / "impl").symlink_to(ROOT / "impl")
     session.run("mypy", "-p", "twinrpc", env={"MYPYPATH": str(tree)})
+    # the conformance harness is public (third-party backends build on it): typed as strictly
+    session.run("mypy", "--strict", "conformance/harness", "docs/examples/slow_network_backend.py")
 
 
 @nox.session
