@@ -387,7 +387,7 @@ def _unused_send(ctx: Any) -> Any:
             rpc.rpc_sync(ctx.name(1), torch.add, args=(t1, t2))
             box.append(outcome(lambda: da.backward(cid, [torch.mul(t1, t2).sum()])))
 
-    if ctx.backend == "sim":
+    if ctx.simulated:  # one OS thread runs every worker: a blocked thread would stop them all
         run()
     else:
         th = threading.Thread(target=run, daemon=True)

@@ -24,6 +24,7 @@ class SimContext(WorldContext):
         "optim": "twinrpc.optim",
         "futures": "twinrpc.futures",
     }
+    simulated = True
 
     def __init__(self, *, sim: Any, **kwargs: Any) -> None:
         super().__init__(**kwargs)

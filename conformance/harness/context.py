@@ -43,6 +43,9 @@ class WorldContext(abc.ABC):
 
     #: attribute -> dotted module name; resolved lazily by ``__getattr__``.
     MODULES: ClassVar[dict[str, str]] = {}
+    #: True when every worker's program runs as a cooperative task of one OS thread (a simulation):
+    #: a test must then not block an OS thread of its own on RPC, which would stop every worker.
+    simulated: ClassVar[bool] = False
 
     def __init__(self, *, rank: int, world_size: int, backend: str, spawned: bool) -> None:
         self.rank = rank

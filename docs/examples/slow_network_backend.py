@@ -36,6 +36,7 @@ class SlowNetworkContext(WorldContext):
         "optim": "twinrpc.optim",
         "futures": "twinrpc.futures",
     }
+    simulated = True  # the workers are tasks of one Simulation: tests start no blocking threads
 
     def _make_options(self, k: int, /, **kwargs: Any) -> Any:
         # Simulated workers meet inside their Simulation: no init_method to allocate.
