@@ -233,11 +233,15 @@ class ShutdownProtocol:
             fut.try_set_result(result)
 
     def _first_departure(self) -> WorkerUnavailableError | None:
-        """A fresh error for the first peer found departed, if any; call with ``self._lock`` held.
+        """A fresh error for the departed peer to blame, if any; call with ``self._lock`` held.
 
-        The first one: when the leader fails because a worker died, its own departure follows, and the
-        error must name the worker that died, not the leader that left."""
-        for cause in self._peer_errors.values():
+        The first peer found dead (crashed or silent), else the first found departed: a worker that
+        dies often makes others leave (a graceful shutdown that fails on it shuts its worker down),
+        and the error must name the worker that died, not one that left because of it, whichever
+        news arrived first (on a loaded host either may)."""
+        errors = list(self._peer_errors.values())
+        died = [e for e in errors if e.departure is not None and not e.departure.shut_down]
+        for cause in died or errors:
             err = relayed_departure(str(cause), cause.departure.value if cause.departure else None)
             err.__cause__ = cause
             return err
