@@ -138,7 +138,7 @@ def bench(session: nox.Session) -> None:
     handing a reply from a receiver thread to its waiter costs there; an RRef soak on gloo.
 
     Posargs go to the simulator benchmark. The soak runs 100,000 create/to_here/delete cycles on gloo
-    (issue #4's bound; about 5 minutes) and prints owner-side state before and after; set
+    (about 5 minutes) and prints owner-side state before and after; set
     TWINRPC_SOAK_CYCLES for a quicker look.
     """
     _install(session, "test,train")

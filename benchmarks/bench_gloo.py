@@ -5,7 +5,7 @@ world), TensorPipe (``torch.distributed.rpc``) and raw gloo (``torch.distributed
 explicit source, the floor under twinrpc's transport). The parent then runs rounds; in each round every
 measurement runs on every system in turn (the order rotates each round), so all three share whatever
 load the machine has at that moment. Reported: medians (and p99 for latency) over all rounds, and
-twinrpc / TensorPipe ratios with the issue's targets.
+twinrpc / TensorPipe ratios against the targets in ``_TARGETS``.
 
 Bandwidth is a round trip: a UDF that returns its argument; GB/s = 2 x size / round-trip time (bytes
 moved both ways). The raw gloo floor is the same ping-pong with reused receive buffers.

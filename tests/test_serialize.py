@@ -1,4 +1,4 @@
-"""Unit tests of the RPC pickler (DESIGN.md §2), below the conformance suite."""
+"""Unit tests of the RPC pickler (src/twinrpc/_serialize.py), below the conformance suite."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The simulator honours each worker's heartbeat options in virtual time (ERR-7 on sim, issue 17).
+"""The simulator honours each worker's heartbeat options in virtual time (ERR-7 on sim).
 
 As in the gloo world, a worker declares a silent peer (paused, or cut off by a partition) dead after
 ``heartbeat_interval * heartbeat_misses`` seconds of its *own* ``init_rpc`` options, and never with

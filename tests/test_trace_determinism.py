@@ -21,7 +21,7 @@ def test_program_arguments_and_simulation_options_are_passed_on() -> None:
     assert len(sends) == 5
 
 
-# the simulator warns about the wall-clock read too (issue #6 point 5): expected here
+# the simulator warns about the wall-clock read too: expected here
 @pytest.mark.filterwarnings("ignore:.*reads the wall clock")
 def test_reading_the_wall_clock_is_caught_at_the_first_differing_event() -> None:
     with pytest.raises(NondeterminismError) as info:

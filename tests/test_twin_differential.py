@@ -1,4 +1,4 @@
-"""The differential twin test (issue 17, point 2): generated RPC programs behave the same on the
+"""The differential twin test: generated RPC programs behave the same on the
 simulator and in the real gloo world.
 
 Each program (``twin.programs``) runs on the simulator under several seeds and once in gloo
@@ -8,7 +8,7 @@ the failure prints it with every outcome and a command that replays it.
 
 This bounded run is deterministic (``derandomize=True``, no example database): programs without
 departures in a pooled world, and a few in fresh worlds where workers are killed or leave by
-``shutdown`` (graceful or not), even while a call to them is still running (issue 17: the core decides
+``shutdown`` (graceful or not), even while a call to them is still running (the core decides
 what a departure means, ``twinrpc._departure``). ``nox -s twin -- --programs 500`` is the long run
 (``TWIN_PROGRAMS``, ``TWIN_DEPARTURES``: see noxfile.py).
 """
@@ -94,7 +94,7 @@ def test_simulator_and_gloo_agree_when_workers_shut_down(program: Program, gloo:
 def test_departure_while_call_runs_agrees(gloo: GlooRunner) -> None:
     """Worker 1 leaves with ``shutdown(graceful=False)`` while the driver's call to it is still running
     (its handler sleeps HOLD seconds): a worker that has left sends nothing more, so the caller's
-    future fails with the departure error in both worlds, as in gloo and TensorPipe (issue 17). Five
+    future fails with the departure error in both worlds, as in gloo and TensorPipe. Five
     simulator seeds; gloo runs twice and both runs must be outcomes the simulator produces."""
     program = Program(2, (Start(dst=1), Leave(rank=1, graceful=False), Wait(slot=0)))
     verdict = check(program, sim=SimRunner(range(5)), gloo=gloo, gloo_runs=2)

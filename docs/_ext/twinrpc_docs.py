@@ -14,8 +14,8 @@ and writes MyST pages under ``docs/reference/generated/`` (ignored by git) befor
 sources. The build fails (``ExtensionError``) when
 
 - a requirement ID of ``spec/`` is cited by no conformance test and is not listed in
-  ``docs/untested.toml`` (the short, shrinking list of requirements whose tests land with a named
-  later issue; an entry whose ID a test now cites stops applying and is only logged, so a commit that
+  ``docs/untested.toml`` (the short, shrinking list of requirements without a test yet, each with
+  the reason; an entry whose ID a test now cites stops applying and is only logged, so a commit that
   adds a test never breaks the docs), or
 - ``twinrpc_require_matrix`` is true (``TWINRPC_DOCS_REQUIRE_MATRIX=1``, set by ``nox -s tests``) and
   a backend's JSON is missing. Otherwise a missing backend renders as "not run" and the matrix page
@@ -190,9 +190,9 @@ class Cell:
     counts: Counter[str] = field(default_factory=Counter)
 
 
-def cell_for(req: Requirement, run: Run | None, untested_issue: int | None) -> Cell:
-    if untested_issue is not None:
-        return Cell(f"no test yet (issue #{untested_issue})", "untested")
+def cell_for(req: Requirement, run: Run | None, untested: bool) -> Cell:
+    if untested:
+        return Cell("no test yet", "untested")
     if run is None:
         return Cell("not run", "notrun")
     records = [t for t in run.tests if req.id in t.get("spec", ())]
@@ -338,7 +338,7 @@ def render_matrix(
     statuses: dict[str, dict[str, Cell]],
     runs: dict[str, Run | None],
     deviations: list[Any],
-    untested: dict[str, tuple[int, str]],
+    untested: dict[str, str],
     suite_tests: set[str],
 ) -> str:
     out = [
@@ -352,7 +352,7 @@ def render_matrix(
         "{doc}`deviation <deviations>`, expected to fail there, and the run fails if it starts passing · "
         "\u2796 not applicable (the requirement is observable only on other backends; its tests are "
         "deselected here) · ❌ failed in that run · ⚪ not run · ⬜ no conformance test yet "
-        "(listed in `docs/untested.toml` with the issue that brings it).\n",
+        "(listed in `docs/untested.toml` with the reason).\n",
     ]
     missing = [b for b in BACKENDS if runs[b] is None]
     if missing:
@@ -412,11 +412,11 @@ def render_matrix(
         out.append("## Requirements without a conformance test yet\n")
         out.append(
             "These IDs are cited by no test in `conformance/`. The build accepts that only for the IDs "
-            "listed in `docs/untested.toml`, each with the issue whose work brings its tests; any other "
+            "listed in `docs/untested.toml`, each with the reason it has no test yet; any other "
             "uncited ID fails the build.\n"
         )
-        for rid, (issue, why) in sorted(untested.items(), key=lambda kv: _id_key(kv[0])):
-            out.append(f"- {{ref}}`{rid} <{rid.lower()}>`: issue #{issue}. {why}")
+        for rid, why in sorted(untested.items(), key=lambda kv: _id_key(kv[0])):
+            out.append(f"- {{ref}}`{rid} <{rid.lower()}>`: {why}")
         out.append("")
     return "\n".join(out)
 
@@ -426,16 +426,16 @@ def _id_key(rid: str) -> tuple[str, str, int]:
     return (m.group(1), m.group(2), int(m.group(3))) if m else (rid, "", 0)
 
 
-def read_untested(path: Path) -> dict[str, tuple[int, str]]:
+def read_untested(path: Path) -> dict[str, str]:
     if not path.is_file():
         return {}
     data = tomllib.loads(path.read_text(encoding="utf-8"))
-    untested: dict[str, tuple[int, str]] = {}
+    untested: dict[str, str] = {}
     for entry in data.get("pending", []):
         for rid in entry["ids"]:
             if rid in untested:
                 raise ExtensionError(f"{path}: {rid} is listed twice")
-            untested[rid] = (int(entry["issue"]), str(entry["why"]).strip())
+            untested[rid] = str(entry["why"]).strip()
     return untested
 
 
@@ -487,8 +487,7 @@ def generate(app: Sphinx) -> None:
         logger.info("twinrpc_docs: %s; the matrix says 'not run' for them", msg)
 
     statuses = {
-        rid: {b: cell_for(req, runs[b], untested.get(rid, (None,))[0]) for b in BACKENDS}
-        for rid, req in ids.items()
+        rid: {b: cell_for(req, runs[b], rid in untested) for b in BACKENDS} for rid, req in ids.items()
     }
     suite_tests = {name for names in cited.values() for name in names}
     out = srcdir / GENERATED

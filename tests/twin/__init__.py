@@ -1,4 +1,4 @@
-"""The differential twin test (issue 17, point 2): one RPC program, two worlds, the same outcome.
+"""The differential twin test: one RPC program, two worlds, the same outcome.
 
 ``programs`` draws small RPC programs as data, ``interpreter`` runs one unchanged in the simulator
 and in gloo processes, ``outcome`` says what a run observed, ``runners`` runs both worlds and gives

@@ -101,7 +101,7 @@ def _raise(kind: str) -> None:
 
 def _hold(seconds: float) -> str:
     # The answer is known before the wait: whether a worker that left meanwhile still delivers it is
-    # what a departure during a running call tests (issue 17), not whether its API still works.
+    # what a departure during a running call tests, not whether its API still works.
     name = _me()
     _sleep(seconds)
     return name
