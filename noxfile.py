@@ -124,7 +124,7 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def train(session: nox.Session) -> None:
-    """The parameter-server training job: `nox -s train` (simulator), `nox -s train -- --backend gloo`."""
+    """The parameter-server training job: `nox -s train` (simulator), `nox -s train -- --world gloo`."""
     _install(session, "train")
     session.run("python", "examples/parameter_server.py", *session.posargs)
 

@@ -98,7 +98,7 @@ def job_args(world_size: int, batches: int) -> argparse.Namespace:
         lr=0.03,
         data_dir=None,
         max_batches=batches,
-        backend="bench",
+        world="bench",
     )
 
 

@@ -6,8 +6,8 @@ backward in a distributed autograd context, and steps the server's parameters wi
 ``DistributedOptimizer``. Trainers run concurrently against the one server.
 
     python examples/parameter_server.py                      # simulator: 1 server + 2 trainers
-    python examples/parameter_server.py --backend gloo       # real processes on this machine
-    torchrun --nproc-per-node 3 examples/parameter_server.py --backend gloo   # one process per rank
+    python examples/parameter_server.py --world gloo         # real processes on this machine
+    torchrun --nproc-per-node 3 examples/parameter_server.py --world gloo   # one process per rank
     python examples/parameter_server.py --data-dir ~/mnist   # MNIST IDX files instead of the digits
 
 Data: scikit-learn's bundled 8x8 digits by default (no download); ``--data-dir`` reads MNIST IDX files
@@ -244,11 +244,11 @@ def run_worker(rank: int, args: argparse.Namespace, options: Any = None) -> dict
     result = {
         "test_accuracy": acc,
         "final_loss": {k: sum(v[-10:]) / len(v[-10:]) for k, v in server.losses.items()},
-        "backend": args.backend,
+        "world": args.world,
         "loss_png": str(out / "loss.png"),
     }
     (out / "result.json").write_text(json.dumps(result, indent=2))
-    print(f"\ntest accuracy: {acc:.2%} on {len(y_test)} test images ({args.backend})")
+    print(f"\ntest accuracy: {acc:.2%} on {len(y_test)} test images ({args.world})")
     print(f"loss curve: {out / 'loss.png'}")
     return result
 
@@ -260,7 +260,7 @@ def _gloo_child(rank: int, args: argparse.Namespace, init_method: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=["sim", "gloo"], default="sim")
+    parser.add_argument("--world", choices=["sim", "gloo"], default="sim", help="simulator or real processes")
     parser.add_argument("--world-size", type=int, default=3, help="1 server + (world size - 1) trainers")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if args.world_size < 2:
         parser.error("--world-size must be at least 2 (one server and one trainer)")
     torch.set_num_threads(1)
-    if args.backend == "sim":
+    if args.world == "sim":
         from twinrpc.simulator import Simulation
 
         print(f"simulator: 1 parameter server + {args.world_size - 1} trainers (seed {args.seed})")

@@ -6,6 +6,7 @@ The docs include code only with ``literalinclude`` from ``docs/examples/`` or ``
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import runpy
@@ -129,16 +130,25 @@ def test_dynamic_group_trainers_join_and_leave_while_the_server_runs(world: str)
     ]
 
 
-def test_parameter_server_on_the_simulator():
-    out = _run("docs/examples/parameter_server.py", "--world", "sim")
-    assert "60 updates, weights [2.0, -3.0, 0.5]" in out
+# -- the parameter-server tutorial: the main job, examples/parameter_server.py, short runs ------------
+# (tests/test_dist_train_example.py trains it to its accuracy on the simulator)
+def _parameter_server_short_run(world: str, out_dir: Path) -> dict[str, Any]:
+    short = ["--epochs", "1", "--max-batches", "3", "--out-dir", str(out_dir)]
+    out = _run("examples/parameter_server.py", "--world", world, *short)
+    assert f"test images ({world})" in out, out
+    result: dict[str, Any] = json.loads((out_dir / "result.json").read_text())
+    assert result["world"] == world and set(result["final_loss"]) == {"1", "2"}, result
+    return result
 
 
-def test_parameter_server_on_gloo():
+def test_parameter_server_on_the_simulator(tmp_path: Path) -> None:
+    _parameter_server_short_run("sim", tmp_path)
+
+
+def test_parameter_server_on_gloo(tmp_path: Path) -> None:
     # Once failed ~2 runs in 3: a worker that finished graceful shutdown closed its links and failed a
     # slower peer's last all-gather; fixed by orderly departures (b2061e9).
-    out = _run("docs/examples/parameter_server.py", "--world", "gloo")
-    assert "60 updates, weights [2.0, -3.0, 0.5]" in out
+    _parameter_server_short_run("gloo", tmp_path)
 
 
 def test_lost_update_is_found_replayed_and_fixed():
