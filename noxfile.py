@@ -117,7 +117,7 @@ def _build_docs(session: nox.Session, *, require_matrix: bool) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job for now: an example RPC program run on the simulator, printing what it did."""
+    """A first look: a small RPC program run on the simulator (examples/hello_simulator.py), printing what it did."""
     _install(session, "test")
     session.run("python", "examples/hello_simulator.py", *session.posargs)
 
