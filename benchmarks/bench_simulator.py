@@ -21,8 +21,8 @@ import warnings
 from collections.abc import Iterator
 
 from twinrpc.simulator import Simulation, SimulationWarning
-from twinrpc.simulator._program import ProcessImage, ProcessImages
-from twinrpc.simulator._virtual_time import simulated_time
+from twinrpc.simulator._kernel._virtual_time import simulated_time
+from twinrpc.simulator._launch._program import ProcessImage, ProcessImages
 
 import twinrpc.rpc as rpc
 
@@ -49,7 +49,7 @@ def _program(rank: int, calls: int) -> float:
 @contextlib.contextmanager
 def _as_processes(sim: Simulation) -> Iterator[None]:
     """Each worker a simulated process with its own image, as the ``run`` command sets them up."""
-    from twinrpc.simulator._program import IMAGE
+    from twinrpc.simulator._launch._program import IMAGE
 
     images = ProcessImages(os.path.dirname(os.path.abspath(__file__)))
     for worker in sim.workers:

@@ -14,12 +14,11 @@ Faults are verbs and plain data: ``sim.drop("response", src=1, dst=0)``, ``sim.p
 
 from __future__ import annotations
 
-from ._compute import ComputeModel
-from ._current import current
-from ._determinism import NondeterminismError, check_determinism
+from ._checks._determinism import NondeterminismError, check_determinism
+from ._checks._monitors import MonitorViolation, RRefMonitor
 from ._errors import FaultPlanError, SimulationDeadlock, SimulationError
-from ._explore import Exploration, Failure, explore, replay
-from ._faults import (
+from ._exploration._explore import Exploration, Failure, explore, replay
+from ._faults._plan import (
     FAULT_KINDS,
     MESSAGE_CLASSES,
     RETRIED_MESSAGES,
@@ -34,13 +33,14 @@ from ._faults import (
     Partition,
     Pause,
 )
-from ._monitors import MonitorViolation, RRefMonitor
-from ._network import NetworkModel
+from ._faults._swarm import Swarm, load_faults
+from ._kernel._compute import ComputeModel
+from ._kernel._current import current
+from ._kernel._virtual_time import SimulationWarning
+from ._network._model import NetworkModel
 from ._simulation import RunResult, Simulation, WorkerOutcome, now, sleep
-from ._swarm import Swarm, load_faults
-from ._trace import MessageInfo, Trace, TraceEvent, TraceFormatError
-from ._trace_diff import Divergence, diff_traces
-from ._virtual_time import SimulationWarning
+from ._traces._diff import Divergence, diff_traces
+from ._traces._trace import MessageInfo, Trace, TraceEvent, TraceFormatError
 
 __all__ = [
     "FAULT_KINDS",

@@ -1,7 +1,7 @@
-"""``python -m twinrpc.simulator COMMAND ...`` (see :mod:`twinrpc.simulator._cli`)."""
+"""``python -m twinrpc.simulator COMMAND ...`` (see :mod:`twinrpc.simulator._cli._main`)."""
 
 import sys
 
-from ._cli import main
+from ._cli._main import main
 
 sys.exit(main())

@@ -10,7 +10,7 @@ import collections
 
 from twinrpc._future import Future
 
-from ._scheduler import Scheduler
+from ._kernel._scheduler import Scheduler
 
 
 class DynamicGroup:

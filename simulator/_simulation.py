@@ -17,19 +17,30 @@ from twinrpc._message import REQUEST_KINDS, Message
 from twinrpc._worker_info import WorkerInfo
 from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
-from ._compute import ComputeMeter, ComputeModel
+from ._checks._monitors import RRefMonitor
 from ._dynamic_group import DynamicGroup, DynamicMember
 from ._errors import SimulationError
-from ._fault_engine import NetworkFaults
-from ._faults import DEFAULT_GC_DELAY, Crash, Delay, Drop, Duplicate, Fault, FaultPlan, Hold, Partition, Pause
-from ._monitors import RRefMonitor
-from ._network import NetworkModel
-from ._process_group import serve_process_groups
-from ._scheduler import Scheduler
-from ._swarm import Swarm
-from ._trace import Trace
-from ._trace_observer import TraceObserver
-from ._virtual_time import simulated_time
+from ._faults._engine import NetworkFaults
+from ._faults._plan import (
+    DEFAULT_GC_DELAY,
+    Crash,
+    Delay,
+    Drop,
+    Duplicate,
+    Fault,
+    FaultPlan,
+    Hold,
+    Partition,
+    Pause,
+)
+from ._faults._swarm import Swarm
+from ._kernel._compute import ComputeMeter, ComputeModel
+from ._kernel._scheduler import Scheduler
+from ._kernel._virtual_time import simulated_time
+from ._network._model import NetworkModel
+from ._network._process_group import serve_process_groups
+from ._traces._observer import TraceObserver
+from ._traces._trace import Trace
 from ._world import SimBlocker, SimWorker, SimWorld
 
 _RENDEZVOUS_DELAY = 1e-3  # a store round trip at init
@@ -139,15 +150,15 @@ class Simulation:
         #: generation -> its dynamic group (init_rpc without world_size, LIFE-5)
         self._dynamic: dict[int, DynamicGroup] = {}
         #: rank -> (heartbeat_interval, heartbeat_misses) of its latest init_rpc's options: how long it
-        #: lets a silent peer be before declaring it dead (simulator/_fault_engine.py, silence_bound)
+        #: lets a silent peer be before declaring it dead (simulator/_faults/_engine.py, silence_bound)
         self.heartbeat_options: dict[int, tuple[float, int]] = {}
         self._used = False
         if isinstance(faults, Swarm):
             faults = faults.plan(seed, world_size)
         #: the fault plan of this run (a Swarm resolved with the seed), or None
         self.plan: FaultPlan | None = faults
-        # Fault hooks (simulator/_fault_engine.py; installed by a plan or the first fault verb) and
-        # RRef monitors (simulator/_monitors.py); None = off, no cost.
+        # Fault hooks (simulator/_faults/_engine.py; installed by a plan or the first fault verb) and
+        # RRef monitors (simulator/_checks/_monitors.py); None = off, no cost.
         self.faults = NetworkFaults(self, faults) if faults is not None else None
         self.gc_delay = faults.gc_delay if faults is not None else DEFAULT_GC_DELAY
         self.monitor = RRefMonitor(self) if monitors else None

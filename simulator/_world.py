@@ -18,8 +18,8 @@ from twinrpc._message import Message
 from twinrpc._serialize import copy_storages
 from twinrpc._world import NO_OBSERVERS, ProtocolObservers, TimerHandle, World, WorldEvents
 
-from ._current import CURRENT_SIMULATION
-from ._scheduler import Scheduler
+from ._kernel._current import CURRENT_SIMULATION
+from ._kernel._scheduler import Scheduler
 
 if TYPE_CHECKING:
     from ._simulation import Simulation
@@ -141,7 +141,7 @@ class SimWorld(World):
             self.last_arrival[msg.dst] = due
         if sim.faults is None:
             self.sched.schedule(delay, sim._deliver, msg)
-        else:  # fault hook (simulator/_faults.py): delay, drop, duplicate, hold
+        else:  # fault hook (simulator/_faults/_plan.py): delay, drop, duplicate, hold
             sim.faults.route(msg, delay)
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -175,8 +175,8 @@ class SimWorld(World):
         return self.sched.call_later(delay, lambda: self.worker.spawn("timer", fn))
 
     def observers(self) -> ProtocolObservers:
-        """The trace (simulator/_trace_observer.py), which forwards RRef events to the online monitors
-        (simulator/_monitors.py); the monitors alone when the trace is off."""
+        """The trace (simulator/_traces/_observer.py), which forwards RRef events to the online monitors
+        (simulator/_checks/_monitors.py); the monitors alone when the trace is off."""
         sim = self.sim
         if sim.trace_observer is not None:
             return ProtocolObservers(rrefs=sim.trace_observer, autograd=sim.trace_observer)

@@ -38,8 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ._compute import ComputeModel, count_operations
-from ._network import NetworkModel
+from ._kernel._compute import ComputeModel, count_operations
+from ._network._model import NetworkModel
 
 __all__ = [
     "DEFAULT_SIZES",

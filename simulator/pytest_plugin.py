@@ -48,7 +48,7 @@ from typing import Any
 
 import pytest
 
-from ._explore import (
+from ._exploration._explore import (
     Case,
     Failure,
     _is_literal,
@@ -61,8 +61,8 @@ from ._explore import (
     raises_block,
     regression_header,
 )
-from ._faults import FaultPlan
-from ._network import NetworkModel
+from ._faults._plan import FaultPlan
+from ._network._model import NetworkModel
 from ._simulation import RunResult
 
 __all__ = ["SimulationFixture"]

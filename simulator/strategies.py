@@ -36,7 +36,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from ._faults import (
+from ._faults._plan import (
     FAULT_KINDS,
     KIND_NAMES,
     MESSAGE_CLASSES,
@@ -53,7 +53,7 @@ from ._faults import (
     Partition,
     Pause,
 )
-from ._network import NetworkModel
+from ._network._model import NetworkModel
 from ._simulation import Simulation, sleep
 
 __all__ = [

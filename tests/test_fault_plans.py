@@ -705,6 +705,6 @@ def test_swarm_files_and_bad_swarms(tmp_path: Path) -> None:
 
 
 def _swarm_toml(swarm: Swarm) -> str:
-    from twinrpc.simulator._fault_files import to_toml
+    from twinrpc.simulator._faults._files import to_toml
 
     return to_toml(swarm.to_dict())

@@ -22,8 +22,8 @@ import pytest
 import torch.distributed
 import twinrpc.simulator
 from twinrpc.simulator import Simulation, SimulationWarning
-from twinrpc.simulator._cli import main
-from twinrpc.simulator._launch import LaunchOptions
+from twinrpc.simulator._cli._main import main
+from twinrpc.simulator._launch._launch import LaunchOptions
 
 import twinrpc.rpc
 

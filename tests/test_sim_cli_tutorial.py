@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 from _launch import ROOT, base_env, free_port, run_all
-from twinrpc.simulator._cli import main
+from twinrpc.simulator._cli._main import main
 
 EXAMPLE = ROOT / "examples" / "torch_parameter_server.py"
 PORTER = ROOT / "examples" / "port_imports.py"

@@ -19,7 +19,7 @@ import pytest
 from _lost_update import COUNTER_PROGRAM
 from hypothesis import strategies as st
 from twinrpc.simulator import FaultPlan, SimulationDeadlock, explore, replay
-from twinrpc.simulator._explore import Failure, fault_count, message_pattern
+from twinrpc.simulator._exploration._explore import Failure, fault_count, message_pattern
 
 import twinrpc.rpc as rpc
 

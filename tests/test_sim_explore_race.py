@@ -22,8 +22,8 @@ from types import ModuleType
 import pytest
 from hypothesis import strategies as st
 from twinrpc.simulator import Failure, explore, replay
-from twinrpc.simulator._explore import fault_count
-from twinrpc.simulator._launch_torch import serve_torch_rpc
+from twinrpc.simulator._exploration._explore import fault_count
+from twinrpc.simulator._launch._torch import serve_torch_rpc
 
 RACE = "modified by an inplace operation"
 PROGRAM = Path(__file__).resolve().parents[1] / "docs" / "examples" / "ps_race.py"

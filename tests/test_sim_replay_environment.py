@@ -18,8 +18,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from twinrpc.simulator._cli import main
-from twinrpc.simulator._launch import LaunchOptions, environment_prefix, launch
+from twinrpc.simulator._cli._main import main
+from twinrpc.simulator._launch._launch import LaunchOptions, environment_prefix, launch
 
 RACY = """
 import os

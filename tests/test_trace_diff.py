@@ -7,7 +7,7 @@ from pathlib import Path
 import _trace_scenarios as scenarios
 import pytest
 from twinrpc.simulator import Divergence, Simulation, Trace, diff_traces
-from twinrpc.simulator import _cli as cli
+from twinrpc.simulator._cli import _main as cli
 
 
 def _trace(seed: int, calls: int = 3) -> Trace:

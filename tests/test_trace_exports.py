@@ -12,7 +12,7 @@ from pathlib import Path
 import _trace_scenarios as scenarios
 import pytest
 from twinrpc.simulator import Simulation, Trace
-from twinrpc.simulator import _cli as cli
+from twinrpc.simulator._cli import _main as cli
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import _trace_scenarios as scenarios
 import pytest
 from _launch import ROOT, free_port, run_workers
 from twinrpc.simulator import Simulation, Trace, diff_traces
-from twinrpc.simulator import _cli as cli
+from twinrpc.simulator._cli import _main as cli
 
 SCRIPT = ROOT / "tests" / "_trace_scenarios.py"
 CALLS = 3

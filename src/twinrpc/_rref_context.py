@@ -66,7 +66,7 @@ _LEAK_WARNING = (
 
 
 class RRefObserver(Protocol):
-    """What the simulator's online monitors (``simulator/_monitors.py``) and its trace are told.
+    """What the simulator's online monitors (``simulator/_checks/_monitors.py``) and its trace are told.
     ``rank`` is the worker whose context reports the event. Only set in simulations; ``None`` (no
     cost) in the real world."""
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._errors import FaultPlanError
-from ._faults import (
+from .._errors import FaultPlanError
+from ._plan import (
     FAULT_KINDS,
     KIND_NAMES,
     MESSAGE_CLASSES,
@@ -144,14 +144,14 @@ class Swarm:
     # -- plain data --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain data: ``{"swarm": {...}}`` (the form a ``--faults`` file takes for a swarm)."""
-        from ._fault_files import swarm_to_dict
+        from ._files import swarm_to_dict
 
         return swarm_to_dict(self)
 
     @classmethod
     def from_dict(cls, data: Any) -> Swarm:
         """The swarm a dict of the :meth:`to_dict` form describes."""
-        from ._fault_files import swarm_from_dict
+        from ._files import swarm_from_dict
 
         return swarm_from_dict(data)
 
@@ -159,6 +159,6 @@ class Swarm:
 def load_faults(path: str | Path) -> FaultPlan | Swarm:
     """Read a ``.json`` or ``.toml`` fault file: a :class:`FaultPlan`, or a :class:`Swarm` when the
     file holds a ``swarm`` table (what ``--faults FILE`` accepts)."""
-    from ._fault_files import load_faults as _load
+    from ._files import load_faults as _load
 
     return _load(path)

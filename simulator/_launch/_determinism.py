@@ -17,8 +17,8 @@ import io
 import sys
 from typing import TextIO
 
+from .._traces._diff import diff_traces
 from ._launch import LaunchOptions, launch
-from ._trace_diff import diff_traces
 
 #: what the report says to look for when the runs differ
 CAUSES = (

@@ -20,14 +20,14 @@ import torch
 
 from twinrpc._world import TimerHandle
 
-from ._errors import SimulationDeadlock, SimulationError
+from .._errors import SimulationDeadlock, SimulationError
 
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 
 if TYPE_CHECKING:
+    from .._traces._trace import Trace
     from ._compute import ComputeMeter
-    from ._trace import Trace
 
 
 #: the fewest timers worth compacting (Scheduler._compact_timers)

@@ -32,10 +32,10 @@ from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[
 
 from twinrpc._future import Future
 
-from ._current import CURRENT_SIMULATION
+from .._kernel._current import CURRENT_SIMULATION
 
 if TYPE_CHECKING:
-    from ._simulation import Simulation
+    from .._simulation import Simulation
 
 #: what the DDP logger and other C++ code read as the backend's name
 BACKEND_NAME = "twinrpc-sim"

@@ -44,7 +44,7 @@ from typing import Any
 
 from twinrpc._future import CURRENT_BLOCKER, Future
 
-from ._world import SimBlocker
+from .._world import SimBlocker
 
 #: ``time.time()`` inside a virtual-time run is this epoch (2024-01-01T00:00:00Z) plus the virtual
 #: clock, so a program's timestamps are the same on every run with the same seed.
@@ -73,9 +73,10 @@ def _library_dirs() -> tuple[str, ...]:
     dirs.add(site.getusersitepackages())
     import twinrpc
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    dirs.update(os.path.dirname(os.path.abspath(p)) for p in (twinrpc.__file__ or "", __file__))
-    dirs.add(os.path.join(os.path.dirname(here), "impl"))
+    # the whole simulator package (this file is in its _kernel/), and impl/ beside it
+    simulator = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dirs.update((os.path.dirname(os.path.abspath(twinrpc.__file__ or "")), simulator))
+    dirs.add(os.path.join(os.path.dirname(simulator), "impl"))
     return tuple(sorted(os.path.join(d, "") for d in dirs if d))
 
 

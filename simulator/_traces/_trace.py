@@ -31,7 +31,7 @@ from typing import Any
 from twinrpc._message import Kind, Message
 from twinrpc._trace_format import FORMAT, VERSION, event_line, header_line
 
-from ._errors import SimulationError
+from .._errors import SimulationError
 
 #: events whose detail names a message
 MESSAGE_EVENTS = frozenset({"send", "deliver", "drop", "duplicate", "hold", "lost", "bounce", "send-failed"})

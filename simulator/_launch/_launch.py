@@ -5,11 +5,11 @@
     python -m twinrpc.simulator run --nproc-per-node 3 [--seed S] [--network FILE] [--compute FILE] [--faults FILE]
         [--trace OUT] [--max-time T] [--check-determinism] prog.py ARGS...
 
-Each worker is a simulated process (:mod:`twinrpc.simulator._program`) that runs ``prog.py`` as
+Each worker is a simulated process (:mod:`twinrpc.simulator._launch._program`) that runs ``prog.py`` as
 ``__main__`` with torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...),
 its own copy of the program's modules, and ``torch.distributed.rpc``/``.autograd``/
-``DistributedOptimizer`` served by twinrpc (:mod:`twinrpc.simulator._launch_torch`). Time follows the
-virtual clock (:mod:`twinrpc.simulator._virtual_time`). Output lines carry torchrun's rank prefix; the
+``DistributedOptimizer`` served by twinrpc (:mod:`twinrpc.simulator._launch._torch`). Time follows the
+virtual clock (:mod:`twinrpc.simulator._kernel._virtual_time`). Output lines carry torchrun's rank prefix; the
 exit status is 0 iff every worker exits 0, and a failure prints torchrun's ``ChildFailedError``
 summary plus the command that replays the run.
 
@@ -39,17 +39,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, cast
 
-from ._compute import ComputeModel
-from ._errors import SimulationDeadlock, SimulationError
-from ._faults import FaultPlan
-from ._launch_torch import serve_torch_rpc
-from ._network import NetworkModel
+from .._errors import SimulationDeadlock, SimulationError
+from .._faults._plan import FaultPlan
+from .._faults._swarm import Swarm
+from .._kernel._compute import ComputeModel
+from .._kernel._virtual_time import VIRTUAL_EPOCH, simulated_time
+from .._network._model import NetworkModel
+from .._simulation import Simulation
+from .._traces._trace import Trace
+from ._processes import ProcessLauncher, simulated_processes
 from ._program import ProcessImage, ProcessImages, RankStream, encode_environ, prefix_for
-from ._program_processes import ProcessLauncher, simulated_processes
-from ._simulation import Simulation
-from ._swarm import Swarm
-from ._trace import Trace
-from ._virtual_time import VIRTUAL_EPOCH, simulated_time
+from ._torch import serve_torch_rpc
 
 DEFAULT_PREFIX_TEMPLATE = "[rank${rank}]:"
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -220,7 +220,7 @@ def environment_prefix(environment: Mapping[str, str | None]) -> str:
 # -- --network / --faults files ----------------------------------------------------------------------
 def load_network(path: str) -> NetworkModel:
     """A :class:`NetworkModel` from a JSON or TOML file of its fields."""
-    from ._fault_files import load_network as load
+    from .._faults._files import load_network as load
 
     try:
         return load(path)
@@ -239,7 +239,7 @@ def load_compute(path: str) -> ComputeModel:
 def load_faults(path: str) -> FaultPlan | Swarm:
     """A :class:`FaultPlan` (or a :class:`Swarm`) from a JSON or TOML file
     (:doc:`/howto/fault-plan`)."""
-    from ._fault_files import load_faults as load
+    from .._faults._files import load_faults as load
 
     try:
         return load(path)
@@ -471,7 +471,7 @@ def run_command(args: argparse.Namespace) -> int:
     )
     try:
         if args.check_determinism:
-            from ._launch_determinism import launch_twice
+            from ._determinism import launch_twice
 
             return launch_twice(options)
         return launch(options).status

@@ -28,7 +28,7 @@ Message kinds a fault addresses (``kind=``): a class, or the raw name of a ``twi
 =================  ===================================================================================
 
 What the faults mean is in the how-to (``docs/howto/fault-plan.md``); how they are applied is in
-``simulator/_fault_engine.py``. Hypothesis strategies for plans live in
+``simulator/_faults/_engine.py``. Hypothesis strategies for plans live in
 :mod:`twinrpc.simulator.strategies`; seeded *swarm* plans come from :meth:`FaultPlan.swarm`.
 """
 
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from twinrpc._message import Kind
 
-from ._errors import FaultPlanError
+from .._errors import FaultPlanError
 
 if TYPE_CHECKING:
     from ._swarm import Swarm
@@ -561,7 +561,7 @@ class FaultPlan:
     # -- plain data --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain data (``FaultPlan.from_dict(plan.to_dict()) == plan``); default values are left out."""
-        from ._fault_files import plan_to_dict
+        from ._files import plan_to_dict
 
         return plan_to_dict(self)
 
@@ -572,32 +572,32 @@ class FaultPlan:
         Raises:
             FaultPlanError: naming the bad field, e.g. ``faults[1] (drop): unknown field 'knd'``.
         """
-        from ._fault_files import plan_from_dict
+        from ._files import plan_from_dict
 
         return plan_from_dict(data)
 
     @classmethod
     def load(cls, path: str | Path) -> FaultPlan:
         """Read a plan from a ``.json`` or ``.toml`` file (see the how-to for the format)."""
-        from ._fault_files import load_plan
+        from ._files import load_plan
 
         return load_plan(path)
 
     def dump(self, path: str | Path) -> None:
         """Write the plan to a ``.json`` or ``.toml`` file; :meth:`load` reads back an equal plan."""
-        from ._fault_files import dump_data
+        from ._files import dump_data
 
         dump_data(self.to_dict(), path)
 
     def to_json(self) -> str:
         """The plan as JSON text."""
-        from ._fault_files import to_json
+        from ._files import to_json
 
         return to_json(self.to_dict())
 
     def to_toml(self) -> str:
         """The plan as TOML text."""
-        from ._fault_files import to_toml
+        from ._files import to_toml
 
         return to_toml(self.to_dict())
 

@@ -44,8 +44,8 @@ from twinrpc._message import RREF_CONTROL_KINDS, Kind, Message
 from twinrpc._serialize import copy_storages
 from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
-from ._errors import FaultPlanError
-from ._faults import (
+from .._errors import FaultPlanError
+from ._plan import (
     Crash,
     Delay,
     Deliver,
@@ -59,7 +59,7 @@ from ._faults import (
 )
 
 if TYPE_CHECKING:
-    from ._simulation import Simulation
+    from .._simulation import Simulation
 
 #: what ``rpc_sync``/``rpc_async``/``remote``/``to_here``/``_get_type`` send
 USER_REQUEST_KINDS = frozenset({Kind.CALL, Kind.REMOTE_CALL, Kind.RREF_FETCH, Kind.RREF_TYPE})

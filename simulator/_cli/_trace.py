@@ -19,9 +19,9 @@ from typing import Any
 
 from twinrpc._message import Kind
 
-from ._export import EXPORT_FORMATS, export
-from ._trace import Trace, TraceFormatError
-from ._trace_diff import diff_traces
+from .._traces._diff import diff_traces
+from .._traces._export import EXPORT_FORMATS, export
+from .._traces._trace import Trace, TraceFormatError
 
 
 def register(subparsers: Any) -> None:

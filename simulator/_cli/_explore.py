@@ -5,14 +5,14 @@
     python -m twinrpc.simulator explore --nproc-per-node 3 [--runs 200] [--swarm] [--seed S]
         [--network FILE] [--max-time T] [--shrink-runs N] [--out DIR] prog.py ARGS...
 
-Each run is what ``python -m twinrpc.simulator run`` does (:mod:`twinrpc.simulator._launch`), under a
+Each run is what ``python -m twinrpc.simulator run`` does (:mod:`twinrpc.simulator._launch._launch`), under a
 seed and a fault plan drawn as :func:`twinrpc.simulator.explore` draws them (``--swarm``: the seed
 draws the faults too). A run fails when any of its processes, children included, ends with an
 uncaught exception, when a worker exits non-zero, or when the simulation hangs; the first exception
 to happen is the failure, and hypothesis shrinks the run to the smallest one that fails the same way.
 The minimal plan is written to ``DIR/faults.json``, a regression test to ``DIR/test_<program>_regression.py``,
 and the ``run`` command that replays the minimal run is printed. Both carry the environment variables
-the program read (:func:`~twinrpc.simulator._launch.replay_environment`, over all the runs: each run
+the program read (:func:`~twinrpc.simulator._launch._launch.replay_environment`, over all the runs: each run
 starts from the same environment), set or unset as they were. Exit status 0 when every run passed,
 1 when one failed, 2 on bad input.
 """
@@ -31,9 +31,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ._errors import SimulationDeadlock
-from ._explore import Case, Failure, _Outcome, _Search, cases, regression_header
-from ._launch import LaunchError, LaunchOptions, environment_prefix, launch, load_network
+from .._errors import SimulationDeadlock
+from .._exploration._explore import Case, Failure, _Outcome, _Search, cases, regression_header
+from .._launch._launch import LaunchError, LaunchOptions, environment_prefix, launch, load_network
 
 
 class ProgramError(Exception):
@@ -106,7 +106,7 @@ def run_command_line(
     environment: Mapping[str, str | None] | None = None,
 ) -> str:
     """The ``run`` command that replays ``case`` (its plan written to ``plan_path``), after the
-    environment the program read (:func:`~twinrpc.simulator._launch.environment_prefix`)."""
+    environment the program read (:func:`~twinrpc.simulator._launch._launch.environment_prefix`)."""
     cmd = ["python", "-m", "twinrpc.simulator", "run", "--nproc-per-node", str(options.nproc_per_node)]
     cmd += ["--seed", str(case.seed), "--faults", plan_path]
     if network_path is not None:

@@ -20,7 +20,7 @@ the scheduler switches to a task of another process.
   shared, as read-only code mostly is; their global state (torch's default RNG, for one) is shared too.
 
 Processes started with ``multiprocessing`` from a simulated process are simulated too
-(:mod:`twinrpc.simulator._program_processes`).
+(:mod:`twinrpc.simulator._launch._processes`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any, TextIO
 
 import greenlet
 
-from ._virtual_time import _library_dirs
+from .._kernel._virtual_time import _library_dirs
 
 #: the simulated process a task belongs to (None: not a simulated process, e.g. the scheduler)
 IMAGE: contextvars.ContextVar[ProcessImage | None] = contextvars.ContextVar("twinrpc_image", default=None)

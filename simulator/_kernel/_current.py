@@ -12,7 +12,7 @@ import contextvars
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._simulation import Simulation
+    from .._simulation import Simulation
 
 #: set in each simulated worker's context (every task of the worker copies it)
 CURRENT_SIMULATION: contextvars.ContextVar[Simulation | None] = contextvars.ContextVar(

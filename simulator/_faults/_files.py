@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import tomllib
 
-from ._errors import FaultPlanError
-from ._faults import (
+from .._errors import FaultPlanError
+from .._network._model import NetworkModel
+from ._plan import (
     DEFAULT_GC_DELAY,
     Crash,
     Delay,
@@ -46,10 +47,9 @@ from ._faults import (
     Partition,
     Pause,
 )
-from ._network import NetworkModel
 
 if TYPE_CHECKING:
-    from ._compute import ComputeModel
+    from .._kernel._compute import ComputeModel
     from ._swarm import Swarm
 
 _FAULTS: dict[str, type] = {
@@ -227,7 +227,9 @@ def compute_to_dict(model: ComputeModel) -> dict[str, Any]:
 
 
 def compute_from_dict(data: Any, where: str = "") -> ComputeModel:
-    from ._compute import ComputeModel  # _compute imports torch's dispatch machinery: only when asked
+    from .._kernel._compute import (
+        ComputeModel,  # _compute imports torch's dispatch machinery: only when asked
+    )
 
     return _build(ComputeModel, data, where or "compute model")  # type: ignore[no-any-return]
 

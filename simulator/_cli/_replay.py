@@ -22,8 +22,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ._explore import plan_from_data, replay
-from ._faults import FaultPlan
+from .._exploration._explore import plan_from_data, replay
+from .._faults._plan import FaultPlan
 
 
 class ReplayError(ValueError):

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 
 from twinrpc._rref import GloballyUniqueId, OwnerState, UserState
 
-from ._errors import SimulationError
+from .._errors import SimulationError
 
 if TYPE_CHECKING:
-    from ._simulation import Simulation
+    from .._simulation import Simulation
 
 _Key = tuple[GloballyUniqueId, GloballyUniqueId]  # (rref id, fork id)
 

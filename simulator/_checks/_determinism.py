@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._errors import SimulationError
-from ._simulation import RunResult, Simulation
-from ._trace import Trace
-from ._trace_diff import Divergence, diff_traces
+from .._errors import SimulationError
+from .._simulation import RunResult, Simulation
+from .._traces._diff import Divergence, diff_traces
+from .._traces._trace import Trace
 
 
 class NondeterminismError(SimulationError):

@@ -35,10 +35,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from ._errors import SimulationError
-from ._faults import FaultPlan
-from ._network import NetworkModel
-from ._simulation import RunResult, Simulation
+from .._errors import SimulationError
+from .._faults._plan import FaultPlan
+from .._network._model import NetworkModel
+from .._simulation import RunResult, Simulation
 
 if TYPE_CHECKING:
     from hypothesis.strategies import DataObject, SearchStrategy
@@ -110,7 +110,7 @@ def plan_from_data(data: dict[str, Any] | str) -> FaultPlan:
 def fault_count(plan: FaultPlan) -> int:
     """How many faults a plan holds (what shrinking minimizes): its faults and every positional
     action that is not a plain delivery."""
-    from ._faults import Deliver
+    from .._faults._plan import Deliver
 
     return len(plan.faults) + sum(1 for a in plan.actions if not isinstance(a, Deliver))
 
@@ -711,7 +711,7 @@ def cases(
     from hypothesis import strategies as st
 
     if swarm:
-        from ._swarm import Swarm
+        from .._faults._swarm import Swarm
 
         maker = Swarm() if horizon is None else Swarm(duration=horizon)
         return st.builds(
@@ -739,7 +739,7 @@ def default_faults(world_size: int, horizon: float | None = None) -> SearchStrat
     holds and partitions that heal, pauses, lost or duplicated RRef control messages that are resent;
     no crash), with their time windows placed over ``horizon`` virtual seconds (the program's length,
     measured by a fault-free run; ``None``: one second)."""
-    from .strategies import fault_plans
+    from ..strategies import fault_plans
 
     return fault_plans(world_size) if horizon is None else fault_plans(world_size, horizon=horizon)
 

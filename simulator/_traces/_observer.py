@@ -3,7 +3,7 @@
 The protocol core reports these through two optional hooks (``RRefContext.observer``,
 ``DistAutogradContainer.observer``; ``None`` in the real world). When the trace is on, the simulation
 installs a :class:`TraceObserver` in both; for RRefs it also forwards every event to the online
-monitors (``simulator/_monitors.py``) until they stop at a crash.
+monitors (``simulator/_checks/_monitors.py``) until they stop at a crash.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from twinrpc._rref import GloballyUniqueId, OwnerState, UserState
 
 if TYPE_CHECKING:
-    from ._monitors import RRefMonitor
-    from ._simulation import Simulation
+    from .._checks._monitors import RRefMonitor
+    from .._simulation import Simulation
 
 
 def _gid(g: GloballyUniqueId) -> str:

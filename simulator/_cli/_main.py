@@ -11,8 +11,11 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-#: the modules (relative to this package) that provide a subcommand each, in the order help lists them
-COMMAND_MODULES: tuple[str, ...] = ("_launch", "_explore_cli", "_replay_cli", "_trace_cli")
+_SIMULATOR = __name__.rsplit(".", 2)[0]  # twinrpc.simulator
+
+#: the modules (relative to ``twinrpc.simulator``) that provide a subcommand each, in the order help
+#: lists them
+COMMAND_MODULES: tuple[str, ...] = ("._launch._launch", "._cli._explore", "._cli._replay", "._cli._trace")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        importlib.import_module(f"{__package__}.{name}").register(subparsers)
+        importlib.import_module(name, _SIMULATOR).register(subparsers)
     return parser
 
 

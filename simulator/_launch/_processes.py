@@ -44,8 +44,8 @@ from twinrpc._world import TimerHandle
 from ._program import IMAGE, ProcessImage, ProcessImages, RecordingEnviron, exec_main, run_process
 
 if TYPE_CHECKING:
-    from ._scheduler import Task
-    from ._simulation import Simulation
+    from .._kernel._scheduler import Task
+    from .._simulation import Simulation
 
 #: the launcher of the program run in progress (one at a time per interpreter)
 _LAUNCHER: ProcessLauncher | None = None
