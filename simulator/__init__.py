@@ -14,9 +14,17 @@ Faults are verbs and plain data: ``sim.drop("response", src=1, dst=0)``, ``sim.p
 
 from __future__ import annotations
 
-from ._checks._determinism import NondeterminismError, check_determinism
-from ._checks._monitors import MonitorViolation, RRefMonitor
-from ._errors import FaultPlanError, SimulationDeadlock, SimulationError
+from ._checks._determinism import check_determinism
+from ._checks._monitors import RRefMonitor
+from ._errors import (
+    FaultPlanError,
+    MonitorViolation,
+    NondeterminismError,
+    SimulationDeadlock,
+    SimulationError,
+    SimulationWarning,
+    TraceFormatError,
+)
 from ._exploration._explore import Exploration, Failure, explore, replay
 from ._faults._plan import (
     FAULT_KINDS,
@@ -36,11 +44,10 @@ from ._faults._plan import (
 from ._faults._swarm import Swarm, load_faults
 from ._kernel._compute import ComputeModel
 from ._kernel._current import current
-from ._kernel._virtual_time import SimulationWarning
 from ._network._model import NetworkModel
 from ._simulation import RunResult, Simulation, WorkerOutcome, now, sleep
 from ._traces._diff import Divergence, diff_traces
-from ._traces._trace import MessageInfo, Trace, TraceEvent, TraceFormatError
+from ._traces._trace import MessageInfo, Trace, TraceEvent
 
 __all__ = [
     "FAULT_KINDS",

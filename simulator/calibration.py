@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ._errors import CalibrationError
 from ._kernel._compute import ComputeModel, count_operations
 from ._network._model import NetworkModel
 
@@ -64,10 +65,6 @@ DEFAULT_SIZES: tuple[int, ...] = (0, KiB, 16 * KiB, 256 * KiB, MiB, 4 * MiB, 16 
 
 #: the 90th minus the 10th percentile of the sum of two uniform [0, j) delays, in units of j
 SPREAD_PER_JITTER = 2.0 * (1.0 - math.sqrt(0.2))
-
-
-class CalibrationError(ValueError):
-    """The measurements cannot determine a model (too few distinct sizes, a value not positive)."""
 
 
 @dataclass(frozen=True, slots=True)

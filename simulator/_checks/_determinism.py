@@ -11,25 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import SimulationError
+from .._errors import NondeterminismError
 from .._simulation import RunResult, Simulation
-from .._traces._diff import Divergence, diff_traces
+from .._traces._diff import diff_traces
 from .._traces._trace import Trace
-
-
-class NondeterminismError(SimulationError):
-    """Two runs of one scenario with the same seed differed.
-
-    Attributes:
-        divergence: where the traces of the two runs first differ (``None`` when the traces agree
-            but the runs ended differently, one raising and the other not).
-        seed: the seed both runs used.
-    """
-
-    def __init__(self, message: str, divergence: Divergence | None, seed: int) -> None:
-        super().__init__(message)
-        self.divergence = divergence
-        self.seed = seed
 
 
 def _run(

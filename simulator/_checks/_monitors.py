@@ -26,28 +26,12 @@ from typing import TYPE_CHECKING
 
 from twinrpc._rref import GloballyUniqueId, OwnerState, UserState
 
-from .._errors import SimulationError
+from .._errors import MonitorViolation
 
 if TYPE_CHECKING:
     from .._simulation import Simulation
 
 _Key = tuple[GloballyUniqueId, GloballyUniqueId]  # (rref id, fork id)
-
-
-class MonitorViolation(SimulationError):
-    """A protocol invariant broke during a simulation.
-
-    Attributes:
-        requirement: the spec ID the invariant belongs to (e.g. ``"RREF-F1"``).
-        invariant: a short name ("G1", "G2", "owner-free", "no-leak").
-        time: the virtual time of the violation.
-    """
-
-    def __init__(self, requirement: str, invariant: str, time: float, message: str) -> None:
-        super().__init__(f"[{requirement} {invariant}] at t={time:.6f}: {message}")
-        self.requirement = requirement
-        self.invariant = invariant
-        self.time = time
 
 
 class RRefMonitor:

@@ -31,19 +31,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .._errors import SimulationDeadlock
+from .._errors import LaunchError, ProgramError, SimulationDeadlock
 from .._exploration._explore import Case, Failure, _Outcome, _Search, cases, regression_header
-from .._launch._launch import LaunchError, LaunchOptions, environment_prefix, launch, load_network
-
-
-class ProgramError(Exception):
-    """An uncaught exception of a simulated process, known by its printed traceback: its type's name
-    and message are what "the same failure" compares."""
-
-    def __init__(self, type_name: str, message: str, traceback_text: str) -> None:
-        super().__init__(message)
-        self.type_name = type_name
-        self.traceback_text = traceback_text
+from .._launch._launch import LaunchOptions, environment_prefix, launch, load_network
 
 
 def parse_traceback(text: str) -> tuple[str, str]:

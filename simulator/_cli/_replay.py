@@ -22,12 +22,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from .._errors import ReplayError
 from .._exploration._explore import plan_from_data, replay
 from .._faults._plan import FaultPlan
-
-
-class ReplayError(ValueError):
-    """Bad input to ``replay`` (a target that does not import, a value that does not parse)."""
 
 
 def load_target(target: str) -> Any:

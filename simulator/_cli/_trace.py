@@ -19,9 +19,10 @@ from typing import Any
 
 from twinrpc._message import Kind
 
+from .._errors import TraceFormatError
 from .._traces._diff import diff_traces
 from .._traces._export import EXPORT_FORMATS, export
-from .._traces._trace import Trace, TraceFormatError
+from .._traces._trace import Trace
 
 
 def register(subparsers: Any) -> None:

@@ -44,16 +44,12 @@ from typing import Any
 
 from twinrpc._future import CURRENT_BLOCKER, Future
 
+from .._errors import SimulationWarning
 from .._world import SimBlocker
 
 #: ``time.time()`` inside a virtual-time run is this epoch (2024-01-01T00:00:00Z) plus the virtual
 #: clock, so a program's timestamps are the same on every run with the same seed.
 VIRTUAL_EPOCH = 1_704_067_200.0
-
-
-class SimulationWarning(UserWarning):
-    """A simulated program did something that makes runs with the same seed differ (it read the wall
-    clock, slept in wall time or started an OS thread). The message names the file and line."""
 
 
 _real_time = time.time

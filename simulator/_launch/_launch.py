@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, cast
 
-from .._errors import SimulationDeadlock, SimulationError
+from .._errors import LaunchError, SimulationDeadlock, SimulationError
 from .._faults._plan import FaultPlan
 from .._faults._swarm import Swarm
 from .._kernel._compute import ComputeModel
@@ -55,10 +55,6 @@ DEFAULT_PREFIX_TEMPLATE = "[rank${rank}]:"
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 _PLACEHOLDER = re.compile(r"\{(rank|local_rank|world_size)\}|\$\{local_rank\}")
-
-
-class LaunchError(ValueError):
-    """Bad input to ``python -m twinrpc.simulator run`` (a file, a flag value)."""
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from typing import Any
 from twinrpc._message import Kind, Message
 from twinrpc._trace_format import FORMAT, VERSION, event_line, header_line
 
-from .._errors import SimulationError
+from .._errors import TraceFormatError
 
 #: events whose detail names a message
 MESSAGE_EVENTS = frozenset({"send", "deliver", "drop", "duplicate", "hold", "lost", "bounce", "send-failed"})
@@ -42,10 +42,6 @@ _SWITCH = "switch"
 #: a trace of numbers and strings only is untracked by the cyclic GC, which otherwise walks every
 #: event of a long run again and again
 _KIND_NAMES: dict[Any, str] = {k: k.name for k in Kind}
-
-
-class TraceFormatError(SimulationError, ValueError):
-    """A trace file that is not in twinrpc's trace format (or of a newer version)."""
 
 
 @dataclass(frozen=True, slots=True)
