@@ -26,7 +26,7 @@ from twinrpc.simulator import (
     MonitorViolation,
     Simulation,
 )
-from twinrpc.simulator.strategies import (
+from twinrpc.simulator._exploration._rref_workload import (
     Create,
     Nested,
     Release,
@@ -35,10 +35,10 @@ from twinrpc.simulator.strategies import (
     Share,
     ToHere,
     replay_source,
-    rref_fault_plans,
     run_workload,
     workloads,
 )
+from twinrpc.simulator.strategies import rref_fault_plans
 
 import twinrpc._rref_context as rref_context
 
@@ -100,6 +100,25 @@ def test_broken_g2_is_caught_by_the_monitors_and_shrunk_to_a_minimal_replayable_
     # ... and the very same example passes with G2 enforced.
     rref_context._testing_disable_g2 = False
     run_workload(workload, plan, seed)
+
+
+def test_the_printed_replay_source_runs_the_same_workload_again():
+    workload = [Create(owner=1), Share(slot=0, holder=2), Return(slot=0, via=2), ToHere(slot=1)]
+    plan = FaultPlan(actions=(Delay(1e-3), Drop("rref-control")))
+    expected = run_workload(workload, plan, seed=4, trace=True).trace.digest()
+    *imports, call = replay_source(workload, plan, 4).splitlines()
+    namespace: dict = {}
+    exec("\n".join(imports), namespace)  # the printed imports alone make the printed call valid
+    replayed = eval(call.replace("seed=4)", "seed=4, trace=True)"), namespace)
+    assert replayed.trace.digest() == expected
+
+
+def test_the_public_strategies_module_holds_strategies_of_simulator_concepts_only():
+    import twinrpc.simulator.strategies as strategies
+
+    assert strategies.__all__ == ["fault_plans", "network_models", "rref_fault_plans", "schedules"]
+    for name in ("run_workload", "replay_source", "workloads", "Create", "WORLD_SIZE"):
+        assert not hasattr(strategies, name), name
 
 
 def test_fire_and_forget_fork_of_a_dying_user_violates_g2_only_when_g2_is_disabled(g2_disabled):
