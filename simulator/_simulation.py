@@ -1,24 +1,27 @@
-"""``Simulation``: run a program as N workers in one process, deterministically, on virtual time."""
+"""``Simulation``: run a program as N workers in one process, deterministically, on virtual time.
+
+``Simulation`` is a facade. What a run is made of lives in collaborators that own their state, each
+given what it needs when the simulation is built:
+
+- :class:`~._kernel._scheduler.Scheduler`: virtual time, tasks and events;
+- :class:`~._rendezvous.Rendezvous`: the simulated store (static and dynamic groups, ``init_rpc``);
+- :class:`~._network._links.Links`: the message path (booked worker time, arrival, bounce);
+- :class:`~._crashes.Crashes`: crashes and departures, and how peers learn of them;
+- :class:`~._faults._engine.NetworkFaults`: the fault engine behind the fault verbs and plans;
+- :class:`~._observers.RunObservers`: the trace observer and the online RRef monitors.
+"""
 
 from __future__ import annotations
 
-import functools
 import gc
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import greenlet
-
-from twinrpc._departure import Departure
 from twinrpc._future import Future
-from twinrpc._membership import MIXED_GROUP_ERROR
-from twinrpc._message import REQUEST_KINDS, Message
-from twinrpc._worker_info import WorkerInfo
-from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
 from ._checks._monitors import RRefMonitor
-from ._dynamic_group import DynamicGroup, DynamicMember
+from ._crashes import Crashes
 from ._errors import SimulationError
 from ._faults._engine import NetworkFaults
 from ._faults._plan import (
@@ -37,13 +40,15 @@ from ._faults._swarm import Swarm
 from ._kernel._compute import ComputeMeter, ComputeModel
 from ._kernel._scheduler import Scheduler
 from ._kernel._virtual_time import simulated_time
+from ._network._links import Links
 from ._network._model import NetworkModel
 from ._network._process_group import serve_process_groups
+from ._observers import RunObservers
+from ._rendezvous import Rendezvous
 from ._traces._observer import TraceObserver
 from ._traces._trace import Trace
-from ._world import SimBlocker, SimWorker, SimWorld
+from ._world import SimBlocker, SimWorker
 
-_RENDEZVOUS_DELAY = 1e-3  # a store round trip at init
 _GC_GEN0_THRESHOLD = 20_000
 
 
@@ -124,52 +129,69 @@ class Simulation:
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
-        self.world_size = world_size
+        self.world_size = n = world_size
         self.seed = seed
         self.network = network or NetworkModel()
-        self.sched = Scheduler(seed, max_time=max_time)
-        #: rank -> virtual time of its crash (see :meth:`crash`)
-        self.crashed: dict[int, float] = {}
-        self.blocker = SimBlocker(self.sched, self.crashed)
-        self.trace = Trace(trace, seed=seed, world_size=world_size)
-        self.workers = [SimWorker(self, r) for r in range(world_size)]
-        #: rank -> virtual time until which its message handling (``network.message_cost``) and its
-        #: computation (``compute``) are booked
-        self.busy_until = [0.0] * world_size
         #: the compute model of this run, or None (computation takes no virtual time)
         self.compute = compute
-        if compute is not None:
-            self.sched.meter = ComputeMeter(self, compute)
-        #: workers' time is booked (message_cost or a compute model); False: the hot path skips it
-        self.booking = bool(self.network.message_cost) or compute is not None
-        self._rendezvous: dict[int, dict[int, str]] = {}
-        self._rendezvous_done: dict[int, Future[None]] = {}
-        #: generation -> (members when built, the static group's workers, or the error of a name
-        #: two members share): see _roster
-        self._rosters: dict[int, tuple[int, list[WorkerInfo], str | None]] = {}
-        #: generation -> its dynamic group (init_rpc without world_size, LIFE-5)
-        self._dynamic: dict[int, DynamicGroup] = {}
-        #: rank -> (heartbeat_interval, heartbeat_misses) of its latest init_rpc's options: how long it
-        #: lets a silent peer be before declaring it dead (simulator/_faults/_engine.py, silence_bound)
-        self.heartbeat_options: dict[int, tuple[float, int]] = {}
-        self._used = False
         if isinstance(faults, Swarm):
             faults = faults.plan(seed, world_size)
         #: the fault plan of this run (a Swarm resolved with the seed), or None
         self.plan: FaultPlan | None = faults
-        # Fault hooks (simulator/_faults/_engine.py; installed by a plan or the first fault verb) and
-        # RRef monitors (simulator/_checks/_monitors.py); None = off, no cost.
-        self.faults = NetworkFaults(self, faults) if faults is not None else None
-        self.gc_delay = faults.gc_delay if faults is not None else DEFAULT_GC_DELAY
-        self.monitor = RRefMonitor(self) if monitors else None
-        #: records RRef and autograd events (and forwards RRef events to the monitors); None: trace off
-        self.trace_observer = TraceObserver(self, self.monitor) if trace else None
+        self.gc_delay = self.plan.gc_delay if self.plan is not None else DEFAULT_GC_DELAY
+        self.sched = Scheduler(self.seed, max_time=max_time)
+        self.trace = Trace(trace, seed=self.seed, world_size=n)
+        #: the workers, by rank (filled in below, once what they share exists)
+        self.workers: list[SimWorker] = []
+        monitor = RRefMonitor(self) if monitors else None
+        #: the trace observer and the RRef monitors (simulator/_observers.py)
+        self.observers = RunObservers(monitor, TraceObserver(self, monitor) if trace else None)
+        #: crashes and departures (simulator/_crashes.py)
+        self.crashes = Crashes(
+            self.sched, self.trace, self.network, self.workers, self.observers.stop_monitors
+        )
+        #: rank -> virtual time of its crash (see :meth:`crash`)
+        self.crashed = self.crashes.crashed
+        self.blocker = SimBlocker(self.sched, self.crashed)
+        self.workers.extend(SimWorker(self, r) for r in range(n))
+        #: the message path (simulator/_network/_links.py)
+        self.links = Links(
+            self.sched,
+            self.trace,
+            self.network,
+            self.workers,
+            self.crashed,
+            booking=bool(self.network.message_cost) or self.compute is not None,
+        )
+        #: the simulated store: static and dynamic groups (simulator/_rendezvous.py)
+        self.rendezvous = Rendezvous(n, self.sched, self.trace, self.workers, self._heartbeats_changed)
+        self.heartbeat_options = self.rendezvous.heartbeat_options
+        if self.compute is not None:
+            self.sched.meter = ComputeMeter(self, self.compute)
+        if self.plan is not None:  # the fault engine: installed by a plan or by the first fault verb
+            self.links.faults = NetworkFaults(self, self.plan)
         if trace:
             self.sched.trace = self.trace  # task switches
+        self._used = False
 
     @property
     def now(self) -> float:
         return self.sched.now
+
+    @property
+    def faults(self) -> NetworkFaults | None:
+        """The fault engine (its counts: ``sent``, ``dropped``...), or ``None`` before any fault."""
+        return self.links.faults
+
+    @property
+    def monitor(self) -> RRefMonitor | None:
+        """The online RRef monitors, or ``None`` (``monitors=False``)."""
+        return self.observers.monitor
+
+    @property
+    def trace_observer(self) -> TraceObserver | None:
+        """What records RRef and autograd events in the trace, or ``None`` (``trace=False``)."""
+        return self.observers.trace_observer
 
     def run(self, fn: Callable[..., Any], *args: Any) -> RunResult:
         """Run ``fn(rank, *args)`` on every worker until all return; a deadlock raises
@@ -179,6 +201,7 @@ class Simulation:
         self._used = True
         outcomes: list[WorkerOutcome | None] = [None] * self.world_size
         remaining = [self.world_size]
+        crashed = self.crashed
 
         def main(rank: int) -> None:
             try:
@@ -188,13 +211,13 @@ class Simulation:
             else:
                 outcomes[rank] = WorkerOutcome(rank, value=value)
             finally:
-                if rank in self.crashed:  # unwound by the crash (GreenletExit): no value, no error
+                if rank in crashed:  # unwound by the crash (GreenletExit): no value, no error
                     outcomes[rank] = WorkerOutcome(rank, crashed=True)
                 remaining[0] -= 1
                 outcome = outcomes[rank]
                 status = (
                     "crashed"
-                    if rank in self.crashed
+                    if rank in crashed
                     else "error"
                     if outcome is not None and outcome.error is not None
                     else "ok"
@@ -217,11 +240,16 @@ class Simulation:
             gc.set_threshold(*threshold)
         return RunResult(tuple(o for o in outcomes if o is not None), self.trace, self.sched.now, self.seed)
 
+    def _heartbeats_changed(self, rank: int) -> None:
+        """Worker ``rank`` called ``init_rpc``: the silences it listens to are judged by its options."""
+        if self.links.faults is not None:
+            self.links.faults.bound_changed(rank)
+
     # -- fault verbs (callable before run() or from a simulated task; see docs/howto/fault-plan.md) --
     def _engine(self) -> NetworkFaults:
-        if self.faults is None:
-            self.faults = NetworkFaults(self, None)
-        return self.faults
+        if self.links.faults is None:
+            self.links.faults = NetworkFaults(self, None)
+        return self.links.faults
 
     def apply(self, fault: Fault) -> Fault:
         """Put any fault of a :class:`FaultPlan` in force now (times in it are absolute virtual
@@ -315,117 +343,6 @@ class Simulation:
             raise ValueError(f"pause({rank}, at={when}): virtual time is already {self.sched.now}")
         return self._engine().install(Pause(rank, duration, when))  # type: ignore[return-value]
 
-    def _stop_monitors(self, why: str) -> None:
-        """The RRef monitors stop checking (a fault outside the protocol's assumptions happened: a
-        crash, a peer declared dead, a non-graceful shutdown); RRef events still reach the trace."""
-        if self.monitor is None or self.monitor.stopped is not None:
-            return
-        self.monitor.stop(why)  # a stopped monitor reports no violation
-        if self.trace_observer is not None:
-            self.trace_observer.monitor = None
-
-    # -- rendezvous (the simulated store) -----------------------------------------------------------
-    def _connect(
-        self,
-        worker: SimWorker,
-        *,
-        name: str,
-        rank: int,
-        world_size: int | None,
-        options: Any,
-        generation: int,
-    ) -> tuple[SimWorld, WorkerInfo, list[WorkerInfo]]:
-        if rank not in (-1, worker.rank):
-            raise ValueError(
-                f"init_rpc(rank={rank}) on simulated worker {worker.rank}: in a Simulation each program's "
-                "rank is the rank it was started with (pass that rank, or -1)"
-            )
-        if not world_size:
-            return self._join_dynamic(worker, name=name, options=options, generation=generation)
-        if not 0 <= worker.rank < world_size <= self.world_size:
-            raise ValueError(
-                f"init_rpc(world_size={world_size}) on simulated worker {worker.rank} in a Simulation of "
-                f"world_size={self.world_size}: a static group's ranks run from 0 to world_size - 1"
-            )
-        group = self._dynamic.get(generation)
-        if group is not None and group.members:
-            raise RuntimeError(MIXED_GROUP_ERROR)
-        joined = self._rendezvous.setdefault(generation, {})
-        done = self._rendezvous_done.setdefault(generation, Future())
-        joined[worker.rank] = name
-        self.trace.name_worker(worker.rank, name)
-        self.trace.record(self.sched.now, worker.rank, "init", f"{name} generation {generation}")
-        if len(joined) == world_size:
-            self.sched.call_later(_RENDEZVOUS_DELAY, lambda: done.set_result(None))
-        done.wait()
-        infos = self._roster(generation, joined)
-        world = SimWorld(worker, options.num_worker_threads)
-        worker.world = world
-        self._heartbeats_of(worker.rank, options)
-        return world, infos[worker.rank], infos
-
-    def _roster(self, generation: int, joined: dict[int, str]) -> list[WorkerInfo]:
-        """The workers of a static group (by rank), once for all its members: each member building
-        its own took N^2 time and kept N^2 WorkerInfo objects alive. Raises, for each member, when
-        two share a name."""
-        cached = self._rosters.get(generation)
-        if cached is None or cached[0] != len(joined):
-            by_name: dict[str, int] = {}
-            error = None
-            for r in sorted(joined):
-                other = by_name.setdefault(joined[r], r)
-                if other != r:
-                    error = (
-                        f"RPC worker name {joined[r]} is not unique. Workers {other} and {r} share the "
-                        "same name."
-                    )
-                    break
-            infos = [WorkerInfo(joined[r], r) for r in sorted(joined)] if error is None else []
-            cached = self._rosters[generation] = (len(joined), infos, error)
-        if cached[2] is not None:
-            raise RuntimeError(cached[2])
-        return cached[1]
-
-    def _join_dynamic(
-        self, worker: SimWorker, *, name: str, options: Any, generation: int
-    ) -> tuple[SimWorld, WorkerInfo, list[WorkerInfo]]:
-        """Join generation ``generation``'s dynamic group (LIFE-5); returns holding its token, which
-        ``init_rpc`` gives back once every member knows this worker (twinrpc._membership)."""
-        group = self._dynamic.setdefault(generation, DynamicGroup(self.sched))
-        self.trace.name_worker(worker.rank, name)
-        self.trace.record(self.sched.now, worker.rank, "init", f"{name} generation {generation} (dynamic)")
-        group.lock(f"the membership token of dynamic group {generation}")
-        try:
-            sleep(_RENDEZVOUS_DELAY)  # the store round trips of the token and the names
-            if self._rendezvous.get(generation):
-                raise RuntimeError(MIXED_GROUP_ERROR)
-            group.check_unique(name, worker.rank)
-        except BaseException:
-            group.unlock()
-            raise
-        group.members[worker.rank] = name
-        for other in self.workers:  # a departure of an earlier worker of this rank no longer applies
-            if other is not worker and other.world is not None:
-                other.world.peer_joined(worker.rank)
-        infos = [WorkerInfo(n, r) for r, n in sorted(group.members.items())]
-        world = SimWorld(worker, options.num_worker_threads)
-        world.membership = DynamicMember(group, worker.rank)
-        worker.world = world
-        self._heartbeats_of(worker.rank, options)
-        return world, WorkerInfo(name, worker.rank), infos
-
-    def _heartbeats_of(self, rank: int, options: Any) -> None:
-        """Worker ``rank`` is up with ``options``: from now on it declares a peer dead after
-        ``heartbeat_interval * heartbeat_misses`` seconds of virtual silence (never with an interval of
-        0), as a gloo worker judges with its own options, unless ``network.heartbeat_timeout`` is set."""
-        self.heartbeat_options[rank] = (
-            float(getattr(options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL)),
-            int(getattr(options, "heartbeat_misses", DEFAULT_HEARTBEAT_MISSES)),
-        )
-        if self.faults is not None:
-            self.faults.bound_changed(rank)
-
-    # -- crashes --------------------------------------------------------------------------------------
     def crash(
         self,
         rank: int,
@@ -452,161 +369,7 @@ class Simulation:
         if on_receive is not None or on_send is not None:
             self._engine().install(Crash(rank, at, on_receive, on_send, nth))
             return
-        sched = self.sched
-        if at is not None or sched.hub is None:  # scheduled (or before run(): at t=0 of the run)
-            when = sched.now if at is None else float(at)
-            if when < sched.now:
-                raise ValueError(f"crash({rank}, at={when}): virtual time is already {sched.now}")
-            sched.call_later(when - sched.now, lambda: self.crash(rank))
-            return
-        if rank in self.crashed:
-            return
-        self.crashed[rank] = sched.now
-        worker = self.workers[rank]
-        worker.crashed = True
-        self.trace.record(sched.now, rank, "fault", f"crash worker {rank}")
-        self.trace.record(sched.now, rank, "crash", f"worker {rank} crashed")
-        self._stop_monitors(f"worker {rank} crashed at t={sched.now:.6f}")
-        for other in self.workers:
-            if other.rank != rank:
-                sched.call_later(
-                    self.network.failure_detection, functools.partial(self._detect, other.rank, rank)
-                )
-        current = sched.current_task()
-        if current is None:
-            self._reap(rank)
-            return
-        sched.schedule(0.0, self._reap, rank)
-        if current.worker == rank:
-            sched.park(f"crash of worker {rank}")  # _reap throws GreenletExit into this task
-            raise greenlet.GreenletExit()
-
-    def _reap(self, rank: int) -> None:
-        """Stop every task of a crashed worker (runs on the hub): each parked task gets GreenletExit,
-        unwinding with no visible effect (its sends are dropped, its waits fail at once)."""
-        sched = self.sched
-        for task in [t for t in sched.tasks.values() if t.worker == rank and not t.done]:
-            g = task.g
-            task.done = True
-            sched.tasks.pop(task.id, None)
-            if g is not None and not g.dead:
-                g.throw(greenlet.GreenletExit())
-
-    def _detect(self, observer: int, dead: int) -> None:
-        world = self.workers[observer].world
-        if world is None or observer in self.crashed or world.stopped:
-            return
-        self._peer_unavailable(
-            world,
-            observer,
-            dead,
-            Departure.CRASHED,
-            f"connection lost (simulated crash at t={self.crashed[dead]:.6f} s, detected at "
-            f"t={self.sched.now:.6f} s)",
-        )
-
-    def _peer_unavailable(
-        self, world: SimWorld, observer: int, dead: int, departure: Departure, detail: str = ""
-    ) -> None:
-        """Tell ``observer`` that ``dead`` departed (a crash detected, heartbeat silence, an announced
-        shutdown) and trace it: one report for all; the core builds the error (twinrpc._departure)."""
-        if departure.shut_down:  # it announced its shutdown: not a failure the trace shows in red
-            self.trace.record(self.sched.now, observer, "peer-left", f"rank {dead} ({departure.value})")
-        else:
-            self.trace.record(self.sched.now, observer, "peer-failed", f"rank {dead}")
-        world.peer_failed(dead, departure, detail)
-
-    def _announce_departure(self, world: SimWorld, departure: Departure) -> None:
-        """``world``'s worker shut down RPC: each peer learns it after the network's delay, and after
-        the messages the worker sent it before (gloo's close frame goes after what is queued). A
-        non-graceful shutdown also stops the RRef monitors, as a crash does (their invariants
-        assume every worker completes the protocol)."""
-        rank, sched = world.rank, self.sched
-        if not departure.orderly:
-            self._stop_monitors(
-                f"worker {rank} shut down RPC without a graceful shutdown at t={sched.now:.6f}"
-            )
-        # One event per peer, in the order and with the random draws of one call_later each; held
-        # in the heap one at a time, and those to peers that stop meanwhile (nearly all, when the
-        # whole world shuts down) are dropped unrun (Scheduler.schedule_many).
-        delay_of, rng, now, crashed = self.network.delay, sched.rng, sched.now, self.crashed
-        last_arrival, reserve, departed = world.last_arrival, sched.reserve, self._departed
-        events: list[tuple[float, float, int, Callable[[Any], None], Any]] = []
-        for other in self.workers:
-            target = other.world
-            if other.rank == rank or target is None or target.stopped or other.rank in crashed:
-                continue
-            delay = delay_of(rank, other.rank, 0, rng)
-            delay = max(delay, last_arrival.get(other.rank, 0.0) - now)
-            events.append((*reserve(delay), departed, (target, rank, departure)))
-        sched.schedule_many(events, self._departure_moot)
-
-    def _departure_moot(self, item: tuple[SimWorld, int, Departure]) -> bool:
-        """An announcement to ``observer`` that can no longer do anything: it stopped, crashed or
-        was replaced by a new init_rpc (each for good)."""
-        observer = item[0]
-        return (
-            observer.stopped
-            or observer.rank in self.crashed
-            or observer is not self.workers[observer.rank].world
-        )
-
-    def _departed(self, item: tuple[SimWorld, int, Departure]) -> None:
-        if self._departure_moot(item):
-            return
-        observer, rank, departure = item
-        self._peer_unavailable(observer, observer.rank, rank, departure)
-
-    # -- network --------------------------------------------------------------------------------------
-    def _book(self, rank: int, cost: float) -> float:
-        """Book ``cost`` seconds of ``rank``'s time (message handling, computation) after what is
-        already booked; returns when it ends. Deterministic: a worker does one thing at a time, first
-        come first served."""
-        now = self.sched.now
-        busy = self.busy_until[rank]
-        end = (busy if busy > now else now) + cost
-        self.busy_until[rank] = end
-        return end
-
-    def _deliver(self, msg: Message) -> None:
-        """``msg`` arrives at its destination (it is handled now, or after ``network.message_cost``)."""
-        if msg.dst in self.crashed:
-            self.trace.message(self.sched.now, msg.dst, "lost", msg, f": worker {msg.dst} crashed")
-            return
-        if self.faults is not None and self.faults.on_arrival(msg):
-            return
-        if self.booking:  # the receiver first finishes what it is doing, then unpickles and
-            # dispatches this message: one thing at a time
-            ready = self._book(msg.dst, self.network.message_cost)
-            if ready > self.sched.now:
-                self.sched.schedule(ready - self.sched.now, self._handle, msg)
-                return
-        dst = self.workers[msg.dst].world  # _handle, inlined: this runs for every message
-        if dst is None:
-            self._bounce(msg, Departure.SHUT_DOWN, "it has not initialised RPC")
-            return
-        dst.deliver(msg)
-
-    def _handle(self, msg: Message) -> None:
-        if msg.dst in self.crashed:  # crashed while the message waited to be handled
-            self.trace.message(self.sched.now, msg.dst, "lost", msg, f": worker {msg.dst} crashed")
-            return
-        dst = self.workers[msg.dst].world
-        if dst is None:
-            self._bounce(msg, Departure.SHUT_DOWN, "it has not initialised RPC")
-            return
-        dst.deliver(msg)
-
-    def _bounce(self, msg: Message, departure: Departure, detail: str = "") -> None:
-        """``msg`` reached a worker that is not running RPC: a request fails as one to a departed
-        worker (``detail``: why, unless it shut down)."""
-        why = detail or f"worker {msg.dst} has shut down"
-        self.trace.message(self.sched.now, msg.dst, "bounce", msg, f": {why}")
-        if msg.src in self.crashed:
-            return
-        src = self.workers[msg.src].world
-        if src is not None and msg.kind in REQUEST_KINDS:
-            src.fail_send(msg, departure, detail)
+        self.crashes.crash_at(rank, at)
 
 
 def sleep(seconds: float) -> None:

@@ -16,7 +16,7 @@ from twinrpc._future import CURRENT_BLOCKER, Future, add_waiter
 from twinrpc._membership import GroupMembership
 from twinrpc._message import Message
 from twinrpc._serialize import copy_storages
-from twinrpc._world import NO_OBSERVERS, ProtocolObservers, TimerHandle, World, WorldEvents
+from twinrpc._world import ProtocolObservers, TimerHandle, World, WorldEvents
 
 from ._kernel._current import CURRENT_SIMULATION
 from ._kernel._scheduler import Scheduler
@@ -76,7 +76,7 @@ class SimWorker:
             fn(*args)
 
     def _connect(self, **kwargs: Any) -> Any:
-        return self.sim._connect(self, **kwargs)
+        return self.sim.rendezvous.connect(self, **kwargs)
 
 
 class SimWorld(World):
@@ -85,9 +85,15 @@ class SimWorld(World):
     clock_name = "simulated"
 
     def __init__(self, worker: SimWorker, num_worker_threads: int) -> None:
+        sim = worker.sim
         self.worker = worker
-        self.sim = worker.sim
-        self.sched = worker.sim.sched
+        self.sched = sim.sched
+        self.trace = sim.trace
+        #: the message path every send takes (simulator/_network/_links.py)
+        self.links = sim.links
+        self._crashes = sim.crashes
+        self._observers = sim.observers
+        self._gc_delay = sim.gc_delay
         self.rank = worker.rank
         self.agent: WorldEvents | None = None
         self.stopped = False
@@ -110,16 +116,15 @@ class SimWorld(World):
         return self.sched.now
 
     def send(self, msg: Message) -> None:
-        sim = self.sim
         if self.worker.crashed:
             return  # a crashed worker's unwinding code sends nothing
         if self.stopped:
             # A worker that has left sends nothing more (twinrpc._departure), as gloo's closed links
-            sim.trace.message(self.sched.now, self.rank, "send-failed", msg, ": sender shut down")
+            self.trace.message(self.sched.now, self.rank, "send-failed", msg, ": sender shut down")
             return
         dead = self.dead_peers.get(msg.dst) if self.dead_peers else None
         if dead is not None:  # a known-dead peer: fail the call at once, as a closed link does
-            sim.trace.message(self.sched.now, self.rank, "send-failed", msg, ": peer dead")
+            self.trace.message(self.sched.now, self.rank, "send-failed", msg, ": peer dead")
             agent = self.agent
             if agent is not None:
                 err = agent.departure_error(msg.dst, *dead)
@@ -128,21 +133,24 @@ class SimWorld(World):
         if msg.tensors:
             msg.tensors = copy_storages(msg.tensors)
         nbytes = msg.nbytes
-        network = sim.network
-        delay = network.delay(msg.src, msg.dst, nbytes, sim.sched.rng)
-        if sim.booking:  # the sender's time: what its task computed before this send, then pickling
-            meter = sim.sched.meter
+        links = self.links
+        network = links.network
+        sched = self.sched
+        delay = network.delay(msg.src, msg.dst, nbytes, sched.rng)
+        if links.booking:  # the sender's time: what its task computed before this send, then pickling
+            meter = sched.meter
             if meter is not None:
                 meter.charge(self.rank)
-            delay += sim._book(self.rank, network.message_cost) - self.sched.now
-        sim.trace.sent(self.sched.now, self.rank, msg, nbytes)
-        due = self.sched.now + delay
+            delay += links.book(self.rank, network.message_cost) - sched.now
+        self.trace.sent(sched.now, self.rank, msg, nbytes)
+        due = sched.now + delay
         if due > self.last_arrival.get(msg.dst, 0.0):
             self.last_arrival[msg.dst] = due
-        if sim.faults is None:
-            self.sched.schedule(delay, sim._deliver, msg)
-        else:  # fault hook (simulator/_faults/_plan.py): delay, drop, duplicate, hold
-            sim.faults.route(msg, delay)
+        faults = links.faults
+        if faults is None:
+            sched.schedule(delay, links.deliver, msg)
+        else:  # fault hook (simulator/_faults/_engine.py): delay, drop, duplicate, hold
+            faults.route(msg, delay)
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         self.worker.spawn(getattr(fn, "__name__", "task"), fn, *args)
@@ -177,25 +185,19 @@ class SimWorld(World):
     def observers(self) -> ProtocolObservers:
         """The trace (simulator/_traces/_observer.py), which forwards RRef events to the online monitors
         (simulator/_checks/_monitors.py); the monitors alone when the trace is off."""
-        sim = self.sim
-        if sim.trace_observer is not None:
-            return ProtocolObservers(rrefs=sim.trace_observer, autograd=sim.trace_observer)
-        if sim.monitor is not None:
-            return ProtocolObservers(rrefs=sim.monitor)
-        return NO_OBSERVERS
+        return self._observers.protocol_observers()
 
     def schedule_rref_delete(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` on a task after a seeded delay in [0, gc_delay): when a dead user RRef's
         delete is sent is a scheduling choice of the simulation (twinrpc._rref_context)."""
-        sim = self.sim
-        delay = sim.sched.rng.random() * sim.gc_delay
+        delay = self.sched.rng.random() * self._gc_delay
         self.sched.call_later(delay, lambda: self.worker.spawn("rref-delete", fn))
 
     def start(self, agent: WorldEvents) -> None:
         self.agent = agent
         early, self._early = self._early, []
         for msg in early:
-            self.sim.trace.message(self.sched.now, self.rank, "deliver", msg)
+            self.trace.message(self.sched.now, self.rank, "deliver", msg)
             self.worker.spawn("deliver", agent.on_message, msg)
         for peer, (departure, detail) in self.dead_peers.items():  # departed before this agent started
             self.worker.spawn("peer-failed", agent.on_peer_failed, peer, departure, detail)
@@ -209,18 +211,18 @@ class SimWorld(World):
         self.stopped = True
         self.agent = None
         self.departure = Departure.LEFT if graceful else Departure.SHUT_DOWN
-        self.sim._announce_departure(self, self.departure)
+        self._crashes.announce_departure(self, self.departure)
 
     # -- deliveries (called by the Simulation) -------------------------------------------------------
     def deliver(self, msg: Message) -> None:
         agent = self.agent
         if agent is not None:
-            self.sim.trace.message(self.sched.now, self.rank, "deliver", msg)
+            self.trace.message(self.sched.now, self.rank, "deliver", msg)
             self.worker.spawn(_DELIVER, agent.on_message, msg)
         elif not self.stopped:
             self._early.append(msg)
         else:
-            self.sim._bounce(msg, self.departure or Departure.SHUT_DOWN)
+            self.links.bounce(msg, self.departure or Departure.SHUT_DOWN)
 
     def peer_failed(self, peer: int, departure: Departure, detail: str = "") -> None:
         """A peer departed (crashed, fell silent, or announced its shutdown): the agent fails what is

@@ -345,7 +345,7 @@ class NetworkFaults:
         if msg.kind in _REQUEST_KINDS:
             self._requests.pop((msg.src, msg.id), None)
             self._count_copies(msg, 0)
-        self.sim._stop_monitors(
+        self.sim.observers.stop_monitors(
             f"{msg.describe()} was lost for good ({why}): the RRef protocol assumes every message but its "
             "retried control messages arrives"
         )
@@ -358,7 +358,7 @@ class NetworkFaults:
         if entry is not None:
             entry[1] += n
         self._count_copies(msg, 1 + n)
-        self.sim._stop_monitors(
+        self.sim.observers.stop_monitors(
             f"{msg.describe()} was duplicated: the RRef protocol assumes requests other than its control "
             "messages arrive once"
         )
@@ -374,7 +374,7 @@ class NetworkFaults:
         # What a reply answers is known only when it is sent: keep its classes for its arrival (keyed
         # by id: unique while the message is in flight, and only ever looked up, never iterated).
         self._classes[id(msg)] = classes
-        self.sim.sched.schedule(delay, self.sim._deliver, msg)
+        self.sim.sched.schedule(delay, self.sim.links.deliver, msg)
 
     def on_arrival(self, msg: Message) -> bool:
         """``msg`` reaches its (live) destination: True when it is consumed here (queued at a paused
@@ -562,7 +562,7 @@ class NetworkFaults:
             observer,
             f"worker {observer} declares worker {dead} dead: nothing from it for {bound:g} s ({why})",
         )
-        sim._stop_monitors(
+        sim.observers.stop_monitors(
             f"worker {observer} declared worker {dead} dead (nothing from it for {bound:g} s; {why})"
         )
         self._tell(
@@ -609,7 +609,7 @@ class NetworkFaults:
         """Worker ``rank``, if still running RPC, learns that ``peer`` departed."""
         world = self.sim.workers[rank].world
         if world is not None and not world.stopped:
-            self.sim._peer_unavailable(world, rank, peer, departure, detail)
+            self.sim.crashes.peer_unavailable(world, rank, peer, departure, detail)
 
 
 def _copy(msg: Message) -> Message:

@@ -144,4 +144,4 @@ class ComputeMeter:
         if ops:
             counter.ops = counter.flops = 0
             self.ops += ops
-            self.sim._book(rank, self.model.cost(ops, flops))
+            self.sim.links.book(rank, self.model.cost(ops, flops))

@@ -188,7 +188,7 @@ class Scheduler:
         self.switches += 1
         trace = self.trace
         if trace is not None:
-            trace._events.append((self.now, task.worker, "switch", (task.id, task.name)))
+            trace.record(self.now, task.worker, "switch", (task.id, task.name))
         if self.meter is None:
             g.switch(task, fn, args)
         else:
@@ -265,7 +265,7 @@ class Scheduler:
         self.switches += 1
         trace = self.trace
         if trace is not None:
-            trace._events.append((self.now, task.worker, "switch", (task.id, task.name)))
+            trace.record(self.now, task.worker, "switch", (task.id, task.name))
         if self.meter is None:
             task.g.switch()
         else:

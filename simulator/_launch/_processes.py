@@ -117,7 +117,7 @@ class ProcessLauncher:
         self.processes: list[ProcessImage] = []
         for worker in sim.workers:
             worker.slot.connect = functools.partial(self._connect, worker.rank, worker.slot.connect)
-        sim._reap = self._reap  # type: ignore[method-assign]  # a crash kills the RPC process only
+        sim.crashes.reaper = self._reap  # a crash kills the RPC process only
 
     # -- RPC ownership ----------------------------------------------------------------------------
     def _connect(self, rank: int, connect: Callable[..., Any], /, **kwargs: Any) -> Any:

@@ -1,0 +1,173 @@
+"""How workers leave a simulation and how their peers learn it: crashes and announced shutdowns.
+
+:class:`Crashes` owns which workers crashed and when. A crash stops the worker's tasks (its reaper,
+replaceable: a program run kills only the process that owned the worker's agent), and each peer
+detects it ``network.failure_detection`` seconds later, as a gloo peer sees the connection close. A
+worker that shuts down RPC announces it to each peer after the network's delay, behind what it sent
+that peer before (gloo's close frame). Every such news reaches the observer's world through one
+path, :meth:`Crashes.peer_unavailable`, which the fault engine also takes for a peer declared dead
+after heartbeat silence.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import greenlet
+
+from twinrpc._departure import Departure
+
+if TYPE_CHECKING:
+    from ._kernel._scheduler import Scheduler
+    from ._network._model import NetworkModel
+    from ._traces._trace import Trace
+    from ._world import SimWorker, SimWorld
+
+
+class Crashes:
+    """The crashes and departures of one simulation.
+
+    Args:
+        sched: the simulation's scheduler.
+        trace: its trace (crashes, departures and failure reports are recorded).
+        network: its network model (``failure_detection``, the delay of a departure's news).
+        workers: its workers, by rank.
+        stop_monitors: stops the RRef monitors, saying why (a crash or a non-graceful shutdown is
+            outside the protocol's assumptions).
+    """
+
+    def __init__(
+        self,
+        sched: Scheduler,
+        trace: Trace,
+        network: NetworkModel,
+        workers: list[SimWorker],
+        stop_monitors: Callable[[str], None],
+    ) -> None:
+        self.sched = sched
+        self.trace = trace
+        self.network = network
+        self.workers = workers
+        self.stop_monitors = stop_monitors
+        #: rank -> virtual time of its crash
+        self.crashed: dict[int, float] = {}
+        #: stops a crashed worker's tasks (runs on the hub); a program run replaces it to kill only the
+        #: process that owned the worker's agent (simulator/_launch/_processes.py)
+        self.reaper: Callable[[int], None] = self.reap
+
+    # -- crashes --------------------------------------------------------------------------------------
+    def crash_at(self, rank: int, at: float | None) -> None:
+        """Crash worker ``rank`` now, or at virtual time ``at`` (see ``Simulation.crash``)."""
+        sched = self.sched
+        if at is not None or sched.hub is None:  # scheduled (or before run(): at t=0 of the run)
+            when = sched.now if at is None else float(at)
+            if when < sched.now:
+                raise ValueError(f"crash({rank}, at={when}): virtual time is already {sched.now}")
+            sched.call_later(when - sched.now, lambda: self.crash(rank))
+            return
+        self.crash(rank)
+
+    def crash(self, rank: int) -> None:
+        """Crash worker ``rank`` now. Called from the crashing worker's own task, it does not return."""
+        sched = self.sched
+        if rank in self.crashed:
+            return
+        self.crashed[rank] = sched.now
+        worker = self.workers[rank]
+        worker.crashed = True
+        self.trace.record(sched.now, rank, "fault", f"crash worker {rank}")
+        self.trace.record(sched.now, rank, "crash", f"worker {rank} crashed")
+        self.stop_monitors(f"worker {rank} crashed at t={sched.now:.6f}")
+        for other in self.workers:
+            if other.rank != rank:
+                sched.call_later(
+                    self.network.failure_detection, functools.partial(self.detect, other.rank, rank)
+                )
+        current = sched.current_task()
+        if current is None:
+            self.reaper(rank)
+            return
+        sched.schedule(0.0, self.reaper, rank)
+        if current.worker == rank:
+            sched.park(f"crash of worker {rank}")  # the reaper throws GreenletExit into this task
+            raise greenlet.GreenletExit()
+
+    def reap(self, rank: int) -> None:
+        """Stop every task of a crashed worker (runs on the hub): each parked task gets GreenletExit,
+        unwinding with no visible effect (its sends are dropped, its waits fail at once)."""
+        sched = self.sched
+        for task in [t for t in sched.tasks.values() if t.worker == rank and not t.done]:
+            g = task.g
+            task.done = True
+            sched.tasks.pop(task.id, None)
+            if g is not None and not g.dead:
+                g.throw(greenlet.GreenletExit())
+
+    def detect(self, observer: int, dead: int) -> None:
+        """``observer`` finds its connection to the crashed ``dead`` lost."""
+        world = self.workers[observer].world
+        if world is None or observer in self.crashed or world.stopped:
+            return
+        self.peer_unavailable(
+            world,
+            observer,
+            dead,
+            Departure.CRASHED,
+            f"connection lost (simulated crash at t={self.crashed[dead]:.6f} s, detected at "
+            f"t={self.sched.now:.6f} s)",
+        )
+
+    # -- departures -----------------------------------------------------------------------------------
+    def peer_unavailable(
+        self, world: SimWorld, observer: int, dead: int, departure: Departure, detail: str = ""
+    ) -> None:
+        """Tell ``observer`` that ``dead`` departed (a crash detected, heartbeat silence, an announced
+        shutdown) and trace it: one report for all; the core builds the error (twinrpc._departure)."""
+        if departure.shut_down:  # it announced its shutdown: not a failure the trace shows in red
+            self.trace.record(self.sched.now, observer, "peer-left", f"rank {dead} ({departure.value})")
+        else:
+            self.trace.record(self.sched.now, observer, "peer-failed", f"rank {dead}")
+        world.peer_failed(dead, departure, detail)
+
+    def announce_departure(self, world: SimWorld, departure: Departure) -> None:
+        """``world``'s worker shut down RPC: each peer learns it after the network's delay, and after
+        the messages the worker sent it before (gloo's close frame goes after what is queued). A
+        non-graceful shutdown also stops the RRef monitors, as a crash does (their invariants
+        assume every worker completes the protocol)."""
+        rank, sched = world.rank, self.sched
+        if not departure.orderly:
+            self.stop_monitors(
+                f"worker {rank} shut down RPC without a graceful shutdown at t={sched.now:.6f}"
+            )
+        # One event per peer, in the order and with the random draws of one call_later each; held
+        # in the heap one at a time, and those to peers that stop meanwhile (nearly all, when the
+        # whole world shuts down) are dropped unrun (Scheduler.schedule_many).
+        delay_of, rng, now, crashed = self.network.delay, sched.rng, sched.now, self.crashed
+        last_arrival, reserve, departed = world.last_arrival, sched.reserve, self._departed
+        events: list[tuple[float, float, int, Callable[[Any], None], Any]] = []
+        for other in self.workers:
+            target = other.world
+            if other.rank == rank or target is None or target.stopped or other.rank in crashed:
+                continue
+            delay = delay_of(rank, other.rank, 0, rng)
+            delay = max(delay, last_arrival.get(other.rank, 0.0) - now)
+            events.append((*reserve(delay), departed, (target, rank, departure)))
+        sched.schedule_many(events, self._departure_moot)
+
+    def _departure_moot(self, item: tuple[SimWorld, int, Departure]) -> bool:
+        """An announcement to ``observer`` that can no longer do anything: it stopped, crashed or
+        was replaced by a new init_rpc (each for good)."""
+        observer = item[0]
+        return (
+            observer.stopped
+            or observer.rank in self.crashed
+            or observer is not self.workers[observer.rank].world
+        )
+
+    def _departed(self, item: tuple[SimWorld, int, Departure]) -> None:
+        if self._departure_moot(item):
+            return
+        observer, rank, departure = item
+        self.peer_unavailable(observer, observer.rank, rank, departure)

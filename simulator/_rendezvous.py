@@ -1,0 +1,176 @@
+"""The simulated store: how ``init_rpc`` finds its group in a simulation.
+
+The gloo world meets its peers through a ``torch.distributed`` store (``impl/_rendezvous.py``); here
+:class:`Rendezvous` plays that store for every worker of one simulation. It owns the static groups
+(``init_rpc(world_size=N)``: everyone waits for all N, then one roster serves every member) and the
+dynamic groups (``init_rpc`` without ``world_size``: members join and leave one at a time under a
+membership token, ``simulator/_dynamic_group.py``), and records each joiner's heartbeat options: how
+long it lets a silent peer be before declaring it dead (``simulator/_faults/_engine.py``,
+``silence_bound``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from twinrpc._future import Future
+from twinrpc._membership import MIXED_GROUP_ERROR
+from twinrpc._worker_info import WorkerInfo
+from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
+
+from ._dynamic_group import DynamicGroup, DynamicMember
+from ._world import SimWorld
+
+if TYPE_CHECKING:
+    from ._kernel._scheduler import Scheduler
+    from ._traces._trace import Trace
+    from ._world import SimWorker
+
+#: a store round trip at init
+RENDEZVOUS_DELAY = 1e-3
+
+
+class Rendezvous:
+    """The store of one simulation: its static and dynamic groups, by generation.
+
+    Args:
+        world_size: the simulation's number of workers (a static group's ranks are among them).
+        sched: its scheduler.
+        trace: its trace (each worker's name and ``init`` events).
+        workers: its workers, by rank.
+        joined: called with a worker's rank once its heartbeat options are recorded (the fault engine
+            judges the silences that worker listens to by them).
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        sched: Scheduler,
+        trace: Trace,
+        workers: list[SimWorker],
+        joined: Callable[[int], None],
+    ) -> None:
+        self.world_size = world_size
+        self.sched = sched
+        self.trace = trace
+        self.workers = workers
+        self.joined = joined
+        #: generation -> rank -> name of the static group's workers that arrived
+        self._arrived: dict[int, dict[int, str]] = {}
+        self._complete: dict[int, Future[None]] = {}
+        #: generation -> (members when built, the static group's workers, or the error of a name
+        #: two members share): see _roster
+        self._rosters: dict[int, tuple[int, list[WorkerInfo], str | None]] = {}
+        #: generation -> its dynamic group (init_rpc without world_size, LIFE-5)
+        self._dynamic: dict[int, DynamicGroup] = {}
+        #: rank -> (heartbeat_interval, heartbeat_misses) of its latest init_rpc's options: how long it
+        #: lets a silent peer be before declaring it dead (simulator/_faults/_engine.py, silence_bound)
+        self.heartbeat_options: dict[int, tuple[float, int]] = {}
+
+    def connect(
+        self,
+        worker: SimWorker,
+        *,
+        name: str,
+        rank: int,
+        world_size: int | None,
+        options: Any,
+        generation: int,
+    ) -> tuple[SimWorld, WorkerInfo, list[WorkerInfo]]:
+        """``init_rpc`` on ``worker``: join its group; returns the worker's world, its own info and the
+        group's workers (``twinrpc._current.WorkerSlot.connect``)."""
+        if rank not in (-1, worker.rank):
+            raise ValueError(
+                f"init_rpc(rank={rank}) on simulated worker {worker.rank}: in a Simulation each program's "
+                "rank is the rank it was started with (pass that rank, or -1)"
+            )
+        if not world_size:
+            return self._join_dynamic(worker, name=name, options=options, generation=generation)
+        if not 0 <= worker.rank < world_size <= self.world_size:
+            raise ValueError(
+                f"init_rpc(world_size={world_size}) on simulated worker {worker.rank} in a Simulation of "
+                f"world_size={self.world_size}: a static group's ranks run from 0 to world_size - 1"
+            )
+        group = self._dynamic.get(generation)
+        if group is not None and group.members:
+            raise RuntimeError(MIXED_GROUP_ERROR)
+        arrived = self._arrived.setdefault(generation, {})
+        done = self._complete.setdefault(generation, Future())
+        arrived[worker.rank] = name
+        self.trace.name_worker(worker.rank, name)
+        self.trace.record(self.sched.now, worker.rank, "init", f"{name} generation {generation}")
+        if len(arrived) == world_size:
+            self.sched.call_later(RENDEZVOUS_DELAY, lambda: done.set_result(None))
+        done.wait()
+        infos = self._roster(generation, arrived)
+        world = SimWorld(worker, options.num_worker_threads)
+        worker.world = world
+        self._heartbeats_of(worker.rank, options)
+        return world, infos[worker.rank], infos
+
+    def _roster(self, generation: int, arrived: dict[int, str]) -> list[WorkerInfo]:
+        """The workers of a static group (by rank), once for all its members: each member building
+        its own took N^2 time and kept N^2 WorkerInfo objects alive. Raises, for each member, when
+        two share a name."""
+        cached = self._rosters.get(generation)
+        if cached is None or cached[0] != len(arrived):
+            by_name: dict[str, int] = {}
+            error = None
+            for r in sorted(arrived):
+                other = by_name.setdefault(arrived[r], r)
+                if other != r:
+                    error = (
+                        f"RPC worker name {arrived[r]} is not unique. Workers {other} and {r} share the "
+                        "same name."
+                    )
+                    break
+            infos = [WorkerInfo(arrived[r], r) for r in sorted(arrived)] if error is None else []
+            cached = self._rosters[generation] = (len(arrived), infos, error)
+        if cached[2] is not None:
+            raise RuntimeError(cached[2])
+        return cached[1]
+
+    def _join_dynamic(
+        self, worker: SimWorker, *, name: str, options: Any, generation: int
+    ) -> tuple[SimWorld, WorkerInfo, list[WorkerInfo]]:
+        """Join generation ``generation``'s dynamic group (LIFE-5); returns holding its token, which
+        ``init_rpc`` gives back once every member knows this worker (twinrpc._membership)."""
+        group = self._dynamic.setdefault(generation, DynamicGroup(self.sched))
+        self.trace.name_worker(worker.rank, name)
+        self.trace.record(self.sched.now, worker.rank, "init", f"{name} generation {generation} (dynamic)")
+        group.lock(f"the membership token of dynamic group {generation}")
+        try:
+            self._store_round_trip()  # the store round trips of the token and the names
+            if self._arrived.get(generation):
+                raise RuntimeError(MIXED_GROUP_ERROR)
+            group.check_unique(name, worker.rank)
+        except BaseException:
+            group.unlock()
+            raise
+        group.members[worker.rank] = name
+        for other in self.workers:  # a departure of an earlier worker of this rank no longer applies
+            if other is not worker and other.world is not None:
+                other.world.peer_joined(worker.rank)
+        infos = [WorkerInfo(n, r) for r, n in sorted(group.members.items())]
+        world = SimWorld(worker, options.num_worker_threads)
+        world.membership = DynamicMember(group, worker.rank)
+        worker.world = world
+        self._heartbeats_of(worker.rank, options)
+        return world, WorkerInfo(name, worker.rank), infos
+
+    def _store_round_trip(self) -> None:
+        """Wait :data:`RENDEZVOUS_DELAY` of virtual time on the calling task."""
+        fut: Future[None] = Future()
+        self.sched.call_later(RENDEZVOUS_DELAY, lambda: fut.set_result(None))
+        fut.wait()
+
+    def _heartbeats_of(self, rank: int, options: Any) -> None:
+        """Worker ``rank`` is up with ``options``: from now on it declares a peer dead after
+        ``heartbeat_interval * heartbeat_misses`` seconds of virtual silence (never with an interval of
+        0), as a gloo worker judges with its own options, unless ``network.heartbeat_timeout`` is set."""
+        self.heartbeat_options[rank] = (
+            float(getattr(options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL)),
+            int(getattr(options, "heartbeat_misses", DEFAULT_HEARTBEAT_MISSES)),
+        )
+        self.joined(rank)

@@ -1,0 +1,148 @@
+"""The simulator's objects keep to their seams, as the core's do (tests/test_core_boundaries.py).
+
+``Simulation`` is a facade over collaborators that own their state (the scheduler, the rendezvous, the
+links, the crashes, the fault engine, the observers); they talk through public methods and the
+callbacks they were given, never through each other's private attributes. This test reads the
+simulator's source, so a shortcut across a seam fails here, not in a later refactoring.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pathlib
+from collections.abc import Iterator
+
+import twinrpc.simulator
+
+SIMULATOR = pathlib.Path(twinrpc.simulator.__file__).parent
+PACKAGE = "twinrpc.simulator"
+
+#: private names the simulator may use on objects of other libraries, each because no public way
+#: exists to do what the simulator must do to run an unchanged program in one process:
+ALLOWED = {
+    # os.environ's backing dict: a simulated process gets an environment of its own, and reading it
+    # through os.environ would record every variable the launcher itself touches as read by the program
+    "_data",
+    # multiprocessing.Process's Popen object and start method: a simulated child process is one whose
+    # Popen is the simulator's (simulator/_launch/_processes.py), as multiprocessing's own start
+    # methods do it
+    "_popen",
+    "_start_method",
+    # the fixtures a pytest.Function asks for: --sim-explore calls the test function itself, once per
+    # explored case, with the fixture values pytest made (pytest has no public accessor)
+    "_fixtureinfo",
+}
+
+
+def _modules() -> Iterator[pathlib.Path]:
+    yield from sorted(SIMULATOR.rglob("*.py"))
+
+
+def _package_of(path: pathlib.Path) -> str:
+    """The package a module of the simulator is in (to resolve its relative imports)."""
+    parts = path.relative_to(SIMULATOR).with_suffix("").parts
+    return ".".join([PACKAGE, *parts[:-1]])
+
+
+def _module_aliases(tree: ast.Module, path: pathlib.Path) -> set[str]:
+    """Names the module binds to modules (``import x``, ``import x.y as z``, ``from p import m`` of a
+    module m): a private attribute of a module, e.g. ``sys._getframe``, is that library's API."""
+    aliases: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = _package_of(path).split(".")
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            for a in node.names:
+                try:
+                    value = getattr(importlib.import_module(base), a.name, None)
+                except ImportError:
+                    value = None
+                if inspect.ismodule(value):
+                    aliases.add(a.asname or a.name)
+    return aliases
+
+
+def _names_defined(tree: ast.Module) -> set[str]:
+    """Names the module itself defines: its own privates are its to use (Python's module privacy)."""
+    defined: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            defined.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            defined.add(node.target.id)
+        elif isinstance(node, ast.ClassDef):
+            defined.add(node.name)
+    for node in ast.walk(tree):  # __slots__ = ("_a", "_b") and dataclass fields
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_"):
+            defined.add(node.value)
+    return defined
+
+
+def _root(node: ast.expr) -> ast.expr:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def private_reaches(path: pathlib.Path, base: pathlib.Path = SIMULATOR.parent) -> list[str]:
+    """``obj._name`` where ``obj`` is not ``self``/``cls``, not rooted at a module, and nothing in the
+    module defines ``_name`` (reported relative to ``base``)."""
+    tree = ast.parse(path.read_text())
+    defined = _names_defined(tree)
+    aliases = _module_aliases(tree, path)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        name = node.attr
+        if not name.startswith("_") or name.startswith("__") or name in defined or name in ALLOWED:
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        root = _root(node.value)
+        if isinstance(root, ast.Name) and root.id in aliases:
+            continue
+        found.append(f"{path.relative_to(base)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_simulator_object_reaches_into_another_objects_private_state() -> None:
+    reaches = [r for path in _modules() for r in private_reaches(path)]
+    assert not reaches, "private attributes used across objects:\n" + "\n".join(reaches)
+
+
+def test_the_scan_finds_a_private_reach_across_objects(tmp_path: pathlib.Path) -> None:
+    """The scan itself works: a collaborator calling the simulation's private method is found, a
+    module's own private and a library module's private are not."""
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "import sys\n\n\ndef _own() -> None:\n    pass\n\n\n"
+        "def f(sim, self):\n    sim._book(0, 1.0)\n    _own()\n    sys._getframe()\n    self._mine()\n"
+    )
+    assert private_reaches(source, tmp_path) == ["probe.py:9: sim._book"]
+
+
+def test_the_simulation_is_a_facade_over_collaborators_that_own_their_state() -> None:
+    """The run's parts are reachable by public names, and the simulation keeps none of their state."""
+    from twinrpc.simulator import Simulation
+
+    sim = Simulation(2)
+    assert sim.crashed is sim.crashes.crashed
+    assert sim.heartbeat_options is sim.rendezvous.heartbeat_options
+    assert sim.faults is sim.links.faults is None
+    sim.drop("CALL")
+    assert sim.faults is sim.links.faults is not None
+    assert sim.monitor is sim.observers.monitor
+    state = set(vars(sim))
+    for owned in ("busy_until", "booking", "_rendezvous", "_rosters", "_dynamic"):
+        assert owned not in state
