@@ -213,9 +213,13 @@ class RpcAgent:
         by_reply = [d.fork_id for d in forks if rrefs.accepted_by_reply(d, dst)] if forks else None
         fut: Future[Any] = Future()
         pending = _Pending(fut, dst, kind)
-        timeout = self.effective_timeout(timeout)
+        timeout = self.rpc_timeout if timeout is None or timeout < 0 else float(timeout)
         msg_id = next(self._ids)  # atomic: itertools.count under the GIL
-        fut.label = f"reply to {kind.name}#{msg_id} from {self.worker_by_id(dst).name}"
+        # Made only when read (a deadlock report, a repr); the tables are replaced, never changed
+        by_id = self._by_id
+        fut._label = lambda: (
+            f"reply to {kind._name_}#{msg_id} from {(by_id.get(dst) or self.worker_by_id(dst)).name}"
+        )
         with self._lock:
             self._pending[msg_id] = pending
             self._active_calls += 1
@@ -230,7 +234,9 @@ class RpcAgent:
 
     def call(self, to: Any, func: Any, args: Any, kwargs: Any, timeout: float) -> Future[Any]:
         """``rpc_async``: run ``func(*args, **kwargs)`` on ``to``."""
-        dst = self.resolve(to)
+        dst = self._by_name.get(to) if type(to) is str else None
+        if dst is None:
+            dst = self.resolve(to)
         return self.request(dst.id, Kind.CALL, (func, tuple(args or ()), dict(kwargs or {})), timeout)
 
     def remote(self, to: Any, func: Any, args: Any, kwargs: Any, timeout: float) -> RRef[Any]:
@@ -384,9 +390,13 @@ class RpcAgent:
     def _on_reply(self, msg: Message) -> None:
         if self._accepted_by_reply:
             self._take_accepts(msg.id)
-        pending = self._finish_call(msg.id)
+        with self._lock:  # _finish_call, inlined: this runs for every reply
+            pending = self._pending.pop(msg.id, None)
         if pending is None:
             return  # a late reply to a call that timed out: dropped (ERR-4)
+        timer = pending.timer
+        if timer is not None:
+            timer.cancel()
         try:
             value, load = _serialize.loads(msg.payload, msg.tensors, msg.src, self.rrefs.rebuild)
         except BaseException as exc:
@@ -402,7 +412,8 @@ class RpcAgent:
                 pending.fut.set_exception(self._rebuild_exception(value))
             else:
                 pending.fut.set_result(value)
-            load.handled()
+            if load.after_handling:
+                load.handled()
         self._call_ended()
 
     def _take_accepts(self, msg_id: int) -> None:
@@ -447,15 +458,17 @@ class RpcAgent:
         try:
             self._handle(msg, obj, load)
         finally:
-            load.handled()  # e.g. RRef child accepts, sent after the reply (twinrpc._rref_context)
+            if load.after_handling:  # e.g. RRef child accepts, sent after the reply (twinrpc._rref_context)
+                load.handled()
 
     def _handle(self, msg: Message, obj: Any, load: _serialize.LoadState) -> None:
-        try:
-            for user in load.unconfirmed_rrefs:  # RREF-F3: run only once argument RRefs are confirmed
-                user.confirmed.wait()
-        except BaseException as exc:  # the owner could not be reached to confirm a fork
-            self.reply_error(msg, exc)
-            return
+        if load.unconfirmed_rrefs:
+            try:
+                for user in load.unconfirmed_rrefs:  # RREF-F3: run only once argument RRefs are confirmed
+                    user.confirmed.wait()
+            except BaseException as exc:  # the owner could not be reached to confirm a fork
+                self.reply_error(msg, exc)
+                return
         kind = msg.kind
         token = None
         if type(obj) is AutogradEnvelope:  # hook: run inside the caller's autograd context (DAG-4)
@@ -502,7 +515,10 @@ class RpcAgent:
             self._finish_run(msg, None, exc, on_value)
             return
         if not is_async:
-            self._finish_run(msg, result, None, on_value)
+            if on_value is None:
+                self.reply(msg, result)  # _finish_run's case for a call, directly
+            else:
+                self._finish_run(msg, result, None, on_value)
             return
         if not (isinstance(result, (Future, torch.futures.Future))):
             err = RuntimeError(
@@ -565,7 +581,13 @@ class RpcAgent:
                 ),
             )
             return
-        self._send_reply(msg, Message(Kind.RESPONSE, msg.id, self.info.id, msg.src, payload, tensors))
+        reply = Message(Kind.RESPONSE, msg.id, self.info.id, msg.src, payload, tensors)
+        if self.running and msg.kind not in CONTROL_KINDS:  # _send_reply's common case, inlined
+            with self._lock:
+                self._served_requests += 1
+            self.world.send(reply)
+        else:
+            self._send_reply(msg, reply)
 
     def reply_error(self, msg: Message, exc: BaseException) -> None:
         if self.autograd.replies:  # hook: no reply will join the context

@@ -94,21 +94,33 @@ class Future(torch.futures.Future[T]):
     module docstring). Callbacks may block.
     """
 
-    __slots__ = ("_callbacks", "_exception", "_lock", "_result", "_waiters", "label")
+    __slots__ = ("_callbacks", "_exception", "_label", "_lock", "_result", "_waiters")
 
     def __init__(self, *, devices: list[Any] | None = None) -> None:
         # torch's C++ future underneath stays pending and unused: every method is overridden here
         # (torch.futures' helpers reach twinrpc's through install_torch_hooks).
         _torch_future_init(self, [])
-        self._lock = threading.Lock()
+        self._lock = _allocate_lock()
         self._result: Any = _PENDING
         self._exception: BaseException | None = None
         #: run at once on completion: ``wait()``'s wake-ups and the protocol's own callbacks
         self._waiters: list[Callable[[Future[T]], None]] = []
         #: user callbacks (then, add_done_callback): run after the waiters, maybe elsewhere
         self._callbacks: list[Callable[[Future[T]], None]] = []
-        #: what completes this future, for deadlock reports and reprs (e.g. "reply to CALL#3 from worker1")
-        self.label: str | None = None
+        #: see ``label``: a string, or a function that makes it (an RPC's future gets one: the text
+        #: is read only by deadlock reports and reprs, and making it costs as much as the RPC's pickling)
+        self._label: str | Callable[[], str] | None = None
+
+    @property
+    def label(self) -> str | None:
+        """What completes this future, for deadlock reports and reprs (e.g. "reply to CALL#3 from
+        worker1")."""
+        label = self._label
+        return label() if callable(label) else label
+
+    @label.setter
+    def label(self, label: str | None) -> None:
+        self._label = label
 
     # -- state -------------------------------------------------------------------------------
     def done(self) -> bool:
@@ -117,8 +129,9 @@ class Future(torch.futures.Future[T]):
 
     def wait(self) -> T:
         """Block until complete; return the result or raise the exception (again on every call)."""
-        if not self.done():
-            current_blocker().wait_done(self)
+        if self._result is _PENDING and self._exception is None:  # not done()
+            blocker = CURRENT_BLOCKER.get()
+            (THREAD_BLOCKER if blocker is None else blocker).wait_done(self)
         if self._exception is not None:
             raise self._exception
         return self._result  # type: ignore[no-any-return]
@@ -152,7 +165,7 @@ class Future(torch.futures.Future[T]):
 
     def _complete(self, result: Any, exc: BaseException | None, strict: bool = True) -> bool:
         with self._lock:
-            if self.done():
+            if self._result is not _PENDING or self._exception is not None:  # done()
                 if not strict:
                     return False
                 raise RuntimeError("Future can only be marked completed once.")
@@ -160,10 +173,17 @@ class Future(torch.futures.Future[T]):
                 self._exception = exc
             else:
                 self._result = result
-            waiters, self._waiters = self._waiters, []
-            callbacks, self._callbacks = self._callbacks, []
+            waiters = self._waiters
+            if waiters:
+                self._waiters = []
+            callbacks = self._callbacks
+            if callbacks:
+                self._callbacks = []
         for cb in waiters:
-            self._run_callback(cb)
+            try:  # _run_callback, inlined: every RPC's reply completes a future
+                cb(self)
+            except Exception:
+                _log.exception("twinrpc: a Future callback raised; the error is ignored")
         if callbacks:
             defer = CALLBACK_ROLE.defer
             if defer is None:
@@ -227,7 +247,7 @@ class Future(torch.futures.Future[T]):
     def _add_callback_if_pending(self, callback: Callable[[Future[T]], None]) -> bool:
         """Register a waiter (run at once on completion); False if already complete."""
         with self._lock:
-            if self.done():
+            if self._result is not _PENDING or self._exception is not None:  # done()
                 return False
             self._waiters.append(callback)
             return True

@@ -15,7 +15,6 @@ import io
 import pickle
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,28 +28,49 @@ from ._rref import RRef
 _COMPACT_MIN_STORAGE_BYTES = 8192
 
 
-@dataclass(slots=True)
 class LoadState:
-    """What unpickling one message needs: its storages, and the RRef hook with the message's source."""
+    """What unpickling one message needs: its storages, and the RRef hook with the message's source.
 
-    storages: list[torch.Tensor]
-    src: int
-    rebuild_rref: Callable[[Any, int, LoadState], Any] | None
-    unconfirmed_rrefs: list[Any] = field(default_factory=list)
-    #: control messages to send once the message has been handled (the caller's reply goes first)
-    after_handling: list[Callable[[], None]] = field(default_factory=list)
-    #: the message is a request, which this worker answers: the reply tells its sender that every RRef
-    #: fork in it has reached this worker (twinrpc._rref_context, RREF-F1)
-    request: bool = False
-    #: distributed autograd hook: turns each received tensor that requires grad into one with a recv
-    #: function as grad_fn (set while unpickling an AutogradEnvelope; twinrpc._dist_autograd)
-    autograd: Callable[[torch.Tensor], torch.Tensor] | None = None
+    A plain slotted class (not a dataclass with list factories): one is made for every message
+    received, on the simulator's hottest path."""
+
+    __slots__ = (
+        "after_handling",
+        "autograd",
+        "rebuild_rref",
+        "request",
+        "src",
+        "storages",
+        "unconfirmed_rrefs",
+    )
+
+    def __init__(
+        self,
+        storages: list[torch.Tensor],
+        src: int,
+        rebuild_rref: Callable[[Any, int, LoadState], Any] | None,
+        request: bool = False,
+    ) -> None:
+        self.storages = storages
+        self.src = src
+        self.rebuild_rref = rebuild_rref
+        self.unconfirmed_rrefs: list[Any] = []
+        #: control messages to send once the message has been handled (the caller's reply goes first)
+        self.after_handling: list[Callable[[], None]] = []
+        #: the message is a request, which this worker answers: the reply tells its sender that every
+        #: RRef fork in it has reached this worker (twinrpc._rref_context, RREF-F1)
+        self.request = request
+        #: distributed autograd hook: turns each received tensor that requires grad into one with a
+        #: recv function as grad_fn (set while unpickling an AutogradEnvelope; twinrpc._dist_autograd)
+        self.autograd: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def handled(self) -> None:
         """The message has been handled (or cannot be): run what was deferred until then."""
-        todo, self.after_handling = self.after_handling, []
-        for fn in todo:
-            fn()
+        todo = self.after_handling
+        if todo:
+            self.after_handling = []
+            for fn in todo:
+                fn()
 
 
 _FUTURE_TYPES = (torch.futures.Future, Future)
@@ -217,6 +237,16 @@ def _not_cpu(t: torch.Tensor) -> SerializationError:
     )
 
 
+class _PicklerSlot(threading.local):
+    #: this thread's idle pickler and its buffer: making a pickler costs more than pickling a small
+    #: call, so one is reused (taken out while in use: a nested dumps, say from a fork hook that
+    #: sends a control message, makes its own; one that failed is dropped)
+    idle: tuple[io.BytesIO, _RpcPickler] | None = None
+
+
+_PICKLERS = _PicklerSlot()
+
+
 def dumps(
     obj: Any,
     fork_rref: Callable[[Any], Any] | None = None,
@@ -229,18 +259,34 @@ def dumps(
     Raises:
         SerializationError: ``obj`` cannot travel (unpicklable, a lambda, a CUDA tensor, a Future).
     """
-    buf = io.BytesIO()
-    pickler = _RpcPickler(buf, _PROTOCOL)
+    slot = _PICKLERS
+    idle = slot.idle
+    if idle is None:
+        buf = io.BytesIO()
+        pickler = _RpcPickler(buf, _PROTOCOL)
+    else:
+        slot.idle = None
+        buf, pickler = idle
     pickler._fork_rref = fork_rref
-    if grad_tensors is not None:
-        pickler._grad_tensors = grad_tensors
+    pickler._grad_tensors = grad_tensors
     try:
         pickler.dump(obj)
     except SerializationError:
         raise
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise serialization_error(f"{exc}{_hint(exc)}", type(exc)) from exc
-    return buf.getvalue(), pickler.storages or []
+    payload = buf.getvalue()
+    storages = pickler.storages
+    # Ready for the next message: nothing of this one stays referenced.
+    if storages is not None:
+        pickler.storages = None
+        del pickler._storage_index, pickler._keepalive
+    pickler._fork_rref = pickler._grad_tensors = None
+    pickler.clear_memo()
+    buf.seek(0)
+    buf.truncate()
+    slot.idle = buf, pickler
+    return payload, storages or []
 
 
 def _hint(exc: BaseException) -> str:
@@ -262,15 +308,17 @@ def loads(
 ) -> tuple[Any, LoadState]:
     """Unpickle a payload made by :func:`dumps`; returns the object and the load state. ``request``:
     the payload is a request that this worker will answer (see LoadState.request)."""
-    state = LoadState(storages, src, rebuild_rref, request=request)
-    outer, _LOAD.state = _LOAD.state, state
+    state = LoadState(storages, src, rebuild_rref, request)
+    slot = _LOAD
+    outer = slot.state
+    slot.state = state
     try:
         return pickle.loads(payload), state
     except BaseException:
         state.handled()  # nothing will handle the message: what was deferred must happen now
         raise
     finally:
-        _LOAD.state = outer
+        slot.state = outer
 
 
 def copy_storages(storages: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -149,11 +149,6 @@ def _set_rpc_timeout(rpc_timeout: float) -> None:
     current_agent().rpc_timeout = float(rpc_timeout)
 
 
-def _check_callable(func: Any) -> None:
-    if not callable(func):
-        raise TypeError("function should be callable.")
-
-
 def _check_builtin_arguments(
     to: str | int | WorkerInfo, func: Any, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None
 ) -> None:
@@ -173,12 +168,29 @@ def _check_builtin_arguments(
         ) from exc
 
 
+#: torch's table of builtin operators by ``id`` of the Python callable (torch.jit._builtins), fetched
+#: once: it is built on first use and only grows in place, and every rpc_sync looks its function up
+_builtins: dict[int, Any] | None = None
+
+
 def _find_builtin(func: Any) -> str | None:
-    try:
-        name = torch.jit._builtins._find_builtin(func)  # type: ignore[no-untyped-call]
-    except Exception:  # an unhashable callable
-        return None
+    global _builtins
+    table = _builtins
+    if table is None:
+        table = _builtins = torch.jit._builtins._get_builtin_table()  # type: ignore[no-untyped-call]
+    name = table.get(id(func))
     return name if isinstance(name, str) else None
+
+
+def _check_call(
+    to: str | int | WorkerInfo, func: Any, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None
+) -> None:
+    """What every call checks before anything is sent: a callable, and a builtin's arguments."""
+    if not callable(func):
+        raise TypeError("function should be callable.")
+    if _builtins is not None and id(func) not in _builtins:
+        return  # _find_builtin's answer, without the calls: not a builtin (most calls)
+    _check_builtin_arguments(to, func, args, kwargs)
 
 
 def rpc_async(
@@ -194,8 +206,7 @@ def rpc_async(
     ``timeout``: seconds, -1 = the default at call time, 0 = never.
     """
     agent = current_agent()
-    _check_callable(func)
-    _check_builtin_arguments(to, func, args, kwargs)
+    _check_call(to, func, args, kwargs)
     fut = agent.call(to, func, args, kwargs, timeout)
     _track(fut)
     return fut
@@ -211,8 +222,7 @@ def rpc_sync(
     """Run ``func(*args, **kwargs)`` on ``to`` and return its result; blocks. Re-raises the remote
     exception with its original type, the remote worker and traceback in the message."""
     agent = current_agent()
-    _check_callable(func)
-    _check_builtin_arguments(to, func, args, kwargs)
+    _check_call(to, func, args, kwargs)
     result: T = agent.call(to, func, args, kwargs, timeout).wait()
     return result
 
@@ -226,8 +236,7 @@ def remote(
 ) -> RRef[T]:
     """Run ``func`` on ``to``, which owns the result; returns an RRef to it at once."""
     agent = current_agent()
-    _check_callable(func)
-    _check_builtin_arguments(to, func, args, kwargs)
+    _check_call(to, func, args, kwargs)
     return agent.remote(to, func, args, kwargs, timeout)
 
 
