@@ -26,6 +26,7 @@ from ._errors import (
     TraceFormatError,
 )
 from ._exploration._explore import Exploration, Failure, explore, replay
+from ._faults._files import load_faults
 from ._faults._plan import (
     FAULT_KINDS,
     MESSAGE_CLASSES,
@@ -41,7 +42,7 @@ from ._faults._plan import (
     Partition,
     Pause,
 )
-from ._faults._swarm import Swarm, load_faults
+from ._faults._swarm import Swarm
 from ._kernel._compute import ComputeModel
 from ._kernel._current import current
 from ._network._model import NetworkModel

@@ -14,6 +14,7 @@ import pytest
 import tomllib
 import torch
 from twinrpc.simulator import (
+    ComputeModel,
     Crash,
     Delay,
     Deliver,
@@ -31,6 +32,7 @@ from twinrpc.simulator import (
     now,
     sleep,
 )
+from twinrpc.simulator._errors import LaunchError
 
 import twinrpc.autograd as dist_autograd
 import twinrpc.rpc as rpc
@@ -708,3 +710,41 @@ def _swarm_toml(swarm: Swarm) -> str:
     from twinrpc.simulator._faults._files import to_toml
 
     return to_toml(swarm.to_dict())
+
+
+# -- one reader per file format ------------------------------------------------------------------------
+def test_every_fault_file_loader_is_the_one_reader_of_the_format(tmp_path: Path) -> None:
+    from twinrpc.simulator._faults import _files
+    from twinrpc.simulator._launch import _launch
+
+    assert load_faults is _files.load_faults
+    path = _write(tmp_path / "plan.toml", EVERY_FAULT.to_toml())
+    assert FaultPlan.load(path) == load_faults(path) == _launch.load_faults(str(path)) == EVERY_FAULT
+    net = tmp_path / "net.toml"
+    NetworkModel(latency=2e-3, heartbeat_timeout=1.0).dump(net)
+    assert NetworkModel.load(net) == _launch.load_network(str(net)) == _files.load_network(net)
+    # the launcher's readers only say which flag the bad file came from
+    bad = _write(tmp_path / "compute.toml", "op_cost = 'fast'\n")
+    with pytest.raises(LaunchError, match=r"^--compute: .*compute\.toml\.op_cost: expected a number"):
+        _launch.load_compute(str(bad))
+
+
+def test_a_flag_takes_a_plan_or_a_model_as_json_text_or_as_a_json_or_toml_file(tmp_path: Path) -> None:
+    from twinrpc.simulator._faults._files import compute_from_text, network_from_text, plan_from_text
+
+    plan = FaultPlan([Drop("response", src=1, dst=0, nth=3)], gc_delay=0.01)
+    toml_plan = _write(tmp_path / "plan.toml", plan.to_toml())
+    assert plan_from_text(plan.to_json(), "--faults") == plan_from_text(str(toml_plan), "--faults") == plan
+    model = NetworkModel(latency=1e-3, jitter=0.0)
+    toml_model = tmp_path / "net.toml"
+    model.dump(toml_model)
+    assert network_from_text(json.dumps(model.to_dict())) == network_from_text(str(toml_model)) == model
+    assert compute_from_text('{"op_cost": 1e-6}') == ComputeModel(op_cost=1e-6)
+    with pytest.raises(
+        FaultPlanError, match=r"^--sim-network 'nowhere\.json': neither a JSON object nor a file"
+    ):
+        network_from_text("nowhere.json", "--sim-network")
+    with pytest.raises(FaultPlanError, match=r"^--faults: not valid JSON"):
+        plan_from_text("{faults", "--faults")
+    with pytest.raises(FaultPlanError, match=r"^--network: unknown field 'latncy'"):
+        network_from_text('{"latncy": 1}', "--network")

@@ -252,6 +252,41 @@ def read_data(path: str | Path) -> Any:
     raise FaultPlanError(f"{path}: unknown file type {suffix!r}; use .json or .toml")
 
 
+def _data_from_text(text: str, flag: str) -> Any:
+    """What a command-line flag holds: a JSON object, or the path of a JSON or TOML file."""
+    if text.lstrip().startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise FaultPlanError(f"{flag}: not valid JSON: {exc}") from None
+    if not Path(text).is_file():
+        raise FaultPlanError(f"{flag} {text!r}: neither a JSON object nor a file")
+    return read_data(text)
+
+
+def _source(text: str, flag: str) -> str:
+    """How errors name a flag's value: the flag, and the file when it names one."""
+    return flag if text.lstrip().startswith("{") else f"{flag} {text}"
+
+
+def plan_from_text(text: str, flag: str = "faults") -> FaultPlan:
+    """A fault plan given as a flag's value (``--sim-faults``, ``replay --faults``): its JSON
+    object, or the path of a JSON or TOML file; errors name ``flag``."""
+    return plan_from_dict(_data_from_text(text, flag), f"{_source(text, flag)}: ")
+
+
+def network_from_text(text: str, flag: str = "network") -> NetworkModel:
+    """A network model given as a flag's value (``--sim-network``, ``replay --network``): its JSON
+    object, or the path of a JSON or TOML file; errors name ``flag``."""
+    return network_from_dict(_data_from_text(text, flag), _source(text, flag))
+
+
+def compute_from_text(text: str, flag: str = "compute") -> ComputeModel:
+    """A compute model given as a flag's value (``--sim-compute``): its JSON object, or the path of a
+    JSON or TOML file; errors name ``flag``."""
+    return compute_from_dict(_data_from_text(text, flag), _source(text, flag))
+
+
 def load_plan(path: str | Path) -> FaultPlan:
     return plan_from_dict(read_data(path), f"{path}: ")
 
@@ -265,6 +300,14 @@ def load_compute(path: str | Path) -> ComputeModel:
 
 
 def load_faults(path: str | Path) -> FaultPlan | Swarm:
+    """Read a ``.json`` or ``.toml`` fault file: a :class:`~twinrpc.simulator.FaultPlan`, or a
+    :class:`~twinrpc.simulator.Swarm` when the file holds a ``swarm`` table (what ``--faults FILE``
+    accepts).
+
+    Raises:
+        FaultPlanError: the file is not JSON or TOML, or a field is unknown or malformed (named).
+        OSError: the file cannot be read.
+    """
     data = read_data(path)
     if isinstance(data, dict) and "swarm" in data:
         return swarm_from_dict(data, f"{path}: ")

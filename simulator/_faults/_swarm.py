@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from .._errors import FaultPlanError
@@ -154,11 +153,3 @@ class Swarm:
         from ._files import swarm_from_dict
 
         return swarm_from_dict(data)
-
-
-def load_faults(path: str | Path) -> FaultPlan | Swarm:
-    """Read a ``.json`` or ``.toml`` fault file: a :class:`FaultPlan`, or a :class:`Swarm` when the
-    file holds a ``swarm`` table (what ``--faults FILE`` accepts)."""
-    from ._files import load_faults as _load
-
-    return _load(path)

@@ -37,9 +37,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import Any, TextIO, TypeVar, cast
 
 from .._errors import LaunchError, SimulationDeadlock, SimulationError
+from .._faults import _files as files
 from .._faults._plan import FaultPlan
 from .._faults._swarm import Swarm
 from .._kernel._compute import ComputeModel
@@ -213,34 +214,32 @@ def environment_prefix(environment: Mapping[str, str | None]) -> str:
     return shlex.join(words) + " "
 
 
-# -- --network / --faults files ----------------------------------------------------------------------
-def load_network(path: str) -> NetworkModel:
-    """A :class:`NetworkModel` from a JSON or TOML file of its fields."""
-    from .._faults._files import load_network as load
+# -- --network / --compute / --faults files --------------------------------------------------------
+_T = TypeVar("_T")
 
+
+def _read(flag: str, load: Callable[[str], _T], path: str) -> _T:
+    """``load(path)`` (a reader of ``_faults/_files.py``), its errors as bad input to ``flag``."""
     try:
         return load(path)
     except (OSError, ValueError) as exc:
-        raise LaunchError(f"--network: {exc}") from exc
+        raise LaunchError(f"{flag}: {exc}") from exc
+
+
+def load_network(path: str) -> NetworkModel:
+    """A :class:`NetworkModel` from a JSON or TOML file of its fields."""
+    return _read("--network", files.load_network, path)
 
 
 def load_compute(path: str) -> ComputeModel:
     """A :class:`ComputeModel` from a JSON or TOML file of its fields."""
-    try:
-        return ComputeModel.load(path)
-    except (OSError, ValueError) as exc:
-        raise LaunchError(f"--compute: {exc}") from exc
+    return _read("--compute", files.load_compute, path)
 
 
 def load_faults(path: str) -> FaultPlan | Swarm:
     """A :class:`FaultPlan` (or a :class:`Swarm`) from a JSON or TOML file
     (:doc:`/howto/fault-plan`)."""
-    from .._faults._files import load_faults as load
-
-    try:
-        return load(path)
-    except (OSError, ValueError) as exc:
-        raise LaunchError(f"--faults: {exc}") from exc
+    return _read("--faults", files.load_faults, path)
 
 
 # -- the run -------------------------------------------------------------------------------------------
