@@ -1,4 +1,4 @@
-"""The simulator's crash verb: ``Simulation.crash`` and ``FaultPlan(crashes=...)`` (ERR-7 on sim)."""
+"""The simulator's crash verb: ``Simulation.crash`` and ``FaultPlan([Crash(...)])`` (ERR-7 on sim)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _run(plan: FaultPlan, seed: int = 3) -> Any:
 
 
 def test_a_crash_at_a_time_fails_calls_after_the_detection_delay() -> None:
-    result = _run(FaultPlan(crashes=(Crash(1, at=1.0),)))
+    result = _run(FaultPlan([Crash(1, at=1.0)]))
     assert result.crashed == (1,)
     values = result.values()
     assert values[1] is None and values[2] == "left"
@@ -63,7 +63,7 @@ def test_a_crash_at_a_time_fails_calls_after_the_detection_delay() -> None:
 
 def test_a_crash_on_the_nth_arrival_of_a_kind_loses_that_message() -> None:
     # worker1 receives CALLs: #1 is rank 0's sleep call; crash on it, so the call is never served.
-    result = _run(FaultPlan(crashes=(Crash(1, on_receive=Kind.CALL, nth=1),)))
+    result = _run(FaultPlan([Crash(1, on_receive=Kind.CALL, nth=1)]))
     assert result.crashed == (1,)
     (pending_at, _), _, other = result.values()[0]
     assert pending_at < 0.01 + DETECTION  # crashed on arrival (microseconds), then detected
@@ -72,7 +72,7 @@ def test_a_crash_on_the_nth_arrival_of_a_kind_loses_that_message() -> None:
 
 
 def test_crash_runs_are_deterministic() -> None:
-    plan = FaultPlan(crashes=(Crash(1, at=0.5),))
+    plan = FaultPlan([Crash(1, at=0.5)])
     assert _run(plan, seed=11).digest == _run(plan, seed=11).digest
 
 
@@ -103,10 +103,10 @@ def test_crash_plans_are_checked_and_printable() -> None:
         Crash(1, at=1.0, on_receive=Kind.CALL)
     with pytest.raises(ValueError, match="nth"):
         Crash(1, on_receive=Kind.CALL, nth=0)
-    plan = FaultPlan(crashes=(Crash(2, on_receive=Kind.RREF_USER_DELETE, nth=2),))
+    plan = FaultPlan([Crash(2, on_receive=Kind.RREF_USER_DELETE, nth=2)])
     assert "crash worker 2 when message #2 of kind RREF_USER_DELETE arrives" in plan.describe()
     with pytest.raises(ValueError, match="no worker 5"):
-        Simulation(3, faults=FaultPlan(crashes=(Crash(5, at=0.0),)))
+        Simulation(3, faults=FaultPlan([Crash(5, at=0.0)]))
 
 
 def _holder_of_a_departed_owner(rank: int) -> Any:

@@ -748,3 +748,36 @@ def test_a_flag_takes_a_plan_or_a_model_as_json_text_or_as_a_json_or_toml_file(t
         plan_from_text("{faults", "--faults")
     with pytest.raises(FaultPlanError, match=r"^--network: unknown field 'latncy'"):
         network_from_text('{"latncy": 1}', "--network")
+
+
+# -- one spelling per concept ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("keyword", "fault"), [("holds", Hold(0, 1, 0.0, 1.0)), ("crashes", Crash(1, at=0.5))]
+)
+def test_a_fault_plan_takes_every_fault_in_faults_and_names_it_for_another_keyword(
+    keyword: str, fault: Any
+) -> None:
+    with pytest.raises(
+        FaultPlanError,
+        match=rf"FaultPlan\(\) takes no {keyword}=: put the {type(fault).__name__} faults in faults",
+    ):
+        FaultPlan(**{keyword: (fault,)})
+    with pytest.raises(
+        FaultPlanError, match=r"FaultPlan\(\) got fualts=; it takes faults, actions and gc_delay"
+    ):
+        FaultPlan(fualts=[fault])
+    plan = FaultPlan([fault])
+    assert plan.faults == (fault,) and FaultPlan.from_dict(plan.to_dict()) == plan
+
+
+def test_a_plan_file_writes_each_fault_as_a_table_with_its_type() -> None:
+    assert FaultPlan.from_dict({"actions": [{"type": "deliver"}]}) == FaultPlan(actions=[Deliver()])
+    with pytest.raises(
+        FaultPlanError,
+        match=r"actions\[0\]: expected a table/object with a 'type', e\.g\. \{type = \"deliver\"\}",
+    ):
+        FaultPlan.from_dict({"actions": ["deliver"]})
+    with pytest.raises(
+        FaultPlanError, match="unknown field 'holds'; a fault plan has gc_delay, actions and faults"
+    ):
+        FaultPlan.from_dict({"holds": [{"type": "hold", "src": 0, "dst": 1, "start": 0.0, "end": 1.0}]})

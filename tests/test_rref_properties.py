@@ -124,7 +124,7 @@ def test_the_public_strategies_module_holds_strategies_of_simulator_concepts_onl
 def test_fire_and_forget_fork_of_a_dying_user_violates_g2_only_when_g2_is_disabled(g2_disabled):
     # Hold the fork request from worker 2 to the owner long enough that the parent dies first.
     workload = [Create(owner=1), Share(slot=0, holder=2), Send(slot=0, holder=2)]
-    plan = FaultPlan(holds=(Hold(2, 1, 0.0, 1.0),))
+    plan = FaultPlan([Hold(2, 1, 0.0, 1.0)])
     with pytest.raises(MonitorViolation, match=r"RREF-F1 G2"):
         run_workload(workload, plan, seed=1)
     rref_context._testing_disable_g2 = False

@@ -153,10 +153,9 @@ def fault_to_dict(fault: Any) -> dict[str, Any]:
 
 
 def _item(data: Any, where: str, table: dict[str, type]) -> Any:
-    if isinstance(data, str):  # "deliver", "drop": a bare type name
-        data = {"type": data}
     if not isinstance(data, dict):
-        raise FaultPlanError(f"{where}: expected a table/object with a 'type', got {data!r}")
+        example = f"{{type = {json.dumps(data)}}}" if isinstance(data, str) else '{type = "drop", ...}'
+        raise FaultPlanError(f"{where}: expected a table/object with a 'type', e.g. {example}; got {data!r}")
     kind = data.get("type")
     cls = table.get(kind) if isinstance(kind, str) else None
     if cls is None:

@@ -470,11 +470,13 @@ class FaultPlan:
             sends (the *i*-th ``send`` event of the trace); messages past the end are delivered
             normally.
         gc_delay: a dead user RRef's delete is sent after a seeded delay drawn from [0, gc_delay).
-        holds: older spelling: :class:`Hold` faults, appended to ``faults``.
-        crashes: older spelling: :class:`Crash` faults, appended to ``faults``.
+
+    Every fault goes in ``faults``, whatever its type: ``FaultPlan([Hold(0, 1, 0.0, 5.0), Crash(2,
+    at=1.0)])``. There is no second spelling (``holds=``, ``crashes=``: a :class:`FaultPlanError`
+    says where they go).
 
     Raises:
-        FaultPlanError: a value is out of range (a ``ValueError``).
+        FaultPlanError: a value is out of range, or a keyword other than these (a ``ValueError``).
         TypeError: an entry is not a fault (or not an action, in ``actions``).
     """
 
@@ -487,11 +489,11 @@ class FaultPlan:
         faults: Iterable[Fault] = (),
         actions: Iterable[Action] = (),
         gc_delay: float = DEFAULT_GC_DELAY,
-        *,
-        holds: Iterable[Hold] = (),
-        crashes: Iterable[Crash] = (),
+        **unknown: object,
     ) -> None:
-        all_faults = (*tuple(faults), *tuple(holds), *tuple(crashes))
+        if unknown:
+            raise FaultPlanError(_unknown_keyword(next(iter(unknown))))
+        all_faults = tuple(faults)
         for i, f in enumerate(all_faults):
             if not isinstance(f, _FAULT_TYPES):
                 raise TypeError(
@@ -610,6 +612,17 @@ class FaultPlan:
 
         swarm: Swarm = Swarm(**options)
         return swarm.plan(seed, world_size)
+
+
+def _unknown_keyword(name: str) -> str:
+    """What FaultPlan says of a keyword it does not take: where that fault goes instead."""
+    cls = {"holds": "Hold", "crashes": "Crash", "partitions": "Partition", "pauses": "Pause"}.get(name)
+    if cls is None:
+        return f"FaultPlan() got {name}=; it takes faults, actions and gc_delay"
+    return (
+        f"FaultPlan() takes no {name}=: put the {cls} faults in faults with the others, "
+        f"e.g. FaultPlan([{cls}(...), ...])"
+    )
 
 
 def _ranks_of(f: Any) -> list[tuple[str, int]]:
