@@ -1,4 +1,4 @@
-"""The parameter-server tutorial's race, found by exploration from Python and shrunk (issue 6, point 7).
+"""The parameter-server tutorial's race, found by exploration from Python and shrunk.
 
 The program is the race tutorial's (docs/examples/ps_race.py): the seeds' parameter server as written
 (a ``ParameterServer`` module behind an RRef, ``TrainerNet`` forwarding through it with
