@@ -62,6 +62,59 @@ def test_every_included_file_exists_and_is_run_here():
             assert path.name in this, f"{path.relative_to(ROOT)} is included by the docs but not run here"
 
 
+# -- the explanation pages name only files that exist ------------------------------------------------
+#: pages that point into the tree; a moved or renamed module must be renamed there too
+MAP_PAGES = ("explanation/architecture.md", "explanation/benchmarks.md")
+_TREE_PATH = re.compile(
+    r"(?<![\w/.])((?:src/twinrpc|simulator|impl|conformance|tests|docs|spec|benchmarks|examples)/[\w./*-]*\w)"
+)
+_TABLE_ROOT = re.compile(r"`((?:src/twinrpc|simulator|impl)/)`")
+_CELL_FILE = re.compile(r"`([\w/]+(?:\.py|/))`")
+
+
+def _missing_tree_paths(text: str) -> list[str]:
+    """Paths of the repository ``text`` names that do not exist: every ``simulator/...``,
+    ``src/twinrpc/...``, ``impl/...`` (and other top-level folders) path, with or without ``.py``, and
+    in a table whose header names those folders, each cell's ``_module.py`` or ``package/`` under its
+    column's folder."""
+    missing = []
+    for path in _TREE_PATH.findall(text):
+        if "*" not in path and not any((ROOT / p).exists() for p in (path, path + ".py")):
+            missing.append(path)
+    roots: list[str | None] = []
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            roots = []
+            continue
+        cells = line.strip().strip("|").split("|")
+        if not roots:
+            roots = [(m.group(1) if (m := _TABLE_ROOT.search(c)) else None) for c in cells]
+            continue
+        for root, cell in zip(roots, cells, strict=False):
+            if root is None:
+                continue
+            for name in _CELL_FILE.findall(cell):
+                if not _TREE_PATH.fullmatch(name) and not (ROOT / root / name).exists():
+                    missing.append(root + name)
+    return missing
+
+
+def test_explanation_pages_name_only_files_that_exist():
+    for page in MAP_PAGES:
+        path = DOCS / page
+        missing = _missing_tree_paths(path.read_text(encoding="utf-8")) if path.is_file() else [page]
+        assert not missing, f"docs/{page} names files that do not exist: {missing}"
+
+
+def test_a_wrong_path_on_a_map_page_is_caught():
+    table = "| concept | core (`src/twinrpc/`) | sim (`simulator/`) |\n|---|---|---|\n"
+    assert _missing_tree_paths(table + "| the world | `_world.py` | `_kernel/_scheduler.py` |\n") == []
+    assert _missing_tree_paths(table + "| x | `_nowhere.py` | `_kernel/` |\n") == ["src/twinrpc/_nowhere.py"]
+    assert _missing_tree_paths("see `simulator/_no_such_module.py` and impl/_link") == [
+        "simulator/_no_such_module.py"
+    ]
+
+
 def test_hello_simulator():
     out = _run("examples/hello_simulator.py", "--seed", "3")
     assert "rpc_sync torch.add on worker1          -> [2.0, 2.0]" in out
@@ -273,14 +326,15 @@ def test_calibrate_network_on_gloo_writes_a_model(tmp_path: Path) -> None:
 def test_read_a_trace_prints_saves_compares_and_checks_determinism() -> None:
     out = _run("docs/examples/read_a_trace.py").splitlines()
     shown = {  # the lines the how-to shows
-        "0.001000000 w0 send CALL#0 0->1 (125 B)",
-        "0.001121924 w0 deliver RESPONSE#0 1->0 (99 B)",
+        "     5  0.001000000  worker0     send                   CALL#0 0->1 (125 B)  [4, 0]",
+        "    13  0.001121924  worker0     deliver                RESPONSE#0 1->0 (99 B)  "
+        "<- sent by worker1 at 0.001068422 (+53.503 us)  [7, 7]",
         "traces diverge at event #0, t=0.000000000, worker 1:",
         "    #3      0.000000000 w1 init worker1 generation 0",
     }
     assert shown <= set(out), out
     assert (
-        out[14].startswith("saved and loaded: 56 events")
+        out[16].startswith("saved and loaded: 56 events")
         and out[-1] == "check_determinism: seed 7 twice, the same trace"
     )
 
