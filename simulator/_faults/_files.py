@@ -47,10 +47,10 @@ from ._plan import (
     Partition,
     Pause,
 )
+from ._swarm import Swarm  # at run time: load_faults' documented signature names it
 
 if TYPE_CHECKING:
     from .._kernel._compute import ComputeModel
-    from ._swarm import Swarm
 
 _FAULTS: dict[str, type] = {
     "delay": Delay,
@@ -206,8 +206,6 @@ def swarm_to_dict(swarm: Swarm) -> dict[str, Any]:
 
 
 def swarm_from_dict(data: Any, where: str = "") -> Swarm:
-    from ._swarm import Swarm
-
     if not isinstance(data, dict) or set(data) != {"swarm"}:
         raise FaultPlanError(f"{where or 'swarm'}: expected exactly one table, 'swarm'")
     return _build(Swarm, data["swarm"], f"{where}swarm")  # type: ignore[no-any-return]
