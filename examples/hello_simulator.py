@@ -65,7 +65,7 @@ def main() -> None:
         f"digest {result.digest[:16]}"
     )
     print(f"first {args.timeline} events:")
-    print(result.trace.text(args.timeline))
+    print(result.trace.text(args.timeline), end="")
 
 
 if __name__ == "__main__":

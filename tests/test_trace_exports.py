@@ -11,7 +11,7 @@ from pathlib import Path
 
 import _trace_scenarios as scenarios
 import pytest
-from twinrpc.simulator import Simulation, Trace
+from twinrpc.simulator import Delay, Duplicate, FaultPlan, Simulation, Trace
 from twinrpc.simulator._cli import _main as cli
 
 
@@ -96,6 +96,16 @@ def test_shiviz_log_has_consistent_vector_clocks(trace: Trace) -> None:
             sends.setdefault(m[2], []).append(clock)
         elif m:
             assert any(_dominates(clock, s) for s in sends[m[2]]), event
+
+
+def test_trace_text_is_the_text_export_on_a_run_with_rrefs_and_faults() -> None:
+    plan = FaultPlan([Delay(0.002, "request", src=0, dst=1, nth=1), Duplicate(1e-3, "rref-control")])
+    traced = Simulation(3, seed=5, faults=plan).run(scenarios.rich).trace
+    events = {ev.event for ev in traced}
+    assert {"rref-user-created", "rref-forked", "fault"} <= events, events
+    assert traced.text() == traced.export("text")
+    limited = traced.text(10).splitlines()
+    assert limited == traced.export("text").splitlines()[:12]  # the header's two lines, then 10 events
 
 
 def test_text_timeline_lists_every_event_with_its_clock_and_send_time(trace: Trace) -> None:

@@ -41,7 +41,7 @@ def compare(run_a: RunResult, run_b: RunResult) -> None:
 
 def main() -> None:
     result = Simulation(2, seed=4).run(program)
-    print(result.trace.text(14))
+    print(result.trace.text(14), end="")  # text() ends with a newline
     with tempfile.TemporaryDirectory() as tmp:
         trace = save_and_load(result, Path(tmp) / "run.jsonl")
         print(f"saved and loaded: {len(trace.events())} events, digest {trace.digest()[:16]}")

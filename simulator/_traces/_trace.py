@@ -273,13 +273,12 @@ class Trace:
         return h.hexdigest()
 
     def text(self, limit: int | None = None) -> str:
-        """A readable timeline, one event a line."""
-        lines = []
-        for i, (t, w, e, d) in enumerate(self._events):
-            if limit is not None and i >= limit:
-                break
-            lines.append(f"{t:.9f} w{w} {e} {_render(d)}")
-        return "\n".join(lines)
+        """The readable timeline, the same text as ``export("text")``: a header, then one line per
+        event (the first ``limit``, or all) with its index, time, worker, detail and vector clock; a
+        delivery also says when and by whom its message was sent."""
+        from ._export_text import to_text
+
+        return to_text(self, limit=limit)
 
     def export(self, format: str, path: str | Path | None = None) -> str:
         """Render the trace for a viewer: ``"perfetto"`` (Chrome trace JSON), ``"shiviz"``,
