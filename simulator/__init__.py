@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from ._checks._determinism import check_determinism
 from ._checks._monitors import RRefMonitor
+from ._config import SimConfig
 from ._errors import (
     FaultPlanError,
     MonitorViolation,
@@ -75,6 +76,7 @@ __all__ = [
     "Pause",
     "RRefMonitor",
     "RunResult",
+    "SimConfig",
     "Simulation",
     "SimulationDeadlock",
     "SimulationError",

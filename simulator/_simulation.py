@@ -21,6 +21,7 @@ from typing import Any
 from twinrpc._future import Future
 
 from ._checks._monitors import RRefMonitor
+from ._config import SimConfig
 from ._crashes import Crashes
 from ._errors import SimulationError
 from ._faults._engine import NetworkFaults
@@ -99,53 +100,74 @@ class Simulation:
     calls ``init_rpc``/``shutdown`` itself, exactly as under ``torch.multiprocessing.spawn``. Time is
     virtual: timeouts and sleeps take no wall time. Same seed + same program = the same trace.
 
+    The settings are those of a :class:`~twinrpc.simulator.SimConfig` (``config=``, or
+    ``SimConfig(...).build()``); a keyword argument given here overrides the config's value.
+
     Args:
         world_size: number of workers.
-        seed: seeds every choice the simulation makes (latency jitter, ties between events).
+        seed: seeds every choice the simulation makes (latency jitter, ties between events); 0 unless
+            given here or by ``config``.
         network: the network model (latency, jitter, bandwidth).
-        trace: record a trace (needed for digests and timelines).
+        trace: record a trace (needed for digests and timelines); on unless turned off.
         max_time: fail the run if virtual time passes this many seconds.
         faults: a :class:`~twinrpc.simulator.FaultPlan` (message, link and worker faults, and the
             bound of the seeded delay before a dead user RRef's delete is sent), or a
             :class:`~twinrpc.simulator.Swarm`, resolved into a plan with ``seed``. The fault verbs
             (:meth:`drop`, :meth:`partition`, :meth:`crash`, ...) add faults to a running simulation.
         monitors: check the RRef invariants online (G1, G2, no value freed while a user exists, no
-            leak after graceful shutdown); a violation fails the run with ``MonitorViolation``.
+            leak after graceful shutdown); a violation fails the run with ``MonitorViolation``. On
+            unless turned off.
         compute: charge virtual time for the torch operators tasks run (see
             :class:`~twinrpc.simulator.ComputeModel`); ``None``, the default: computing is free.
+        config: the settings as one value; the keyword arguments above override it.
+
+    Raises:
+        TypeError: neither ``world_size`` nor ``config`` is given.
     """
 
     def __init__(
         self,
-        world_size: int,
-        seed: int = 0,
+        world_size: int | None = None,
+        seed: int | None = None,
         network: NetworkModel | None = None,
         *,
-        trace: bool = True,
+        trace: bool | None = None,
         max_time: float | None = None,
         faults: FaultPlan | Swarm | None = None,
-        monitors: bool = True,
+        monitors: bool | None = None,
         compute: ComputeModel | None = None,
+        config: SimConfig | None = None,
     ) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be at least 1, got {world_size}")
-        self.world_size = n = world_size
-        self.seed = seed
-        self.network = network or NetworkModel()
+        if world_size is None and config is None:
+            raise TypeError("Simulation() needs a world_size (or a config=SimConfig(world_size=...))")
+        config = SimConfig.merged(
+            config,
+            world_size=world_size,
+            seed=seed,
+            network=network,
+            trace=trace,
+            max_time=max_time,
+            faults=faults,
+            monitors=monitors,
+            compute=compute,
+        )
+        #: the settings of this run
+        self.config = config
+        self.world_size = n = config.world_size
+        self.seed = config.seed
+        self.network = config.network or NetworkModel()
         #: the compute model of this run, or None (computation takes no virtual time)
-        self.compute = compute
-        if isinstance(faults, Swarm):
-            faults = faults.plan(seed, world_size)
+        self.compute = config.compute
         #: the fault plan of this run (a Swarm resolved with the seed), or None
-        self.plan: FaultPlan | None = faults
+        self.plan: FaultPlan | None = config.plan()
         self.gc_delay = self.plan.gc_delay if self.plan is not None else DEFAULT_GC_DELAY
-        self.sched = Scheduler(self.seed, max_time=max_time)
-        self.trace = Trace(trace, seed=self.seed, world_size=n)
+        self.sched = Scheduler(self.seed, max_time=config.max_time)
+        self.trace = Trace(config.trace, seed=self.seed, world_size=n)
         #: the workers, by rank (filled in below, once what they share exists)
         self.workers: list[SimWorker] = []
-        monitor = RRefMonitor(self) if monitors else None
+        monitor = RRefMonitor(self) if config.monitors else None
         #: the trace observer and the RRef monitors (simulator/_observers.py)
-        self.observers = RunObservers(monitor, TraceObserver(self, monitor) if trace else None)
+        self.observers = RunObservers(monitor, TraceObserver(self, monitor) if config.trace else None)
         #: crashes and departures (simulator/_crashes.py)
         self.crashes = Crashes(
             self.sched, self.trace, self.network, self.workers, self.observers.stop_monitors
@@ -170,9 +192,14 @@ class Simulation:
             self.sched.meter = ComputeMeter(self, self.compute)
         if self.plan is not None:  # the fault engine: installed by a plan or by the first fault verb
             self.links.faults = NetworkFaults(self, self.plan)
-        if trace:
+        if config.trace:
             self.sched.trace = self.trace  # task switches
         self._used = False
+
+    @classmethod
+    def from_config(cls, config: SimConfig) -> Simulation:
+        """The simulation ``config`` describes (as ``config.build()``)."""
+        return cls(config=config)
 
     @property
     def now(self) -> float:

@@ -16,6 +16,9 @@ Options (``pytest --help``, group "twinrpc"):
     The fault plan of every simulation: JSON text, or a JSON/TOML file.
 ``--sim-network MODEL``
     The network model: JSON text (the :class:`~twinrpc.simulator.NetworkModel` fields), or a JSON file.
+``--sim-compute MODEL``
+    The compute model: JSON text (the :class:`~twinrpc.simulator.ComputeModel` fields), or a JSON/TOML
+    file.
 ``--sim-explore N``
     Run each simulation test over N drawn seeds and fault plans (:func:`twinrpc.simulator.explore`'s
     search); on the first failure, shrink it and fail with the replay command and the minimal plan.
@@ -25,10 +28,11 @@ Options (``pytest --help``, group "twinrpc"):
     Write each shrunk failure as a regression test file in ``DIR`` (``--sim-export-expect fail``:
     one that asserts the known failure instead of its absence).
 
-The marker ``@pytest.mark.simulation(seed=..., faults=..., network=...)`` configures the fixture:
-``faults`` and ``network`` are a :class:`~twinrpc.simulator.FaultPlan` and a
+The marker ``@pytest.mark.simulation(seed=..., faults=..., network=..., compute=...)`` configures the
+fixture: ``faults`` and ``network`` are a :class:`~twinrpc.simulator.FaultPlan` and a
 :class:`~twinrpc.simulator.NetworkModel` (or their data) for plain runs, or hypothesis strategies for
-``--sim-explore``. A marker with ``seed`` pins the case: such a test is a replay, and exploration
+``--sim-explore``; ``compute`` is a :class:`~twinrpc.simulator.ComputeModel` (or its fields) for every
+run. A marker with ``seed`` pins the case: such a test is a replay, and exploration
 leaves it alone. ``--sim-shrink-runs N`` bounds the runs spent shrinking (default 500).
 
 A failing simulation test prints the command that replays it (section "twinrpc simulation").
@@ -36,7 +40,6 @@ A failing simulation test prints the command that replays it (section "twinrpc s
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 import os
@@ -48,6 +51,7 @@ from typing import Any
 
 import pytest
 
+from ._config import SimConfig
 from ._exploration._explore import (
     Case,
     Failure,
@@ -61,7 +65,9 @@ from ._exploration._explore import (
     raises_block,
     regression_header,
 )
+from ._faults._files import compute_from_text, network_from_text, plan_from_text
 from ._faults._plan import FaultPlan
+from ._kernel._compute import ComputeModel
 from ._network._model import NetworkModel
 from ._simulation import RunResult
 
@@ -72,30 +78,27 @@ MARKER = "simulation"
 
 
 def _load_plan(text: str) -> FaultPlan:
-    """``--sim-faults``: JSON text, or a JSON/TOML file (:meth:`FaultPlan.load`)."""
-    stripped = text.strip()
+    """``--sim-faults``: a JSON object, or a JSON/TOML file (:meth:`FaultPlan.load`)."""
     try:
-        if stripped.startswith("{"):
-            return plan_from_data(stripped)
-        if not Path(text).is_file():
-            raise pytest.UsageError(f"--sim-faults {text!r}: neither a JSON object nor a file")
-        return FaultPlan.load(text)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise pytest.UsageError(f"--sim-faults: not a fault plan: {exc}") from exc
+        return plan_from_text(text, "--sim-faults")
+    except (ValueError, TypeError, OSError) as exc:
+        raise pytest.UsageError(str(exc)) from exc
 
 
 def _load_network(text: str) -> NetworkModel:
-    stripped = text.strip()
-    raw = stripped if stripped.startswith("{") else None
-    if raw is None:
-        path = Path(text)
-        if not path.is_file():
-            raise pytest.UsageError(f"--sim-network {text!r}: neither a JSON object nor a file")
-        raw = path.read_text(encoding="utf-8")
+    """``--sim-network``: a JSON object, or a JSON/TOML file (:meth:`NetworkModel.load`)."""
     try:
-        return NetworkModel(**json.loads(raw))
-    except (ValueError, TypeError) as exc:
-        raise pytest.UsageError(f"--sim-network: not a network model: {exc}") from exc
+        return network_from_text(text, "--sim-network")
+    except (ValueError, TypeError, OSError) as exc:
+        raise pytest.UsageError(str(exc)) from exc
+
+
+def _load_compute(text: str) -> ComputeModel:
+    """``--sim-compute``: a JSON object, or a JSON/TOML file (:meth:`ComputeModel.load`)."""
+    try:
+        return compute_from_text(text, "--sim-compute")
+    except (ValueError, TypeError, OSError) as exc:
+        raise pytest.UsageError(str(exc)) from exc
 
 
 def _as_plan(value: Any, where: str) -> FaultPlan | None:
@@ -112,12 +115,20 @@ def _as_network(value: Any, where: str) -> NetworkModel | None:
     if value is None or isinstance(value, NetworkModel):
         return value
     if isinstance(value, dict):
-        return NetworkModel(**value)
+        return NetworkModel.from_dict(value)
     if _is_strategy(value):
         return None
     raise TypeError(
         f"{where}: network= takes a NetworkModel, its fields, or a hypothesis strategy; got {value!r}"
     )
+
+
+def _as_compute(value: Any, where: str) -> ComputeModel | None:
+    if value is None or isinstance(value, ComputeModel):
+        return value
+    if isinstance(value, dict):
+        return ComputeModel.from_dict(value)
+    raise TypeError(f"{where}: compute= takes a ComputeModel or its fields; got {value!r}")
 
 
 def _is_strategy(value: Any) -> bool:
@@ -130,7 +141,7 @@ def _is_strategy(value: Any) -> bool:
 
 class SimulationFixture:
     """The ``simulation`` fixture: runs a test's program in a :class:`~twinrpc.simulator.Simulation`
-    under the case pytest chose (a seed, a fault plan, a network model).
+    under the case pytest chose (a seed, a fault plan, a network model, a compute model).
 
     One case per test run: every :meth:`run` of one test run uses it. Under ``--sim-explore`` the
     test function runs once per explored case.
@@ -141,11 +152,11 @@ class SimulationFixture:
         config = item.config
         marker = item.get_closest_marker(MARKER)
         kwargs = dict(marker.kwargs) if marker is not None else {}
-        unknown = set(kwargs) - {"seed", "faults", "network"}
+        unknown = set(kwargs) - {"seed", "faults", "network", "compute"}
         if unknown or (marker is not None and marker.args):
             raise pytest.UsageError(
-                f"{item.nodeid}: @pytest.mark.simulation takes seed=, faults=, network= (keywords only); "
-                f"got {marker.args if marker else ()} {sorted(unknown)}"
+                f"{item.nodeid}: @pytest.mark.simulation takes seed=, faults=, network=, compute= (keywords "
+                f"only); got {marker.args if marker else ()} {sorted(unknown)}"
             )
         where = f"{item.nodeid}: @pytest.mark.simulation"
         self.pinned = "seed" in kwargs
@@ -157,8 +168,12 @@ class SimulationFixture:
         plan = _load_plan(faults_option) if faults_option else _as_plan(kwargs.get("faults"), where)
         network_option = config.getoption("sim_network")
         net = _load_network(network_option) if network_option else _as_network(kwargs.get("network"), where)
-        #: the case plain runs use (exploration draws its own)
-        self.case = Case(seed, plan or FaultPlan(), net)
+        compute_option = config.getoption("sim_compute", None)
+        compute = (
+            _load_compute(compute_option) if compute_option else _as_compute(kwargs.get("compute"), where)
+        )
+        #: the case plain runs use (exploration draws its own, with this compute model)
+        self.case = Case(seed, plan or FaultPlan(), net, compute)
         #: strategies for exploration (marker values that are strategies, else the defaults)
         self.fault_strategy: Any = kwargs.get("faults") if plan is None and not faults_option else None
         self.network_strategy: Any = (
@@ -188,6 +203,24 @@ class SimulationFixture:
         """The current case's network model (``None``: the default)."""
         return self.case.network
 
+    @property
+    def compute(self) -> ComputeModel | None:
+        """The compute model of every run (``None``: computing is free)."""
+        return self.case.compute
+
+    def config(
+        self,
+        world_size: int,
+        *,
+        monitors: bool = True,
+        trace: bool = True,
+        max_time: float | None = None,
+    ) -> SimConfig:
+        """The settings :meth:`run` runs a program of ``world_size`` workers with, under the current
+        case: to build a :class:`~twinrpc.simulator.Simulation` of one's own (``.build()``)."""
+        base = SimConfig(world_size, trace=trace, monitors=monitors, max_time=max_time)
+        return self.case.config(base)
+
     def run(
         self,
         program: Callable[..., Any],
@@ -207,16 +240,8 @@ class SimulationFixture:
             self.case = self._draw(world_size)
             trace = False  # exploring: traces are for replays
         self.ran = True
-        outcome = _run(
-            program,
-            world_size,
-            self.case,
-            args,
-            check=check,
-            trace=trace,
-            monitors=monitors,
-            max_time=max_time,
-        )
+        config = self.config(world_size, monitors=monitors, trace=trace, max_time=max_time)
+        outcome = _run(program, config, args, check=check)
         self.last = outcome
         if outcome.error is not None:
             raise outcome.error
@@ -237,7 +262,11 @@ class SimulationFixture:
             parts.append(f"--sim-faults {shlex.quote(json.dumps(data, separators=(',', ':')))}")
         if case.network is not None:
             parts.append(
-                f"--sim-network {shlex.quote(json.dumps(dataclasses.asdict(case.network), separators=(',', ':')))}"
+                f"--sim-network {shlex.quote(json.dumps(case.network.to_dict(), separators=(',', ':')))}"
+            )
+        if case.compute is not None:
+            parts.append(
+                f"--sim-compute {shlex.quote(json.dumps(case.compute.to_dict(), separators=(',', ':')))}"
             )
         return " ".join(parts)
 
@@ -293,13 +322,15 @@ def explore_item(item: pytest.Function) -> bool:
 
     strategy_faults = fixture.fault_strategy
     strategy_network = fixture.network_strategy
+    compute = fixture.compute
     search = _Search(
         body,
-        lambda n, horizon: cases(n, strategy_faults, strategy_network, None, horizon),
+        lambda n, horizon: cases(n, strategy_faults, strategy_network, None, horizon, compute=compute),
         runs=runs,
         seed=int(config.getoption("sim_explore_seed")),
         max_shrink_runs=int(config.getoption("sim_shrink_runs")),
         calibrate=strategy_faults is None,
+        baseline=Case(0, compute=compute),
     )
     if not search.run():
         if search.calls == 0:
@@ -361,7 +392,9 @@ def export_item(item: pytest.Item, failure: Failure, name: str, expect: str) -> 
     case = failure.case
     mark = [f"    seed={case.seed},", f"    faults={_indented(plan_to_data(case.faults))},"]
     if case.network is not None:
-        mark.append(f"    network={_indented(dataclasses.asdict(case.network))},")
+        mark.append(f"    network={_indented(case.network.to_dict())},")
+    if case.compute is not None:
+        mark.append(f"    compute={_indented(case.compute.to_dict())},")
     imports = ["import pytest", "", f"from {module} import {original} as _replayed"]
     body = [f"_replayed({call_args})"]
     if expect == "pass":

@@ -3,7 +3,7 @@
 ::
 
     python -m twinrpc.simulator explore --nproc-per-node 3 [--runs 200] [--swarm] [--seed S]
-        [--network FILE] [--max-time T] [--shrink-runs N] [--out DIR] prog.py ARGS...
+        [--network FILE] [--compute FILE] [--max-time T] [--shrink-runs N] [--out DIR] prog.py ARGS...
 
 Each run is what ``python -m twinrpc.simulator run`` does (:mod:`twinrpc.simulator._launch._launch`), under a
 seed and a fault plan drawn as :func:`twinrpc.simulator.explore` draws them (``--swarm``: the seed
@@ -33,7 +33,7 @@ from typing import Any
 
 from .._errors import LaunchError, ProgramError, SimulationDeadlock
 from .._exploration._explore import Case, Failure, _Outcome, _Search, cases, regression_header
-from .._launch._launch import LaunchOptions, environment_prefix, launch, load_network
+from .._launch._launch import LaunchOptions, environment_prefix, launch, load_compute, load_network
 
 
 def parse_traceback(text: str) -> tuple[str, str]:
@@ -101,6 +101,8 @@ def run_command_line(
     cmd += ["--seed", str(case.seed), "--faults", plan_path]
     if network_path is not None:
         cmd += ["--network", network_path]
+    if options.compute is not None:
+        cmd += ["--compute", options.compute]
     if options.max_time is not None:
         cmd += ["--max-time", repr(options.max_time)]
     return environment_prefix(environment or {}) + shlex.join([*cmd, options.program, *options.args])
@@ -123,6 +125,7 @@ def export_program_test(
     unset = [k for k, v in environment.items() if v is None]
     program = os.path.relpath(os.path.abspath(options.program), os.path.abspath(out_dir))
     network = None if failure.network is None else dataclasses.asdict(failure.network)
+    compute = None if options.compute is None else load_compute(options.compute).to_dict()
     args = [
         "--nproc-per-node",
         str(options.nproc_per_node),
@@ -138,6 +141,9 @@ def export_program_test(
         "if NETWORK is not None:",
         "    (tmp_path / 'network.json').write_text(json.dumps(NETWORK), encoding='utf-8')",
         "    extra = ['--network', str(tmp_path / 'network.json')]",
+        "if COMPUTE is not None:",
+        "    (tmp_path / 'compute.json').write_text(json.dumps(COMPUTE), encoding='utf-8')",
+        "    extra += ['--compute', str(tmp_path / 'compute.json')]",
         "env = {k: v for k, v in os.environ.items() if k not in UNSET}",
         "env.update(ENVIRONMENT)",
         "run = subprocess.run(",
@@ -178,6 +184,7 @@ def export_program_test(
             f"RUN_ARGS = {args!r}",
             f"FAULTS = {failure.faults_data!r}",
             f"NETWORK = {network!r}",
+            f"COMPUTE = {compute!r}",
             f"PATTERN = {failure.pattern!r}",
             "#: the environment variables the program read, as the failing run had them (set, or unset)",
             f"ENVIRONMENT = {setenv!r}",
@@ -213,6 +220,11 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--network", metavar="FILE", help="a NetworkModel as JSON or TOML, for every run")
     p.add_argument(
+        "--compute",
+        metavar="FILE",
+        help="a ComputeModel as JSON or TOML, for every run: virtual time for torch operators",
+    )
+    p.add_argument(
         "--max-time", type=float, metavar="T", help="fail a run once virtual time passes T seconds"
     )
     p.add_argument(
@@ -243,10 +255,13 @@ def explore_command(args: argparse.Namespace) -> int:
         program=args.program,
         args=tuple(args.args),
         nproc_per_node=args.nproc_per_node,
+        compute=args.compute,
         max_time=args.max_time,
     )
     try:
         network = load_network(args.network) if args.network else None
+        if args.compute:
+            load_compute(args.compute)  # bad input is reported before the first run
         if not Path(args.program).is_file():
             raise LaunchError(f"can't open file {args.program!r}: no such file")
     except (LaunchError, ValueError) as exc:

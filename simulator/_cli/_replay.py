@@ -3,7 +3,8 @@
 ::
 
     python -m twinrpc.simulator replay package.module:program --world-size 3 --seed 7 \\
-        --faults '{"actions": [...]}' [--network '{...}'] [--args '[...]'] [--check module:function]
+        --faults '{"actions": [...]}' [--network '{...}'] [--compute '{...}'] [--args '[...]'] \\
+        [--check module:function]
 
 ``TARGET`` is ``module:function`` (an importable module) or ``path/to/file.py:function``. The run is
 :func:`twinrpc.simulator.replay`: the exit status is 0 when it passes and 1 when it fails, printing the
@@ -23,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ReplayError
-from .._exploration._explore import plan_from_data, replay
-from .._faults._plan import FaultPlan
+from .._exploration._explore import replay
+from .._faults._files import compute_from_text, network_from_text, plan_from_text
 
 
 def load_target(target: str) -> Any:
@@ -85,6 +86,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="the simulation's seed (default 0)")
     p.add_argument("--faults", metavar="PLAN", help="the fault plan: JSON text, or a JSON/TOML file")
     p.add_argument("--network", metavar="MODEL", help="the network model's fields: JSON text or file")
+    p.add_argument("--compute", metavar="MODEL", help="the compute model's fields: JSON text or file")
     p.add_argument("--args", metavar="JSON", help="extra arguments of every worker's program, a JSON list")
     p.add_argument("--check", metavar="TARGET", help="module:function judging the run's result")
     p.set_defaults(func=replay_command)
@@ -97,20 +99,13 @@ def replay_command(args: argparse.Namespace) -> int:
             raise ReplayError(f"--world-size {args.world_size}: at least one worker")
         program = load_target(args.target)
         check = load_target(args.check) if args.check else None
-        faults = None
-        if args.faults:
-            text = args.faults
-            if text.lstrip().startswith("{"):
-                faults = plan_from_data(text)
-            elif Path(text).is_file():
-                faults = FaultPlan.load(text)
-            else:
-                raise ReplayError(f"--faults {text!r}: neither JSON nor a file")
-        network = _json_arg(args.network, "--network") if args.network else None
+        faults = plan_from_text(args.faults, "--faults") if args.faults else None
+        network = network_from_text(args.network, "--network") if args.network else None
+        compute = compute_from_text(args.compute, "--compute") if args.compute else None
         extra = _json_arg(args.args, "--args") if args.args else []
         if not isinstance(extra, list):
             raise ReplayError(f"--args must be a JSON list, got {args.args}")
-    except (ReplayError, ValueError, TypeError) as exc:
+    except (ReplayError, ValueError, TypeError, OSError) as exc:
         print(f"python -m twinrpc.simulator replay: {exc}", file=sys.stderr)
         return 2
     plan = faults.describe() if faults is not None else "no faults"
@@ -122,6 +117,7 @@ def replay_command(args: argparse.Namespace) -> int:
             seed=args.seed,
             faults=faults,
             network=network,
+            compute=compute,
             args=extra,
             check=check,
         )

@@ -35,10 +35,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from .._config import SimConfig
 from .._errors import SimulationError
 from .._faults._plan import FaultPlan
+from .._kernel._compute import ComputeModel
 from .._network._model import NetworkModel
-from .._simulation import RunResult, Simulation
+from .._simulation import RunResult
 
 if TYPE_CHECKING:
     from hypothesis.strategies import DataObject, SearchStrategy
@@ -59,33 +61,54 @@ _NUMBER_PATTERN = r"\d[\d.eE+-]*"
 class Case:
     """One run's inputs besides the program: what :func:`explore` draws, shrinks and replays.
 
+    A case is the part of a :class:`~twinrpc.simulator.SimConfig` that differs from run to run;
+    :meth:`config` puts it over the settings every run shares (world size, trace, monitors, time limit).
+
     Attributes:
         seed: the simulation's seed (latency jitter, ties between events).
         faults: the fault plan (an empty plan: none).
         network: the network model; ``None`` is the default :class:`NetworkModel`.
+        compute: the compute model; ``None``: computing is free (:class:`ComputeModel`).
     """
 
     seed: int
     faults: FaultPlan = dataclasses.field(default_factory=FaultPlan)
     network: NetworkModel | None = None
+    compute: ComputeModel | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (JSON-ready): ``{"seed": ..., "faults": {...}, "network": {...} | None}``."""
+        """Plain data (JSON-ready): ``{"seed": ..., "faults": {...}, "network": {...} | None,
+        "compute": {...} | None}``."""
         return {
             "seed": self.seed,
             "faults": plan_to_data(self.faults),
-            "network": None if self.network is None else dataclasses.asdict(self.network),
+            "network": None if self.network is None else self.network.to_dict(),
+            "compute": None if self.compute is None else self.compute.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Case:
-        """The inverse of :meth:`to_dict`."""
+        """The inverse of :meth:`to_dict` (a missing ``network`` or ``compute``: the default)."""
         network = data.get("network")
+        compute = data.get("compute")
         return cls(
             seed=int(data["seed"]),
             faults=plan_from_data(data.get("faults") or {}),
             network=None if network is None else NetworkModel(**network),
+            compute=None if compute is None else ComputeModel.from_dict(compute),
         )
+
+    def config(self, base: SimConfig) -> SimConfig:
+        """The settings of this case's run: ``base`` with this case's seed, plan, network and compute
+        models (each of the case's, ``None`` included, replaces the base's)."""
+        return dataclasses.replace(
+            base, seed=self.seed, faults=self.faults, network=self.network, compute=self.compute
+        )
+
+    @classmethod
+    def of(cls, config: SimConfig) -> Case:
+        """The case of ``config`` (its swarm, if it has one, resolved into the plan it draws)."""
+        return cls(config.seed, config.plan() or FaultPlan(), config.network, config.compute)
 
 
 def case_key(case: Case) -> str:
@@ -145,28 +168,16 @@ class _Outcome:
 
 def _run(
     program: Callable[..., Any],
-    world_size: int,
-    case: Case,
+    config: SimConfig,
     args: Sequence[Any] = (),
     *,
     check: Callable[[RunResult], object] | None = None,
-    trace: bool = False,
-    monitors: bool = True,
-    max_time: float | None = None,
 ) -> _Outcome:
-    """Run ``program`` once under ``case``. The failure, if any, is the *first* error: a worker's
+    """Run ``program`` once as ``config`` says. The failure, if any, is the *first* error: a worker's
     exception comes before the deadlock it causes (its peers then wait for it forever at shutdown)."""
     import greenlet
 
-    sim = Simulation(
-        world_size,
-        seed=case.seed,
-        network=case.network,
-        faults=case.faults,
-        trace=trace,
-        monitors=monitors,
-        max_time=max_time,
-    )
+    sim = config.build()
     raised: list[tuple[int, float, BaseException]] = []
 
     def worker(rank: int, *worker_args: Any) -> Any:
@@ -203,31 +214,48 @@ def _run(
 
 def replay(
     program: Callable[..., Any],
-    world_size: int,
+    world_size: int | None = None,
     *,
-    seed: int = 0,
+    seed: int | None = None,
     faults: FaultPlan | dict[str, Any] | str | None = None,
     network: NetworkModel | dict[str, Any] | None = None,
+    compute: ComputeModel | dict[str, Any] | None = None,
+    config: SimConfig | None = None,
     args: Sequence[Any] = (),
     check: Callable[[RunResult], object] | None = None,
-    trace: bool = True,
-    monitors: bool = True,
+    trace: bool | None = None,
+    monitors: bool | None = None,
     max_time: float | None = None,
 ) -> RunResult:
     """Run ``program(rank, *args)`` once under exactly the case :func:`explore` reports.
 
-    ``faults`` may be a :class:`FaultPlan`, its data form or that data as JSON text; ``network`` a
-    :class:`NetworkModel` or its fields. The run fails the way :func:`explore` judged it: the first
-    worker error is re-raised (before the deadlock it may cause), else the simulation's own error,
-    else ``check(result)``'s (a ``False`` verdict raises ``AssertionError``).
+    ``faults`` may be a :class:`FaultPlan`, its data form or that data as JSON text; ``network`` and
+    ``compute`` a :class:`NetworkModel` and a :class:`ComputeModel` or their fields. The settings
+    not given here come from ``config`` (a :class:`~twinrpc.simulator.SimConfig`; by default seed 0,
+    no faults, a trace, the monitors on); ``world_size`` is needed unless ``config`` gives it. The
+    run fails the way :func:`explore` judged it: the first worker error is re-raised (before the
+    deadlock it may cause), else the simulation's own error, else ``check(result)``'s (a ``False``
+    verdict raises ``AssertionError``).
 
     Returns:
         The run's :class:`RunResult` (with a trace, unless ``trace=False``).
     """
-    case = _make_case(seed, faults, network)
-    outcome = _run(
-        program, world_size, case, args, check=check, trace=trace, monitors=monitors, max_time=max_time
+    if world_size is None and config is None:
+        raise TypeError("replay() needs a world_size (or a config=SimConfig(world_size=...))")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    given = SimConfig.merged(
+        config,
+        world_size=world_size,
+        seed=seed,
+        faults=_plan_of(faults),
+        network=_model_of(network, NetworkModel, "network"),
+        compute=_model_of(compute, ComputeModel, "compute"),
+        trace=trace,
+        monitors=monitors,
+        max_time=max_time,
     )
+    outcome = _run(program, Case.of(given).config(given), args, check=check)
     if outcome.error is not None:
         if hasattr(outcome.error, "add_note"):
             outcome.error.add_note(f"twinrpc.simulator.replay: {outcome.where()}")
@@ -236,26 +264,22 @@ def replay(
     return outcome.result
 
 
-def _make_case(
-    seed: int,
-    faults: FaultPlan | dict[str, Any] | str | None,
-    network: NetworkModel | dict[str, Any] | None,
-) -> Case:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {seed!r}")
-    if faults is None:
-        plan = FaultPlan()
-    elif isinstance(faults, FaultPlan):
-        plan = faults
-    elif isinstance(faults, dict | str):
-        plan = plan_from_data(faults)
-    else:
-        raise TypeError(f"faults must be a FaultPlan, its data (dict) or JSON text, got {faults!r}")
-    if network is not None and not isinstance(network, NetworkModel):
-        if not isinstance(network, dict):
-            raise TypeError(f"network must be a NetworkModel or a dict of its fields, got {network!r}")
-        network = NetworkModel(**network)
-    return Case(seed, plan, network)
+def _plan_of(faults: FaultPlan | dict[str, Any] | str | None) -> FaultPlan | None:
+    """A plan given as a :class:`FaultPlan`, its data, or that data as JSON text."""
+    if faults is None or isinstance(faults, FaultPlan):
+        return faults
+    if isinstance(faults, dict | str):
+        return plan_from_data(faults)
+    raise TypeError(f"faults must be a FaultPlan, its data (dict) or JSON text, got {faults!r}")
+
+
+def _model_of(value: Any, kind: type[Any], name: str) -> Any:
+    """A network or compute model given as itself or as a dict of its fields."""
+    if value is None or isinstance(value, kind):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a {kind.__name__} or a dict of its fields, got {value!r}")
+    return kind.from_dict(value)
 
 
 # -- what "the same failure" means ---------------------------------------------------------------------
@@ -325,6 +349,7 @@ class Failure(AssertionError):
         faults: the minimal fault plan (``faults.describe()`` reads it; :attr:`faults_data` is its
             plain-data form).
         network: the minimal case's network model (``None``: the default).
+        compute: the minimal case's compute model (``None``: computing is free).
         error: the error of the first failing run, as it was raised.
         minimal_error: the error the minimal case raises (same type, same message pattern).
         rank: the worker whose program raised ``minimal_error`` (``None``: the simulation or the check).
@@ -357,6 +382,7 @@ class Failure(AssertionError):
         self.seed = case.seed
         self.faults = case.faults
         self.network = case.network
+        self.compute = case.compute
         self.original = original
         self.error = error
         assert minimal.error is not None
@@ -392,6 +418,8 @@ class Failure(AssertionError):
         ]
         if self.network is not None:
             lines.append(f"  network: {self.network!r}")
+        if self.compute is not None:
+            lines.append(f"  compute: {self.compute!r}")
         lines.append(f"  replay: {self.replay_command}")
         if self.original != self.case:
             lines.append(
@@ -486,6 +514,8 @@ class _Search:
     #: after a failure, remove faults one at a time while it still fails the same way (for plans
     #: hypothesis cannot shrink: swarm plans, drawn whole from a seed)
     minimize: bool = False
+    #: the calibration run's case (seed 0, no faults; the models every run has, if fixed)
+    baseline: Case = dataclasses.field(default_factory=lambda: Case(0))
 
     def __post_init__(self) -> None:
         #: the program's virtual duration, measured by the calibration run
@@ -553,7 +583,7 @@ class _Search:
 
     def _baseline(self) -> bool:
         """The calibration run; True when it failed (and counts)."""
-        case = Case(0)
+        case = self.baseline
         self.calls += 1
         outcome = self.body(lambda world_size: case)
         if outcome.error is None and outcome.duration is not None and outcome.duration > 0:
@@ -591,7 +621,7 @@ class _Search:
             if plan.gc_delay != FaultPlan().gc_delay:
                 candidates.append(FaultPlan(plan.faults, plan.actions))
             for candidate in candidates:
-                smaller = Case(case.seed, candidate, case.network)
+                smaller = dataclasses.replace(case, faults=candidate)
                 if self._try(smaller) is not None:
                     case, progress = smaller, True
                     break
@@ -702,12 +732,14 @@ def cases(
     seeds: SearchStrategy[int] | None = None,
     horizon: float | None = None,
     swarm: bool = False,
+    compute: ComputeModel | None = None,
 ) -> SearchStrategy[Case]:
     """The strategy of cases :func:`explore` draws: a seed from ``seeds`` (``None``: any 32-bit
     seed), a plan from ``faults`` (a strategy, or a function of the world size returning one;
     ``None``: :func:`default_faults` over ``horizon``) and a network model from ``network``
-    (``None``: the default model, not explored). With ``swarm``, the plan is the seed's swarm plan
-    (:class:`~twinrpc.simulator.Swarm` over ``horizon``): the seed alone draws the faults too."""
+    (``None``: the default model, not explored); every case has the compute model ``compute``. With
+    ``swarm``, the plan is the seed's swarm plan (:class:`~twinrpc.simulator.Swarm` over
+    ``horizon``): the seed alone draws the faults too."""
     from hypothesis import strategies as st
 
     if swarm:
@@ -715,7 +747,7 @@ def cases(
 
         maker = Swarm() if horizon is None else Swarm(duration=horizon)
         return st.builds(
-            lambda seed, net: Case(seed, maker.plan(seed, world_size), net),
+            lambda seed, net: Case(seed, maker.plan(seed, world_size), net, compute),
             st.integers(0, SEED_RANGE - 1) if seeds is None else seeds,
             st.none() if network is None else network,
         )
@@ -730,6 +762,7 @@ def cases(
         seed=st.integers(0, SEED_RANGE - 1) if seeds is None else seeds,
         faults=plans,
         network=st.none() if network is None else network,
+        compute=st.just(compute),
     )
 
 
@@ -747,12 +780,14 @@ def default_faults(world_size: int, horizon: float | None = None) -> SearchStrat
 # -- explore ---------------------------------------------------------------------------------------------
 def explore(
     program: Callable[..., Any],
-    world_size: int,
+    world_size: int | None = None,
     *,
     args: Sequence[Any] = (),
     runs: int = 200,
     faults: SearchStrategy[FaultPlan] | Callable[[int], SearchStrategy[FaultPlan]] | None = None,
     network: SearchStrategy[NetworkModel] | None = None,
+    compute: ComputeModel | None = None,
+    config: SimConfig | None = None,
     seeds: SearchStrategy[int] | None = None,
     swarm: bool = False,
     seed: int | None = None,
@@ -760,7 +795,7 @@ def explore(
     match: str | None = None,
     shrink: bool = True,
     max_shrink_runs: int = 500,
-    monitors: bool = True,
+    monitors: bool | None = None,
     max_time: float | None = None,
     raise_on_failure: bool = True,
 ) -> Exploration:
@@ -782,7 +817,12 @@ def explore(
             program survives, their windows placed over the program's length as a first fault-free
             run with seed 0 measures it (it counts as a run). To explore seeds only, pass
             ``hypothesis.strategies.just(FaultPlan())``.
-        network: a strategy of :class:`NetworkModel`; ``None``: the default model.
+        network: a strategy of :class:`NetworkModel`; ``None``: ``config``'s model, else the default.
+        compute: the :class:`ComputeModel` of every run (``None``: ``config``'s, else free computing).
+        config: the settings every run shares (a :class:`~twinrpc.simulator.SimConfig`: world size,
+            network and compute models, monitors, time limit); the keyword arguments override it.
+            Each run's seed and fault plan are drawn, so the config must leave them at their defaults.
+            Runs record no trace (:func:`replay` one for its trace).
         seeds: a strategy of simulation seeds; ``None``: any 32-bit seed. ``st.just(0)`` explores
             fault plans under one seed (every failure is then explained by its faults alone).
         swarm: swarm testing: each run's faults are its seed's :class:`Swarm` plan (which kinds are
@@ -794,15 +834,33 @@ def explore(
         match: only failures whose message matches this regex count.
         shrink: shrink the first failure (else report it as found).
         max_shrink_runs: at most this many runs while shrinking; the smallest failure so far wins.
-        monitors: run with the online RRef monitors (:class:`RRefMonitor`).
+        monitors: run with the online RRef monitors (:class:`RRefMonitor`); on unless turned off.
         max_time: fail a run whose virtual time passes this many seconds.
         raise_on_failure: raise the :class:`Failure` (else return it in the :class:`Exploration`).
 
     Raises:
         Failure: the shrunk failure (unless ``raise_on_failure=False``).
     """
-    if world_size < 1:
+    if world_size is None and config is None:
+        raise TypeError("explore() needs a world_size (or a config=SimConfig(world_size=...))")
+    if world_size is not None and world_size < 1:
         raise ValueError(f"explore(world_size={world_size}): at least one worker")
+    if config is not None and config.seed != SimConfig().seed:
+        raise ValueError(
+            f"explore draws each run's seed: config=SimConfig(seed={config.seed}) would be replaced; "
+            "pass seeds=hypothesis.strategies.just(seed) to explore one seed"
+        )
+    if config is not None and config.faults is not None:
+        raise ValueError(
+            "explore draws each run's fault plan: config.faults would be replaced; pass "
+            "faults=hypothesis.strategies.just(plan) to explore one plan, or swarm=True"
+        )
+    if network is not None and config is not None and config.network is not None:
+        raise ValueError("explore(network=...) draws the network model: do not give config.network too")
+    base = SimConfig.merged(
+        config, world_size=world_size, compute=compute, monitors=monitors, max_time=max_time, trace=False
+    )
+    world_size = base.world_size
     if swarm and faults is not None:
         raise ValueError("explore(swarm=True) draws its plans from the seeds: do not pass faults= too")
     if runs < 1:
@@ -812,13 +870,18 @@ def explore(
     args = tuple(args)
     seed = 0 if seed is None else seed
 
+    networks = network
+    if networks is None and base.network is not None:
+        from hypothesis import strategies as st
+
+        networks = st.just(base.network)
+
     def body(draw: Callable[[int], Case]) -> _Outcome:
-        case = draw(world_size)
-        return _run(program, world_size, case, args, check=check, monitors=monitors, max_time=max_time)
+        return _run(program, draw(base.world_size).config(base), args, check=check)
 
     search = _Search(
         body,
-        lambda n, horizon: cases(n, faults, network, seeds, horizon, swarm),
+        lambda n, horizon: cases(n, faults, networks, seeds, horizon, swarm, base.compute),
         runs=runs,
         seed=seed,
         shrink=shrink and not swarm,
@@ -827,6 +890,7 @@ def explore(
         calibrate=faults is None,
         baseline_counts=seeds is None,
         minimize=shrink and swarm,
+        baseline=Case(0, network=base.network, compute=base.compute),
     )
     if not search.run():
         return Exploration(search.calls, seed)
@@ -917,7 +981,9 @@ def replay_command(
             f"--faults {shlex.quote(_json(plan_to_data(case.faults)))}",
         ]
         if case.network is not None:
-            parts.append(f"--network {shlex.quote(_json(dataclasses.asdict(case.network)))}")
+            parts.append(f"--network {shlex.quote(_json(case.network.to_dict()))}")
+        if case.compute is not None:
+            parts.append(f"--compute {shlex.quote(_json(case.compute.to_dict()))}")
         if args:
             parts.append(f"--args {shlex.quote(_json(list(args)))}")
         if check_name is not None:
@@ -926,7 +992,9 @@ def replay_command(
     name = getattr(program, "__qualname__", "program")
     call = f"replay({name}, {world_size}, seed={case.seed}, faults={_json(plan_to_data(case.faults))}"
     if case.network is not None:
-        call += f", network={dataclasses.asdict(case.network)!r}"
+        call += f", network={case.network.to_dict()!r}"
+    if case.compute is not None:
+        call += f", compute={case.compute.to_dict()!r}"
     if args:
         call += f", args={tuple(args)!r}"
     if check is not None:
@@ -1031,17 +1099,19 @@ def _export_explore(failure: Failure, name: str, expect: str) -> str:
             )
     if not _is_literal(failure.program_args):
         raise ValueError(f"to_pytest: args={failure.program_args!r} are not Python literals")
-    imports = [
-        "from twinrpc.simulator import NetworkModel, replay"
-        if failure.network is not None
-        else "from twinrpc.simulator import replay"
+    models = [
+        name
+        for name, model in (("ComputeModel", failure.compute), ("NetworkModel", failure.network))
+        if model is not None
     ]
+    imports = [f"from twinrpc.simulator import {', '.join([*models, 'replay'])}"]
     imports.append(_import_line(target, "program"))
     if check_name is not None:
         imports.append(_import_line(check_name, "check"))
+    compute_arg = "compute=COMPUTE, " if failure.compute is not None else ""
     call = (
         f"replay(program, {failure.world_size}, seed=SEED, faults=FAULTS, network=NETWORK, "
-        f"args=ARGS{', check=check' if check_name else ''})"
+        f"{compute_arg}args=ARGS{', check=check' if check_name else ''})"
     )
     if expect == "pass":
         doc = "The run that failed now passes."
@@ -1061,6 +1131,7 @@ def _export_explore(failure: Failure, name: str, expect: str) -> str:
         f"SEED = {failure.seed}",
         "FAULTS = " + pprint.pformat(plan_to_data(failure.faults), width=100, sort_dicts=False),
         f"NETWORK = {network}",
+        *([f"COMPUTE = {failure.compute!r}"] if failure.compute is not None else []),
         f"ARGS = {failure.program_args!r}",
         f"PATTERN = {failure.pattern!r}",
         "",

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, TypeVar, cast
 
+from .._config import SimConfig
 from .._errors import LaunchError, SimulationDeadlock, SimulationError
 from .._faults import _files as files
 from .._faults._plan import FaultPlan
@@ -46,7 +47,6 @@ from .._faults._swarm import Swarm
 from .._kernel._compute import ComputeModel
 from .._kernel._virtual_time import VIRTUAL_EPOCH, simulated_time
 from .._network._model import NetworkModel
-from .._simulation import Simulation
 from .._traces._trace import Trace
 from ._processes import ProcessLauncher, simulated_processes
 from ._program import ProcessImage, ProcessImages, RankStream, encode_environ, prefix_for
@@ -262,9 +262,9 @@ def launch(
     faults = load_faults(options.faults) if options.faults else None
     code = compile(source, path, "exec")
     try:
-        sim = Simulation(
-            n, seed=options.seed, network=network, compute=compute, max_time=options.max_time, faults=faults
-        )
+        sim = SimConfig(
+            n, seed=options.seed, network=network, faults=faults, compute=compute, max_time=options.max_time
+        ).build()
     except ValueError as exc:  # a plan naming a worker the run does not have, a bad max_time
         raise LaunchError(str(exc)) from exc
     images = ProcessImages(os.path.dirname(path))

@@ -40,6 +40,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the network model of every simulation test: JSON text (NetworkModel fields), or a JSON file",
     )
     group.addoption(
+        "--sim-compute",
+        default=None,
+        metavar="MODEL",
+        help="the compute model of every simulation test: JSON text (ComputeModel fields), or a JSON/TOML file",
+    )
+    group.addoption(
         "--sim-explore",
         type=int,
         default=None,
@@ -77,8 +83,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "simulation(seed=None, faults=None, network=None): configure the simulation fixture; a seed pins "
-        "the case (a replay), faults/network are values, or hypothesis strategies for --sim-explore",
+        "simulation(seed=None, faults=None, network=None, compute=None): configure the simulation fixture; "
+        "a seed pins the case (a replay), faults/network are values, or hypothesis strategies for "
+        "--sim-explore; compute is a ComputeModel (or its fields) for every run",
     )
     if config.getoption("sim_explore") is not None or config.getoption("sim_export"):
         from twinrpc.simulator.pytest_plugin import check_options
