@@ -40,12 +40,13 @@ A failing simulation test prints the command that replays it (section "twinrpc s
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 import pprint
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -248,6 +249,17 @@ class SimulationFixture:
         assert outcome.result is not None
         return outcome.result
 
+    @contextlib.contextmanager
+    def drawing(self, draw: Callable[[int], Case]) -> Iterator[None]:
+        """Within it, each :meth:`run` takes its case from ``draw(world_size)`` (``--sim-explore``: one
+        explored case per test run) and records no trace."""
+        self._draw = draw
+        self.last = None
+        try:
+            yield
+        finally:
+            self._draw = None
+
     # -- reporting -------------------------------------------------------------------------------------
     def replay_command(self, case: Case | None = None) -> str:
         """The pytest command line that replays ``case`` (default: the current one) of this test."""
@@ -303,21 +315,19 @@ def explore_item(item: pytest.Function) -> bool:
     config = item.config
     runs = int(config.getoption("sim_explore"))
     testfunction = item.obj
-    argnames = item._fixtureinfo.argnames
+    # the test function's own arguments (fixtures and parameters), as pytest passes them
+    argnames = [n for n in inspect.signature(testfunction).parameters if n in item.funcargs]
     kwargs = {name: item.funcargs[name] for name in argnames}
 
     def body(draw: Callable[[int], Case]) -> _Outcome:
-        fixture._draw = draw
-        fixture.last = None
-        try:
-            testfunction(**kwargs)
-        except Exception as exc:
-            last = fixture.last
-            if last is not None and last.error is exc:
-                return last
-            return _Outcome(None, exc, source="the test")
-        finally:
-            fixture._draw = None
+        with fixture.drawing(draw):
+            try:
+                testfunction(**kwargs)
+            except Exception as exc:
+                last = fixture.last
+                if last is not None and last.error is exc:
+                    return last
+                return _Outcome(None, exc, source="the test")
         return fixture.last if fixture.last is not None else _Outcome(None)
 
     strategy_faults = fixture.fault_strategy

@@ -22,17 +22,15 @@ PACKAGE = "twinrpc.simulator"
 #: private names the simulator may use on objects of other libraries, each because no public way
 #: exists to do what the simulator must do to run an unchanged program in one process:
 ALLOWED = {
-    # os.environ's backing dict: a simulated process gets an environment of its own, and reading it
-    # through os.environ would record every variable the launcher itself touches as read by the program
+    # os.environ's backing dict: each simulated process has an environment of its own, swapped in as
+    # os.environ's data at every switch between processes (simulator/_launch/_program.py), so that the
+    # program's os.environ is the real object and a switch costs no copy
     "_data",
     # multiprocessing.Process's Popen object and start method: a simulated child process is one whose
     # Popen is the simulator's (simulator/_launch/_processes.py), as multiprocessing's own start
     # methods do it
     "_popen",
     "_start_method",
-    # the fixtures a pytest.Function asks for: --sim-explore calls the test function itself, once per
-    # explored case, with the fixture values pytest made (pytest has no public accessor)
-    "_fixtureinfo",
 }
 
 
