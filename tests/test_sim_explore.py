@@ -234,3 +234,15 @@ def test_the_replay_command_replays_the_failure(planted: Any, tmp_path: Path) ->
     assert run.returncode == 1, run.stdout + run.stderr
     assert "lost an update: the counter is" in run.stderr
     assert textwrap.shorten(failure.faults.describe(), 60)[:30] in run.stderr + run.stdout
+
+
+def test_a_case_is_written_and_read_back_in_the_network_model_file_format() -> None:
+    from twinrpc.simulator import Drop, FaultPlanError, NetworkModel
+    from twinrpc.simulator._exploration._explore import Case
+
+    network = NetworkModel(latency=2e-3, heartbeat_timeout=1.0)
+    case = Case(7, FaultPlan([Drop("response", src=1, dst=0)]), network)
+    assert case.to_dict()["network"] == network.to_dict()  # what --network files hold
+    assert Case.from_dict(case.to_dict()) == case
+    with pytest.raises(FaultPlanError, match="unknown field 'latncy'"):
+        Case.from_dict({"seed": 0, "network": {"latncy": 1e-3}})

@@ -63,7 +63,7 @@ def _outcome(
     opts = dataclasses.replace(options, seed=case.seed, faults=str(plan_file))
     if case.network is not None:
         net_file = workdir / "network.json"
-        net_file.write_text(json.dumps(dataclasses.asdict(case.network)), encoding="utf-8")
+        net_file.write_text(json.dumps(case.network.to_dict()), encoding="utf-8")
         opts = dataclasses.replace(opts, network=str(net_file))
     sink = io.StringIO()
     result = launch(opts, stdout=sink, stderr=sink)
@@ -124,7 +124,7 @@ def export_program_test(
     setenv = {k: v for k, v in environment.items() if v is not None}
     unset = [k for k, v in environment.items() if v is None]
     program = os.path.relpath(os.path.abspath(options.program), os.path.abspath(out_dir))
-    network = None if failure.network is None else dataclasses.asdict(failure.network)
+    network = None if failure.network is None else failure.network.to_dict()
     compute = None if options.compute is None else load_compute(options.compute).to_dict()
     args = [
         "--nproc-per-node",

@@ -94,7 +94,7 @@ class Case:
         return cls(
             seed=int(data["seed"]),
             faults=plan_from_data(data.get("faults") or {}),
-            network=None if network is None else NetworkModel(**network),
+            network=None if network is None else NetworkModel.from_dict(network),
             compute=None if compute is None else ComputeModel.from_dict(compute),
         )
 
