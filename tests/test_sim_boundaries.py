@@ -144,3 +144,24 @@ def test_the_simulation_is_a_facade_over_collaborators_that_own_their_state() ->
     state = set(vars(sim))
     for owned in ("busy_until", "booking", "_rendezvous", "_rosters", "_dynamic"):
         assert owned not in state
+
+
+def test_the_facade_keeps_the_public_face_of_simulation() -> None:
+    """Its constructor's keywords (config= added last), the fault verbs, ``run`` and ``now``."""
+    from twinrpc.simulator import Simulation
+
+    assert list(inspect.signature(Simulation).parameters) == [
+        "world_size",
+        "seed",
+        "network",
+        "trace",
+        "max_time",
+        "faults",
+        "monitors",
+        "compute",
+        "config",
+    ]
+    verbs = ("apply", "delay", "drop", "duplicate", "hold", "release", "partition", "heal", "pause", "crash")
+    assert all(callable(getattr(Simulation, verb)) for verb in (*verbs, "run"))
+    sim = Simulation(2, 5)
+    assert (sim.world_size, sim.seed, sim.now, sim.crashed, sim.plan) == (2, 5, 0.0, {}, None)
