@@ -26,7 +26,9 @@ from ._errors import (
     SimulationWarning,
     TraceFormatError,
 )
-from ._exploration._explore import Exploration, Failure, explore, replay
+from ._exploration._case import replay
+from ._exploration._explore import explore
+from ._exploration._failure import Exploration, Failure
 from ._faults._files import load_faults
 from ._faults._plan import (
     FAULT_KINDS,

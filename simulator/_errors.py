@@ -16,7 +16,7 @@ Each class mixes in the builtin a caller would already catch, so ``except Runtim
     SimulationWarning(UserWarning)       a program did something that makes runs with one seed differ
 
 :class:`~twinrpc.simulator.Failure` (an ``AssertionError``), what :func:`~twinrpc.simulator.explore`
-raises, lives with the search (``_exploration/_explore.py``): it carries the shrunk case and replays it.
+raises, lives with exploration (``_exploration/_failure.py``): it carries the shrunk case and replays it.
 """
 
 from __future__ import annotations

@@ -53,19 +53,10 @@ from typing import Any
 import pytest
 
 from ._config import SimConfig
-from ._exploration._explore import (
-    Case,
-    Failure,
-    _is_literal,
-    _Outcome,
-    _run,
-    _Search,
-    cases,
-    plan_from_data,
-    plan_to_data,
-    raises_block,
-    regression_header,
-)
+from ._exploration._case import Case, _Outcome, _run, plan_from_data, plan_to_data
+from ._exploration._failure import Failure
+from ._exploration._reproduce import _is_literal, raises_block, regression_header
+from ._exploration._search import _Search, cases
 from ._faults._files import compute_from_text, network_from_text, plan_from_text
 from ._faults._plan import FaultPlan
 from ._kernel._compute import ComputeModel

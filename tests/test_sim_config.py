@@ -27,7 +27,7 @@ from twinrpc.simulator import (
     replay,
 )
 from twinrpc.simulator._cli._main import main
-from twinrpc.simulator._exploration._explore import Case
+from twinrpc.simulator._exploration._case import Case
 
 import twinrpc.rpc as rpc
 

@@ -28,8 +28,8 @@ from twinrpc.simulator import (
 #: exception classes that live outside _errors.py on purpose: explore's result, which carries the shrunk
 #: case and replays it, and two private control-flow signals that never leave their module
 ELSEWHERE = {
-    "twinrpc.simulator.Failure",  # defined in _exploration/_explore.py, named by its public module
-    "twinrpc.simulator._exploration._explore._Cached",
+    "twinrpc.simulator.Failure",  # defined in _exploration/_failure.py, named by its public module
+    "twinrpc.simulator._exploration._search._Cached",
     "twinrpc.simulator._cli._trace._BadInput",
 }
 

@@ -19,7 +19,9 @@ import pytest
 from _lost_update import COUNTER_PROGRAM
 from hypothesis import strategies as st
 from twinrpc.simulator import FaultPlan, SimulationDeadlock, explore, replay
-from twinrpc.simulator._exploration._explore import Failure, fault_count, message_pattern
+from twinrpc.simulator._exploration._case import fault_count
+from twinrpc.simulator._exploration._failure import Failure
+from twinrpc.simulator._exploration._signature import message_pattern
 
 import twinrpc.rpc as rpc
 
@@ -238,7 +240,7 @@ def test_the_replay_command_replays_the_failure(planted: Any, tmp_path: Path) ->
 
 def test_a_case_is_written_and_read_back_in_the_network_model_file_format() -> None:
     from twinrpc.simulator import Drop, FaultPlanError, NetworkModel
-    from twinrpc.simulator._exploration._explore import Case
+    from twinrpc.simulator._exploration._case import Case
 
     network = NetworkModel(latency=2e-3, heartbeat_timeout=1.0)
     case = Case(7, FaultPlan([Drop("response", src=1, dst=0)]), network)

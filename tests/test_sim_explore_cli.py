@@ -19,7 +19,7 @@ import pytest
 from twinrpc.simulator import FaultPlan
 from twinrpc.simulator._cli._explore import parse_traceback
 from twinrpc.simulator._cli._main import main
-from twinrpc.simulator._exploration._explore import fault_count
+from twinrpc.simulator._exploration._case import fault_count
 
 SCRIPT = '''
 """The lost update, as a torchrun program."""

@@ -22,7 +22,7 @@ from types import ModuleType
 import pytest
 from hypothesis import strategies as st
 from twinrpc.simulator import Failure, explore, replay
-from twinrpc.simulator._exploration._explore import fault_count
+from twinrpc.simulator._exploration._case import fault_count
 from twinrpc.simulator._launch._torch import serve_torch_rpc
 
 RACE = "modified by an inplace operation"

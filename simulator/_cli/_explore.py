@@ -32,7 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import LaunchError, ProgramError, SimulationDeadlock
-from .._exploration._explore import Case, Failure, _Outcome, _Search, cases, regression_header
+from .._exploration._case import Case, _Outcome
+from .._exploration._failure import Failure
+from .._exploration._reproduce import regression_header
+from .._exploration._search import _Search, cases
 from .._launch._launch import LaunchOptions, environment_prefix, launch, load_compute, load_network
 
 

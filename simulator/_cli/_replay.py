@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ReplayError
-from .._exploration._explore import replay
+from .._exploration._case import replay
 from .._faults._files import compute_from_text, network_from_text, plan_from_text
 
 
