@@ -29,7 +29,6 @@ from ._errors import (
 from ._exploration._case import replay
 from ._exploration._explore import explore
 from ._exploration._failure import Exploration, Failure
-from ._faults._files import load_faults
 from ._faults._plan import (
     FAULT_KINDS,
     MESSAGE_CLASSES,
@@ -46,6 +45,7 @@ from ._faults._plan import (
     Pause,
 )
 from ._faults._swarm import Swarm
+from ._files import load_faults
 from ._kernel._compute import ComputeModel
 from ._kernel._current import current
 from ._network._model import NetworkModel

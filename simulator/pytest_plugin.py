@@ -57,8 +57,8 @@ from ._exploration._case import Case, _Outcome, _run, plan_from_data, plan_to_da
 from ._exploration._failure import Failure
 from ._exploration._reproduce import _is_literal, raises_block, regression_header
 from ._exploration._search import _Search, cases
-from ._faults._files import compute_from_text, network_from_text, plan_from_text
 from ._faults._plan import FaultPlan
+from ._files import compute_from_text, network_from_text, plan_from_text
 from ._kernel._compute import ComputeModel
 from ._network._model import NetworkModel
 from ._simulation import RunResult

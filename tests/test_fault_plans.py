@@ -707,14 +707,14 @@ def test_swarm_files_and_bad_swarms(tmp_path: Path) -> None:
 
 
 def _swarm_toml(swarm: Swarm) -> str:
-    from twinrpc.simulator._faults._files import to_toml
+    from twinrpc.simulator._files import to_toml
 
     return to_toml(swarm.to_dict())
 
 
 # -- one reader per file format ------------------------------------------------------------------------
 def test_every_fault_file_loader_is_the_one_reader_of_the_format(tmp_path: Path) -> None:
-    from twinrpc.simulator._faults import _files
+    from twinrpc.simulator import _files
     from twinrpc.simulator._launch import _launch
 
     assert load_faults is _files.load_faults
@@ -730,7 +730,7 @@ def test_every_fault_file_loader_is_the_one_reader_of_the_format(tmp_path: Path)
 
 
 def test_a_flag_takes_a_plan_or_a_model_as_json_text_or_as_a_json_or_toml_file(tmp_path: Path) -> None:
-    from twinrpc.simulator._faults._files import compute_from_text, network_from_text, plan_from_text
+    from twinrpc.simulator._files import compute_from_text, network_from_text, plan_from_text
 
     plan = FaultPlan([Drop("response", src=1, dst=0, nth=3)], gc_delay=0.01)
     toml_plan = _write(tmp_path / "plan.toml", plan.to_toml())

@@ -563,7 +563,7 @@ class FaultPlan:
     # -- plain data --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain data (``FaultPlan.from_dict(plan.to_dict()) == plan``); default values are left out."""
-        from ._files import plan_to_dict
+        from .._files import plan_to_dict
 
         return plan_to_dict(self)
 
@@ -574,32 +574,32 @@ class FaultPlan:
         Raises:
             FaultPlanError: naming the bad field, e.g. ``faults[1] (drop): unknown field 'knd'``.
         """
-        from ._files import plan_from_dict
+        from .._files import plan_from_dict
 
         return plan_from_dict(data)
 
     @classmethod
     def load(cls, path: str | Path) -> FaultPlan:
         """Read a plan from a ``.json`` or ``.toml`` file (see the how-to for the format)."""
-        from ._files import load_plan
+        from .._files import load_plan
 
         return load_plan(path)
 
     def dump(self, path: str | Path) -> None:
         """Write the plan to a ``.json`` or ``.toml`` file; :meth:`load` reads back an equal plan."""
-        from ._files import dump_data
+        from .._files import dump_data
 
         dump_data(self.to_dict(), path)
 
     def to_json(self) -> str:
         """The plan as JSON text."""
-        from ._files import to_json
+        from .._files import to_json
 
         return to_json(self.to_dict())
 
     def to_toml(self) -> str:
         """The plan as TOML text."""
-        from ._files import to_toml
+        from .._files import to_toml
 
         return to_toml(self.to_dict())
 

@@ -143,13 +143,13 @@ class Swarm:
     # -- plain data --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain data: ``{"swarm": {...}}`` (the form a ``--faults`` file takes for a swarm)."""
-        from ._files import swarm_to_dict
+        from .._files import swarm_to_dict
 
         return swarm_to_dict(self)
 
     @classmethod
     def from_dict(cls, data: Any) -> Swarm:
         """The swarm a dict of the :meth:`to_dict` form describes."""
-        from ._files import swarm_from_dict
+        from .._files import swarm_from_dict
 
         return swarm_from_dict(data)

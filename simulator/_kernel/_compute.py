@@ -62,7 +62,7 @@ class ComputeModel:
     # -- plain data --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Both fields by name (``ComputeModel.from_dict(m.to_dict()) == m``)."""
-        from .._faults._files import compute_to_dict
+        from .._files import compute_to_dict
 
         return compute_to_dict(self)
 
@@ -73,7 +73,7 @@ class ComputeModel:
         Raises:
             FaultPlanError: naming an unknown or malformed field.
         """
-        from .._faults._files import compute_from_dict
+        from .._files import compute_from_dict
 
         return compute_from_dict(data)
 
@@ -81,13 +81,13 @@ class ComputeModel:
     def load(cls, path: str | Path) -> ComputeModel:
         """Read a model from a ``.json`` or ``.toml`` file (the form of :meth:`to_dict`), e.g. the one
         ``benchmarks/bench_calibration.py`` fits to this machine."""
-        from .._faults._files import load_compute
+        from .._files import load_compute
 
         return load_compute(path)
 
     def dump(self, path: str | Path) -> None:
         """Write the model to a ``.json`` or ``.toml`` file."""
-        from .._faults._files import dump_data
+        from .._files import dump_data
 
         dump_data(self.to_dict(), path)
 

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, TypeVar, cast
 
+from .. import _files as files
 from .._config import SimConfig
 from .._errors import LaunchError, SimulationDeadlock, SimulationError
-from .._faults import _files as files
 from .._faults._plan import FaultPlan
 from .._faults._swarm import Swarm
 from .._kernel._compute import ComputeModel
@@ -219,7 +219,7 @@ _T = TypeVar("_T")
 
 
 def _read(flag: str, load: Callable[[str], _T], path: str) -> _T:
-    """``load(path)`` (a reader of ``_faults/_files.py``), its errors as bad input to ``flag``."""
+    """``load(path)`` (a reader of ``simulator/_files.py``), its errors as bad input to ``flag``."""
     try:
         return load(path)
     except (OSError, ValueError) as exc:

@@ -83,7 +83,7 @@ class NetworkModel:
     # -- plain data --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Every field by name (``NetworkModel.from_dict(m.to_dict()) == m``)."""
-        from .._faults._files import network_to_dict
+        from .._files import network_to_dict
 
         return network_to_dict(self)
 
@@ -94,19 +94,19 @@ class NetworkModel:
         Raises:
             FaultPlanError: naming an unknown or malformed field.
         """
-        from .._faults._files import network_from_dict
+        from .._files import network_from_dict
 
         return network_from_dict(data)
 
     @classmethod
     def load(cls, path: str | Path) -> NetworkModel:
         """Read a model from a ``.json`` or ``.toml`` file (the form of :meth:`to_dict`)."""
-        from .._faults._files import load_network
+        from .._files import load_network
 
         return load_network(path)
 
     def dump(self, path: str | Path) -> None:
         """Write the model to a ``.json`` or ``.toml`` file."""
-        from .._faults._files import dump_data
+        from .._files import dump_data
 
         dump_data(self.to_dict(), path)

@@ -1,4 +1,5 @@
-"""Fault plans, swarms, network and compute models as plain data: dicts, JSON and TOML files.
+"""The simulator's plain-data format: fault plans, swarms, network and compute models as dicts,
+JSON and TOML files; one reader and one writer per format, which every ``load``/``from_dict`` calls.
 
 The dict form is what :meth:`FaultPlan.to_dict` returns and what a file holds::
 
@@ -33,9 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import tomllib
 
-from .._errors import FaultPlanError
-from .._network._model import NetworkModel
-from ._plan import (
+from ._errors import FaultPlanError
+from ._faults._plan import (
     DEFAULT_GC_DELAY,
     Crash,
     Delay,
@@ -47,10 +47,11 @@ from ._plan import (
     Partition,
     Pause,
 )
-from ._swarm import Swarm  # at run time: load_faults' documented signature names it
+from ._faults._swarm import Swarm  # at run time: load_faults' documented signature names it
+from ._network._model import NetworkModel
 
 if TYPE_CHECKING:
-    from .._kernel._compute import ComputeModel
+    from ._kernel._compute import ComputeModel
 
 _FAULTS: dict[str, type] = {
     "delay": Delay,
@@ -224,7 +225,7 @@ def compute_to_dict(model: ComputeModel) -> dict[str, Any]:
 
 
 def compute_from_dict(data: Any, where: str = "") -> ComputeModel:
-    from .._kernel._compute import (
+    from ._kernel._compute import (
         ComputeModel,  # _compute imports torch's dispatch machinery: only when asked
     )
 
