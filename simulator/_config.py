@@ -11,6 +11,7 @@ path it took.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,8 +61,9 @@ class SimConfig:
     def __post_init__(self) -> None:
         for name in ("world_size", "seed"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"SimConfig.{name} must be an int, got {value!r}")
+            object.__setattr__(self, name, int(value))  # e.g. a NumPy integer: a plain int from here on
         if self.world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {self.world_size}")
         for name, kind in (

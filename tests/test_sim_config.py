@@ -89,6 +89,14 @@ def test_a_config_refuses_what_is_not_a_setting() -> None:
         Simulation()
 
 
+def test_a_numpy_integer_world_size_or_seed_becomes_a_plain_int() -> None:
+    import numpy as np
+
+    config = SimConfig(np.int64(2), seed=np.int32(5))
+    assert (config.world_size, config.seed) == (2, 5)
+    assert type(config.world_size) is int and type(config.seed) is int
+
+
 def test_keywords_override_the_config_and_none_leaves_its_value() -> None:
     config = SimConfig(2, seed=4, compute=MODEL)
     assert SimConfig.merged(config, seed=None, compute=None) is config
