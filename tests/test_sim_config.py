@@ -267,3 +267,21 @@ def test_the_pytest_fixture_takes_compute_by_marker_and_by_option(pytester: pyte
     pytester.runpytest(*no, "test_plain.py").assert_outcomes(passed=1)
     result = pytester.runpytest(*no, "test_plain.py", "--sim-compute", json.dumps(MODEL.to_dict()))
     result.assert_outcomes(passed=1)
+
+
+def test_a_failing_fixture_test_prints_a_replay_command_that_carries_the_compute_model(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.syspathinsert(Path(__file__).parent)
+    plugins = ("unraisableexception", "xdist", "xdist.looponfail", "benchmark")
+    no = [a for p in plugins for a in ("-p", f"no:{p}")]
+    pytester.makepyfile(
+        test_slow=_FIXTURE_TEST.format(marker="").replace(
+            "FREE + COST if simulation.compute else FREE", "FREE"
+        )
+    )
+    result = pytester.runpytest(*no, "test_slow.py", "--sim-compute", json.dumps(MODEL.to_dict()))
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["replay: pytest test_slow.py::test_charged --sim-seed 0 *--sim-compute *flop_cost*"]
+    )
