@@ -64,7 +64,7 @@ def test_every_included_file_exists_and_is_run_here():
 
 # -- the explanation pages name only files that exist ------------------------------------------------
 #: pages that point into the tree; a moved or renamed module must be renamed there too
-MAP_PAGES = ("explanation/architecture.md", "explanation/benchmarks.md")
+MAP_PAGES = ("explanation/architecture.md", "explanation/gloo-world.md", "explanation/benchmarks.md")
 _TREE_PATH = re.compile(
     r"(?<![\w/.])((?:src/twinrpc|simulator|impl|conformance|tests|docs|spec|benchmarks|examples)/[\w./*-]*\w)"
 )
