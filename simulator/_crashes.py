@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import greenlet
 
@@ -143,23 +143,28 @@ class Crashes:
             )
         # One event per peer, in the order and with the random draws of one call_later each; held
         # in the heap one at a time, and those to peers that stop meanwhile (nearly all, when the
-        # whole world shuts down) are dropped unrun (Scheduler.schedule_many).
+        # whole world shuts down) are dropped unrun (Scheduler.schedule_spread).
         delay_of, rng, now, crashed = self.network.delay, sched.rng, sched.now, self.crashed
-        last_arrival, reserve, departed = world.last_arrival, sched.reserve, self._departed
-        events: list[tuple[float, float, int, Callable[[Any], None], Any]] = []
-        for other in self.workers:
-            target = other.world
-            if other.rank == rank or target is None or target.stopped or other.rank in crashed:
-                continue
-            delay = delay_of(rank, other.rank, 0, rng)
-            delay = max(delay, last_arrival.get(other.rank, 0.0) - now)
-            events.append((*reserve(delay), departed, (target, rank, departure)))
-        sched.schedule_many(events, self._departure_moot)
+        last_arrival = world.last_arrival
+        targets = [
+            other.world
+            for other in self.workers
+            if other.rank != rank
+            and other.world is not None
+            and not other.world.stopped
+            and other.rank not in crashed
+        ]
 
-    def _departure_moot(self, item: tuple[SimWorld, int, Departure]) -> bool:
+        def delay(target: SimWorld) -> float:
+            return max(delay_of(rank, target.rank, 0, rng), last_arrival.get(target.rank, 0.0) - now)
+
+        sched.schedule_spread(
+            lambda target: self._departed((target, rank, departure)), targets, delay, self._moot
+        )
+
+    def _moot(self, observer: SimWorld) -> bool:
         """An announcement to ``observer`` that can no longer do anything: it stopped, crashed or
         was replaced by a new init_rpc (each for good)."""
-        observer = item[0]
         return (
             observer.stopped
             or observer.rank in self.crashed
@@ -167,7 +172,7 @@ class Crashes:
         )
 
     def _departed(self, item: tuple[SimWorld, int, Departure]) -> None:
-        if self._departure_moot(item):
+        if self._moot(item[0]):
             return
         observer, rank, departure = item
         self.peer_unavailable(observer, observer.rank, rank, departure)

@@ -13,7 +13,8 @@ import gc
 import heapq
 import random
 import traceback
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import greenlet
@@ -42,6 +43,33 @@ def _fire(item: tuple[TimerHandle, Callable[[], None]]) -> None:
     handle, fn = item
     if not handle.cancelled:
         fn()
+
+
+class _Spread:
+    """Events of one :meth:`Scheduler.schedule_spread`: event ``i`` runs ``fn(args[i])`` at key
+    ``(times[i], ties[i], first + i)``; ``head`` is the one in the heap, ``live`` the rest in
+    reverse order once the first is due."""
+
+    __slots__ = ("args", "dead", "first", "fn", "head", "live", "ties", "times")
+
+    def __init__(
+        self,
+        fn: Callable[[Any], None],
+        args: Sequence[Any],
+        dead: Callable[[Any], bool],
+        times: array[float],
+        ties: array[float],
+        first: int,
+        head: int,
+    ) -> None:
+        self.fn = fn
+        self.args = args
+        self.dead = dead
+        self.times = times
+        self.ties = ties
+        self.first = first
+        self.head = head
+        self.live: list[int] | None = None
 
 
 class Task:
@@ -82,7 +110,7 @@ class Scheduler:
         #: the order of events is the one a single heap gives. Timers are mostly far off (RPC timeouts)
         #: and mostly cancelled; apart, they keep the heap every message goes through small.
         self._timers: list[tuple[float, float, int, Callable[[Any], None], Any]] = []
-        #: the latest time of a skipped no-op event (:meth:`schedule_many`) at or before ``max_time``,
+        #: the latest time of a skipped no-op event (:meth:`schedule_spread`) at or before ``max_time``,
         #: and whether one was later: what popping them would have done to ``now`` (seen only in a
         #: deadlock's or a max_time error's report), applied when the run stops on one of those
         self._skipped_until = 0.0
@@ -109,56 +137,59 @@ class Scheduler:
         seq = self._seq = self._seq + 1
         _heappush(self._heap, (self.now + delay, self._random(), seq, fn, arg))
 
-    def reserve(self, delay: float) -> tuple[float, float, int]:
-        """The key :meth:`schedule` would give an event ``delay`` from now (drawing the same random
-        tie-break and sequence number), for :meth:`schedule_many`."""
-        seq = self._seq = self._seq + 1
-        return (self.now + delay, self._random(), seq)
-
-    def schedule_many(
+    def schedule_spread(
         self,
-        events: list[tuple[float, float, int, Callable[[Any], None], Any]],
+        fn: Callable[[Any], None],
+        args: Sequence[Any],
+        delay_of: Callable[[Any], float],
         dead: Callable[[Any], bool],
     ) -> None:
-        """Schedule ``events`` (keys from :meth:`reserve`), in the order separate :meth:`schedule`
-        calls would run them, holding one of them in the heap at a time.
+        """Run ``fn(arg)`` for each of ``args`` after ``delay_of(arg)``, with the keys, random draws
+        and order of one :meth:`schedule` call per arg, in turn, holding one of them in the heap at a
+        time.
 
         ``dead(arg)`` says an event has become a no-op for good (e.g. an announcement to a worker that
         has stopped since): such events are dropped unrun instead of being popped one by one. (A worker
         stopping announces it to every peer: N^2 events a run, nearly all to peers stopped by then.)
-        """
-        if not events:
+        The keys are kept as two arrays of floats, not as N tuples each: at 2048 workers, those
+        tuples were most of what the garbage collector walked."""
+        if not args:
             return
-        head = min(events)
-        self._push_step([head, events, dead, False])
+        now, random = self.now, self._random
+        times, ties = array("d"), array("d")
+        for arg in args:
+            times.append(now + delay_of(arg))
+            ties.append(random())
+        first = self._seq + 1
+        self._seq += len(args)
+        head = min(range(len(args)), key=lambda i: (times[i], ties[i], i))
+        spread = _Spread(fn, args, dead, times, ties, first, head)
+        _heappush(self._heap, (times[head], ties[head], first + head, self._spread_step, spread))
 
-    def _push_step(self, state: list[Any]) -> None:
-        head = state[0]
-        heapq.heappush(self._heap, (head[0], head[1], head[2], self._step, state))
-
-    def _step(self, state: list[Any]) -> None:
-        head, rest, dead, ordered = state
-        if not ordered:  # the first of them is due: drop the dead, order the rest (latest first)
+    def _spread_step(self, spread: _Spread) -> None:
+        head, args, dead, times = spread.head, spread.args, spread.dead, spread.times
+        live = spread.live
+        if live is None:  # the first of them is due: drop the dead, order the rest (latest first)
+            ties = spread.ties
             live = []
-            for ev in rest:
-                if ev is head:
+            for i in range(len(args)):
+                if i == head:
                     continue
-                if dead(ev[4]):
-                    self._skip(ev[0])
+                if dead(args[i]):
+                    self._skip(times[i])
                 else:
-                    live.append(ev)
-            live.sort(reverse=True)
-            state[1] = rest = live
-            state[3] = True
-        while rest:
-            ev = rest.pop()
-            if dead(ev[4]):
-                self._skip(ev[0])
+                    live.append(i)
+            live.sort(key=lambda i: (times[i], ties[i], i), reverse=True)
+            spread.live = live
+        while live:
+            i = live.pop()
+            if dead(args[i]):
+                self._skip(times[i])
                 continue
-            state[0] = ev
-            self._push_step(state)
+            spread.head = i
+            _heappush(self._heap, (times[i], spread.ties[i], spread.first + i, self._spread_step, spread))
             break
-        head[3](head[4])
+        spread.fn(args[head])
 
     def _skip(self, t: float) -> None:
         if self.max_time is not None and t > self.max_time:
