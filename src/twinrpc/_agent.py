@@ -217,8 +217,8 @@ class RpcAgent:
         msg_id = next(self._ids)  # atomic: itertools.count under the GIL
         # Made only when read (a deadlock report, a repr); the tables are replaced, never changed
         by_id = self._by_id
-        fut._label = lambda: (
-            f"reply to {kind._name_}#{msg_id} from {(by_id.get(dst) or self.worker_by_id(dst)).name}"
+        fut.label = lambda: (
+            f"reply to {kind.name}#{msg_id} from {(by_id.get(dst) or self.worker_by_id(dst)).name}"
         )
         with self._lock:
             self._pending[msg_id] = pending

@@ -119,7 +119,8 @@ class Future(torch.futures.Future[T]):
         return label() if callable(label) else label
 
     @label.setter
-    def label(self, label: str | None) -> None:
+    def label(self, label: str | Callable[[], str] | None) -> None:
+        """A string, or a function that makes it when read (for a label that costs to format)."""
         self._label = label
 
     # -- state -------------------------------------------------------------------------------
