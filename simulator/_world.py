@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ._simulation import Simulation
 
 _log = logging.getLogger("twinrpc.simulator")
+_getcurrent = greenlet.getcurrent
 _DELIVER = "deliver"
 
 
@@ -39,7 +40,7 @@ class SimBlocker:
 
     def wait_done(self, fut: Future[Any]) -> None:
         sched = self.sched
-        task = sched.current_task()
+        task = getattr(_getcurrent(), "task", None)  # sched.current_task(), inlined: every wait
         if task is None:
             raise RuntimeError(
                 "twinrpc.simulator: Future.wait() outside a simulated task; wait only from worker "
@@ -156,7 +157,7 @@ class SimWorld(World):
         self.worker.spawn(getattr(fn, "__name__", "task"), fn, *args)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        task = self.sched.current_task()
+        task = getattr(_getcurrent(), "task", None)  # sched.current_task(), inlined: every request
         if self._pool_busy < self._pool_size and task is not None and task.name is _DELIVER:
             # The delivery task has nothing else to do: it becomes the pool task (saves a task switch;
             # the pool accounting is the same).

@@ -189,13 +189,10 @@ class Trace:
             if event == "duplicate" and n is not None:
                 self._copies.setdefault((msg.src, msg.dst, msg.kind, msg.id), []).append(n)
         kind = msg.kind
+        tensors = msg.tensors  # msg.nbytes, inlined: every delivery is recorded
+        nbytes = len(msg.payload) + (sum(t.numel() for t in tensors) if tensors else 0)
         self._events.append(
-            (
-                time,
-                worker,
-                event,
-                (_KIND_NAMES.get(kind, kind), msg.id, msg.src, msg.dst, msg.nbytes, n, note),
-            )
+            (time, worker, event, (_KIND_NAMES.get(kind, kind), msg.id, msg.src, msg.dst, nbytes, n, note))
         )
 
     def _copy_number(self, msg: Message) -> int | None:
