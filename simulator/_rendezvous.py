@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from twinrpc._future import Future
 from twinrpc._membership import MIXED_GROUP_ERROR
-from twinrpc._worker_info import WorkerInfo
+from twinrpc._worker_info import Roster, WorkerInfo
 from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
 from ._dynamic_group import DynamicGroup, DynamicMember
@@ -61,7 +61,7 @@ class Rendezvous:
         self._complete: dict[int, Future[None]] = {}
         #: generation -> (members when built, the static group's workers, or the error of a name
         #: two members share): see _roster
-        self._rosters: dict[int, tuple[int, list[WorkerInfo], str | None]] = {}
+        self._rosters: dict[int, tuple[int, list[WorkerInfo], Roster | None, str | None]] = {}
         #: generation -> its dynamic group (init_rpc without world_size, LIFE-5)
         self._dynamic: dict[int, DynamicGroup] = {}
         #: rank -> (heartbeat_interval, heartbeat_misses) of its latest init_rpc's options: how long it
@@ -77,7 +77,7 @@ class Rendezvous:
         world_size: int | None,
         options: Any,
         generation: int,
-    ) -> tuple[SimWorld, WorkerInfo, list[WorkerInfo]]:
+    ) -> tuple[SimWorld, WorkerInfo, list[WorkerInfo] | Roster]:
         """``init_rpc`` on ``worker``: join its group; returns the worker's world, its own info and the
         group's workers (``twinrpc._current.WorkerSlot.connect``)."""
         if rank not in (-1, worker.rank):
@@ -103,16 +103,16 @@ class Rendezvous:
         if len(arrived) == world_size:
             self.sched.call_later(RENDEZVOUS_DELAY, lambda: done.set_result(None))
         done.wait()
-        infos = self._roster(generation, arrived)
+        infos, roster = self._roster(generation, arrived)
         world = SimWorld(worker, options.num_worker_threads)
         worker.world = world
         self._heartbeats_of(worker.rank, options)
-        return world, infos[worker.rank], infos
+        return world, infos[worker.rank], roster
 
-    def _roster(self, generation: int, arrived: dict[int, str]) -> list[WorkerInfo]:
-        """The workers of a static group (by rank), once for all its members: each member building
-        its own took N^2 time and kept N^2 WorkerInfo objects alive. Raises, for each member, when
-        two share a name."""
+    def _roster(self, generation: int, arrived: dict[int, str]) -> tuple[list[WorkerInfo], Roster]:
+        """The workers of a static group (by rank) and their Roster, once for all its members: each
+        member building its own took N^2 time and kept N^2 WorkerInfo objects alive. Raises, for
+        each member, when two share a name."""
         cached = self._rosters.get(generation)
         if cached is None or cached[0] != len(arrived):
             by_name: dict[str, int] = {}
@@ -126,10 +126,12 @@ class Rendezvous:
                     )
                     break
             infos = [WorkerInfo(arrived[r], r) for r in sorted(arrived)] if error is None else []
-            cached = self._rosters[generation] = (len(arrived), infos, error)
-        if cached[2] is not None:
-            raise RuntimeError(cached[2])
-        return cached[1]
+            roster = Roster(infos) if infos else None
+            cached = self._rosters[generation] = (len(arrived), infos, roster, error)
+        if cached[3] is not None:
+            raise RuntimeError(cached[3])
+        assert cached[2] is not None
+        return cached[1], cached[2]
 
     def _join_dynamic(
         self, worker: SimWorker, *, name: str, options: Any, generation: int

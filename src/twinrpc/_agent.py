@@ -38,7 +38,7 @@ from ._message import CONTROL_KINDS, REQUEST_KINDS, Kind, Message
 from ._rref import GloballyUniqueId, OwnerState, RRef, UserState, wrap_rref
 from ._rref_context import ForkRecorder, RRefContext
 from ._shutdown import ShutdownProtocol
-from ._worker_info import WorkerInfo
+from ._worker_info import Roster, WorkerInfo
 from ._world import Timer, World
 
 _log = logging.getLogger("twinrpc")
@@ -82,15 +82,16 @@ class RpcAgent:
         self,
         world: World,
         info: WorkerInfo,
-        workers: list[WorkerInfo],
+        workers: list[WorkerInfo] | Roster,
         rpc_timeout: float,
         num_worker_threads: int,
     ) -> None:
         self.world = world
         self.info = info
-        self.workers = sorted(workers, key=lambda w: w.id)
-        self._by_name = {w.name: w for w in workers}
-        self._by_id = {w.id: w for w in workers}
+        roster = workers if isinstance(workers, Roster) else Roster(workers)  # shared: never changed
+        self.workers = roster.workers
+        self._by_name = roster.by_name
+        self._by_id = roster.by_id
         self.rpc_timeout = rpc_timeout
         self.num_worker_threads = num_worker_threads
         self._lock = threading.Lock()
@@ -113,7 +114,7 @@ class RpcAgent:
         self.rrefs.observer = observers.rrefs
         self.autograd.observer = observers.autograd
         self.shutdown_protocol = ShutdownProtocol(self)  # graceful shutdown (twinrpc._shutdown)
-        self.leader = min(self.workers, key=lambda w: w.name)
+        self.leader = roster.leader
         #: a member of a dynamic group (init_rpc without world_size, LIFE-5): workers join and leave
         #: while it runs (update_membership), and shutdown only leaves the group (twinrpc._membership)
         self.dynamic = False
