@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import operator
 import os
-import signal
 import subprocess
 import time
 from typing import Any
@@ -40,12 +39,12 @@ def _stop_for(backend: str, rank: int, seconds: float) -> str:
         assert sim is not None
         sim.pause(rank, seconds)  # called from the paused worker's own task: returns after the pause
     else:
-        # Something outside this process must wake it: a shell that sends SIGCONT once the stop is
-        # over. Continued earlier (a stray SIGCONT was seen on a busy machine), it stops again.
-        deadline = time.monotonic() + seconds
-        subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])
-        while time.monotonic() < deadline:
-            os.kill(os.getpid(), signal.SIGSTOP)
+        # One shell outside this process sends both signals, SIGSTOP then SIGCONT ``seconds`` later,
+        # while this thread waits for it: the last signal the process gets is always the SIGCONT. (A
+        # process that stops itself in a loop until a deadline can stop again after the shell's SIGCONT,
+        # if that SIGCONT lands between its deadline check and its kill, and then never wakes.)
+        pid = os.getpid()
+        subprocess.run(["sh", "-c", f"kill -STOP {pid}; sleep {seconds}; kill -CONT {pid}"], check=True)
     return "resumed"
 
 
