@@ -14,6 +14,8 @@ import inspect
 import pathlib
 from collections.abc import Iterator
 
+from _private_reaches import private_reaches
+
 import twinrpc
 from twinrpc._world import NO_OBSERVERS, World
 
@@ -43,33 +45,9 @@ def _core_modules() -> Iterator[pathlib.Path]:
     yield from sorted(p for p in CORE.rglob("*.py") if "simulator" not in p.parts and "impl" not in p.parts)
 
 
-def _names_defined(tree: ast.Module) -> set[str]:
-    defined: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            defined.add(node.name)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            defined.add(node.attr)
-        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            defined.add(node.id)
-    return defined
-
-
 def _private_reaches(path: pathlib.Path) -> list[str]:
-    """``obj._name`` where ``obj`` is not ``self``/``cls`` and nothing in the module defines ``_name``."""
-    tree = ast.parse(path.read_text())
-    defined = _names_defined(tree)
-    found = []
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Attribute):
-            continue
-        name = node.attr
-        if not name.startswith("_") or name.startswith("__") or name in defined or name in TORCH_PRIVATE:
-            continue
-        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
-            continue
-        found.append(f"{path.relative_to(CORE.parent)}:{node.lineno}: {ast.unparse(node)}")
-    return found
+    """The shared scan (tests/_private_reaches.py), strict: a module's privates are its own only."""
+    return private_reaches(path, base=CORE.parent, allowed=TORCH_PRIVATE)
 
 
 def test_no_core_object_reaches_into_another_objects_private_state() -> None:

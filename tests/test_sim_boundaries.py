@@ -8,13 +8,12 @@ simulator's source, so a shortcut across a seam fails here, not in a later refac
 
 from __future__ import annotations
 
-import ast
-import importlib
 import inspect
 import pathlib
 from collections.abc import Iterator
 
 import twinrpc.simulator
+from _private_reaches import private_reaches as scan
 
 SIMULATOR = pathlib.Path(twinrpc.simulator.__file__).parent
 PACKAGE = "twinrpc.simulator"
@@ -44,74 +43,11 @@ def _package_of(path: pathlib.Path) -> str:
     return ".".join([PACKAGE, *parts[:-1]])
 
 
-def _module_aliases(tree: ast.Module, path: pathlib.Path) -> set[str]:
-    """Names the module binds to modules (``import x``, ``import x.y as z``, ``from p import m`` of a
-    module m): a private attribute of a module, e.g. ``sys._getframe``, is that library's API."""
-    aliases: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            aliases.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                package = _package_of(path).split(".")
-                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
-            for a in node.names:
-                try:
-                    value = getattr(importlib.import_module(base), a.name, None)
-                except ImportError:
-                    value = None
-                if inspect.ismodule(value):
-                    aliases.add(a.asname or a.name)
-    return aliases
-
-
-def _names_defined(tree: ast.Module) -> set[str]:
-    """Names the module itself defines: its own privates are its to use (Python's module privacy)."""
-    defined: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            defined.add(node.name)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            defined.add(node.attr)
-        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            defined.add(node.id)
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            defined.add(node.target.id)
-        elif isinstance(node, ast.ClassDef):
-            defined.add(node.name)
-    for node in ast.walk(tree):  # __slots__ = ("_a", "_b") and dataclass fields
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_"):
-            defined.add(node.value)
-    return defined
-
-
-def _root(node: ast.expr) -> ast.expr:
-    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
-        node = node.func if isinstance(node, ast.Call) else node.value
-    return node
-
-
 def private_reaches(path: pathlib.Path, base: pathlib.Path = SIMULATOR.parent) -> list[str]:
-    """``obj._name`` where ``obj`` is not ``self``/``cls``, not rooted at a module, and nothing in the
-    module defines ``_name`` (reported relative to ``base``)."""
-    tree = ast.parse(path.read_text())
-    defined = _names_defined(tree)
-    aliases = _module_aliases(tree, path)
-    found = []
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Attribute):
-            continue
-        name = node.attr
-        if not name.startswith("_") or name.startswith("__") or name in defined or name in ALLOWED:
-            continue
-        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
-            continue
-        root = _root(node.value)
-        if isinstance(root, ast.Name) and root.id in aliases:
-            continue
-        found.append(f"{path.relative_to(base)}:{node.lineno}: {ast.unparse(node)}")
-    return found
+    """The shared scan (tests/_private_reaches.py), lenient about modules' privates, as the simulator
+    runs unchanged programs and patches library modules for them."""
+    package = _package_of(path) if path.is_relative_to(SIMULATOR) else PACKAGE
+    return scan(path, base=base, allowed=ALLOWED, package=package)
 
 
 def test_no_simulator_object_reaches_into_another_objects_private_state() -> None:
