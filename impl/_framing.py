@@ -4,13 +4,13 @@ Every message starts with one fixed-size header frame (a ``uint8`` tensor of ``H
 small message the pickled payload rides inline in the header, so a small RPC is exactly one gloo send;
 a larger payload follows as one more frame. Then each out-of-band storage follows as its own frame,
 sent straight from the tensor's memory (no pickling, no copy). The receiver takes frames of up to
-1 MiB into a receive it posted ahead and copies them out (see ``_STAGED_BYTES`` in ``_link``), and
+1 MiB into a receive it posted ahead and copies them out (see ``STAGED_BYTES`` in ``_receiver``), and
 receives larger ones in place.
 
 Header layout (little-endian): magic u32, version u16, flags u16, kind u16, reserved u16, src i32,
 id i64, payload_len u64, n_tensors u32, ack u64, then n_tensors u64 storage sizes, then the inline
 payload. ``ack`` counts the header frames the sender has taken from its receive ring (and posted a
-receive again for): the peer's credit for sends that cannot block (see PeerLink.try_send_now).
+receive again for): the peer's credit for sends that cannot block (see Sender.try_send_now).
 
 A header may also carry *riders* (``FLAG_RIDERS``): small payload-only messages that were sent
 earlier but allowed to wait for the next frame to the same peer (``Message.deferrable``), delivered

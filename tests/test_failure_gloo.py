@@ -213,7 +213,7 @@ def _echo(t: Any) -> Any:
 
 def _frames_of(name: str) -> list[str]:
     """Names of the threads of this process whose stack is inside the function ``name`` (a
-    qualified name, e.g. ``PeerLink.send``)."""
+    qualified name, e.g. ``Sender.send``)."""
     import sys
 
     found = []
@@ -241,17 +241,18 @@ def _poll(predicate: Any, what: str, bound: float = BOUND) -> float:
 def _stop_mid_message() -> None:
     """On worker2: send worker0 the header of a message whose payload frame never follows (a
     test-only injection on the pair's own process group), then stop this very process."""
-    from twinrpc.impl._framing import encode_header
-    from twinrpc.impl._link import _TAG
+    from twinrpc.impl._framing import encode_header, new_header_tensor
+    from twinrpc.impl._pair import TAG
 
     from twinrpc._current import current_agent
     from twinrpc._message import Kind, Message
 
     link = current_agent().world.links[0]  # type: ignore[attr-defined]
-    with link._send_lock:
-        inline, _ = encode_header(link._send_view, Message(Kind.CALL, 99, 2, 0, b"x" * (1 << 20)))
+    header, view = new_header_tensor()
+    with link.sender.lock:
+        inline, _ = encode_header(view, Message(Kind.CALL, 99, 2, 0, b"x" * (1 << 20)))
         assert not inline
-        link.pg.send([link._send_header], link._peer_rank_in_pg, _TAG).wait()
+        link.pair.pg.send([header], link.pair.peer_rank, TAG).wait()
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
@@ -306,9 +307,9 @@ def _stopped_mid_transfer_program(rank: int, world_size: int, init_file: str, sh
 
     caller = threading.Thread(target=big_call, name="big-caller")
     caller.start()
-    # the caller is inside the gloo send (PeerLink.send), not failed before sending
+    # the caller is inside the gloo send (Sender.send), not failed before sending
     result["in_send_after"] = _poll(
-        lambda: "big-caller" in _frames_of("PeerLink.send") or "big" in outcome, "send"
+        lambda: "big-caller" in _frames_of("Sender.send") or "big" in outcome, "send"
     )
     result["was_in_send"] = "big" not in outcome
     caller.join(BOUND)
@@ -321,7 +322,7 @@ def _stopped_mid_transfer_program(rank: int, world_size: int, init_file: str, sh
     # -- receive side: worker2 sends the header of a 1 MiB message, then stops itself ---------------
     fut2 = rpc.rpc_async("worker2", _stop_mid_message, timeout=0)
     result["in_recv_after"] = _poll(
-        lambda: bool(_frames_of("PeerLink._recv_data")) or fut2.done(), "payload receive"
+        lambda: bool(_frames_of("Receiver._recv_data")) or fut2.done(), "payload receive"
     )
     receiving_at = time.monotonic()
     result["was_in_recv"] = not fut2.done()
@@ -471,16 +472,16 @@ def _frames_program(rank: int, world_size: int, init_file: str, shared: dict[str
         shared["done"].wait(WORLD_TIMEOUT)
         rpc.shutdown()
         return "served"
-    from twinrpc.impl._link import _TAG
+    from twinrpc.impl._pair import TAG
 
     from twinrpc._current import current_agent
 
     link = current_agent().world.links[1]  # type: ignore[attr-defined]
     assert rpc.rpc_sync("worker1", operator.add, args=(1, 1)) == 2
     frames = _bad_frames()
-    with link._send_lock:  # test-only injection: raw frames on the pair's own process group
+    with link.sender.lock:  # test-only injection: raw frames on the pair's own process group
         for _, t in frames:
-            link.pg.send([t], link._peer_rank_in_pg, _TAG).wait()
+            link.pair.pg.send([t], link.pair.peer_rank, TAG).wait()
     after = [rpc.rpc_sync("worker1", operator.add, args=(i, 1)) for i in range(3)]
     bad, logged = rpc.rpc_sync("worker1", _report)
     shared["done"].set()

@@ -1,5 +1,5 @@
 """twinrpc lowers the priority of the gloo event-loop threads of its own pair process groups, and of no
-other (impl/_link.py, LOOP_NICENESS: gloo's loop spins on epoll while another thread holds a pair's
+other (impl/_pair.py, LOOP_NICENESS: gloo's loop spins on epoll while another thread holds a pair's
 lock, taking the core from that thread). A process group the program makes for itself, e.g. its own
 default gloo group for collectives, keeps its loop thread at the process's priority."""
 
@@ -43,7 +43,7 @@ dist.destroy_process_group()
     not Path("/proc/self/task").is_dir(), reason="thread priorities are read from /proc (Linux)"
 )
 def test_only_the_loop_threads_of_twinrpcs_pair_groups_run_nicer(tmp_path: Path) -> None:
-    from twinrpc.impl._link import LOOP_NICENESS
+    from twinrpc.impl._pair import LOOP_NICENESS
 
     script = tmp_path / "loop_priority.py"
     script.write_text(PROGRAM)

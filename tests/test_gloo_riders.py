@@ -99,7 +99,7 @@ def test_deferred_messages_are_delivered_before_the_message_they_ride_with_in_on
 ) -> None:
     sender, _listener, inbox = links
     assert sender.defer(_cleanup(1), _never) and sender.defer(_cleanup(2), _never)
-    frames_before = sender._headers_sent
+    frames_before = sender.sender.headers_sent
     sender.send(
         Message(Kind.CALL, 3, 0, 1, b"call", [torch.arange(300_000, dtype=torch.int64).to(torch.uint8)])
     )
@@ -110,7 +110,7 @@ def test_deferred_messages_are_delivered_before_the_message_they_ride_with_in_on
         (Kind.CALL, 3),
     ]
     assert got[0].payload == b"release 1" and got[0].tensors == []
-    assert sender._headers_sent - frames_before == 1
+    assert sender.sender.headers_sent - frames_before == 1
     assert torch.equal(got[2].tensors[0], torch.arange(300_000, dtype=torch.int64).to(torch.uint8))
 
 
@@ -149,7 +149,7 @@ def test_riders_waiting_on_a_link_that_fails_are_reported() -> None:
     sender, _listener = make_links(inbox, failures)
     reported: list[tuple[int, str]] = []
     assert sender.defer(_cleanup(1), lambda msg, exc: reported.append((msg.id, str(exc))))
-    sender._fail(RuntimeError("the pair broke"))
+    sender.fail(RuntimeError("the pair broke"))
     assert reported == [(1, "the pair broke")]
     assert [str(e) for e in failures] == ["the pair broke"]
 
@@ -182,9 +182,9 @@ def _release_program(rank: int, init_file: str, shared: dict[str, Any]) -> None:
             t = torch.ones(2, requires_grad=True)
             with dist_autograd.context() as cid:
                 rpc.rpc_sync("worker1", torch.add, args=(t, 1))
-                frames = link._headers_sent  # from here: the release, then one call
+                frames = link.sender.headers_sent  # from here: the release, then one call
             gone = not rpc.rpc_sync("worker1", _context_exists, args=(cid,))
-            shared["out"].put(("rode", gone, link._headers_sent - frames))
+            shared["out"].put(("rode", gone, link.sender.headers_sent - frames))
             with dist_autograd.context() as cid:  # then nothing more is sent to worker1
                 rpc.rpc_sync("worker1", torch.add, args=(t, 1))
             shared["cid"].put(cid)

@@ -4,7 +4,7 @@ gloo pair in one process.
 Without it a gloo send of a payload or tensor frame waits until the receiving process has woken up,
 decoded the message's header and posted a receive for that frame. With it the sender writes the frame
 right behind its header, even while the receiver is still busy with an earlier message; only frames
-over ``_STAGED_BYTES`` still wait for their own receive. Contents and order are unchanged either way.
+over ``STAGED_BYTES`` still wait for their own receive. Contents and order are unchanged either way.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 from _gloo_pair import WAIT, close_links, make_links
-from twinrpc.impl._link import _RING, _STAGED_BYTES, PeerLink
+from twinrpc.impl._link import PeerLink
+from twinrpc.impl._receiver import RING, STAGED_BYTES
 
 from twinrpc._message import Kind, Message
 
@@ -76,7 +77,7 @@ def test_a_frame_up_to_the_staging_size_is_taken_while_the_receiver_is_busy_a_la
     messages = [
         Message(Kind.CALL, 1, 0, 1, b"first"),
         _message(2, 256 << 10),
-        _message(3, _STAGED_BYTES + 4096),
+        _message(3, STAGED_BYTES + 4096),
         _message(4, 64 << 10, bytes(range(256)) * 64),  # a 16 KiB payload: a frame of its own too
     ]
     receiver.expected = len(messages)
@@ -106,7 +107,7 @@ def test_a_send_before_the_receiver_has_started_leaves_one_staging_receive_poste
     receiver = _Receiver(block_id=-1)
     failures: list[BaseException] = []
     sender, listener = make_links(receiver, failures)
-    listener._repost_after_send()  # what a send from rank 1 does, here before its receiver started
+    listener.receiver.repost_after_send()  # what a send from rank 1 does, here before its receiver started
     sender.start()
     listener.start()
     messages = [_message(1, 4096), _message(2, 256 << 10)]
@@ -126,13 +127,13 @@ def test_a_receiver_that_never_sends_keeps_taking_a_stream_longer_than_its_ring(
     pair: tuple[PeerLink, _Receiver],
 ) -> None:
     """Receives of taken frames are posted again after this worker's next send; a worker that sends
-    nothing back (here rank 1) posts them itself, so a stream of many times ``_RING`` messages, with
+    nothing back (here rank 1) posts them itself, so a stream of many times ``RING`` messages, with
     and without data frames, still gets through in order and intact."""
     sender, receiver = pair
     receiver.release.set()  # message 1 does not block
     messages = [
         _message(i, 64 << 10) if i % 3 == 0 else Message(Kind.CALL, i, 0, 1, b"m%d" % i)
-        for i in range(1, 8 * _RING)
+        for i in range(1, 8 * RING)
     ]
     receiver.expected = len(messages)
     for msg in messages:
