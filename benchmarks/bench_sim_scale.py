@@ -131,7 +131,7 @@ def run_job(
     t0 = time.perf_counter()
     result = sim.run(worker, world_size, servers, steps)
     wall = time.perf_counter() - t0
-    messages = sum(1 for e in result.trace._events if e[2] == "send") if trace else -1
+    messages = result.trace.count("send") if trace else -1
     return JobResult(
         result.outcomes,
         wall,

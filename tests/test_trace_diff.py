@@ -39,8 +39,8 @@ def test_two_seeds_diverge_at_the_first_differing_event_with_context() -> None:
 def test_a_trace_that_ends_early_diverges_where_it_ends() -> None:
     longer = _trace(4)
     shorter = Trace(seed=4, world_size=2, workers=list(longer.workers))
-    for t, w, e, d in longer._events[:10]:
-        shorter.record(t, w, e, d)
+    for ev in longer.events()[:10]:
+        shorter.record(ev.time, ev.worker, ev.event, ev.detail)
     div = diff_traces(shorter, longer)
     assert div is not None and div.index == 10 and div.a is None and div.b == longer.events()[10]
     assert "(no event: trace A ended)" in div.describe()

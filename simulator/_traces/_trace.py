@@ -1,7 +1,9 @@
 """The trace of a run: every send, delivery, drop, task switch, RRef and autograd event, in order.
 
-Recording is on the hot path, so an event is stored as a tuple ``(time, worker, event, detail)`` and
-formatted only when read. A message event's detail is a tuple
+Recording is on the hot path, so each event is packed into one fixed-size record of numbers (its
+strings interned) and formatted only when read: a run of a million events holds one buffer, not
+millions of tuples for the allocator and the cyclic GC to walk. Read back, an event is a tuple
+``(time, worker, event, detail)``. A message event's detail is a tuple
 ``(kind, id, src, dst, nbytes, seq, note)``, never the message (which would keep its tensors alive);
 ``seq`` is the message number the trace gave the send, so every later event about the same message
 (its delivery, a drop, a duplicate) names the same number. A task switch's detail is
@@ -10,7 +12,7 @@ formatted only when read. A message event's detail is a tuple
 Vector clocks are not stored: each worker's clock ticks at each of its events, a send carries the
 sender's clock, and a delivery merges it before ticking. They follow from the order of events and the
 message numbers, so :meth:`Trace.events` computes them when the trace is read, which keeps recording
-a dict store and a list append per message.
+a dict store and a packed record per message.
 
 The same events come from a file: :meth:`Trace.save` writes JSON lines (``twinrpc._trace_format``);
 :meth:`Trace.load` reads that back, or the per-worker files of the gloo world's recorder
@@ -23,6 +25,7 @@ import collections
 import hashlib
 import heapq
 import json
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,11 +40,76 @@ from .._errors import TraceFormatError
 MESSAGE_EVENTS = frozenset({"send", "deliver", "drop", "duplicate", "hold", "lost", "bounce", "send-failed"})
 #: events after which the message is gone (delivered, lost, dropped or bounced)
 _FINAL = frozenset({"deliver", "lost", "bounce", "drop"})
-_SWITCH = "switch"
-#: a message kind -> its name, which a message event stores in place of the kind (it renders the same):
-#: a trace of numbers and strings only is untracked by the cyclic GC, which otherwise walks every
-#: event of a long run again and again
+#: a message kind -> its name, which a message event reads back in place of the kind (it renders the same)
 _KIND_NAMES: dict[Any, str] = {k: k.name for k in Kind}
+_KIND_BY_VALUE: dict[int, str] = {k.value: k.name for k in Kind}
+
+# Each event is one 80-byte record of packed numbers: its time, its worker, its code (the index in
+# Trace._event_table of its name and the form of its detail), then up to 7 ints that hold the detail
+# (zeros after a shorter form's):
+_OBJECT = 0  # (index in Trace._objects): a string, or a detail that fits no form below
+_MESSAGE = 1  # (kind, id, src, dst, nbytes, seq, note) of a Message: the kind by value
+_NAMED = 2  # the same with the kind's name (a loaded trace's, or given to record()), interned
+_SWITCH = 3  # (task id, task name): the name interned
+# In both message forms a seq of None is -1 and the note is interned (Trace._strings). Native byte
+# order: records never leave the process, and Trace.count reads the codes as native ints.
+_RECORD = struct.Struct("=d9q")  # a message's record, and how any record is read
+_SWITCH_RECORD = struct.Struct("=d4q40x")
+_OBJECT_RECORD = struct.Struct("=d3q48x")
+_FIELDS = 10  # the 8-byte fields of a record; the code is field 2
+_EMPTY = 0  # the number of "" in every trace's _Strings
+_SEND = 0  # the code of "send" (a _MESSAGE event) in every trace
+
+
+class _Strings(dict[Any, int]):
+    """A trace's interned values (notes, task names, kind names) -> small ints; a value seen for the
+    first time gets the next number, and ``table[number]`` is the value."""
+
+    __slots__ = ("table",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table: list[Any] = []
+        self[""]  # interned first: _EMPTY
+
+    def __missing__(self, value: Any) -> int:
+        code = len(self.table)
+        self.table.append(value)
+        self[value] = code
+        return code
+
+
+class _EventCodes(dict[Any, int]):
+    """Event names -> codes, for events of one form. A trace has one of these per form; they share
+    ``table``, where ``table[code]`` is ``(name, form)``."""
+
+    __slots__ = ("form", "table")
+
+    def __init__(self, table: list[tuple[Any, int]], form: int) -> None:
+        super().__init__()
+        self.table = table
+        self.form = form
+
+    def __missing__(self, name: Any) -> int:
+        code = len(self.table)
+        self.table.append((name, self.form))
+        self[name] = code
+        return code
+
+
+def _named_message(detail: tuple[Any, ...]) -> bool:
+    """Whether a 7-tuple given to :meth:`Trace.record` reads back the same from the ``_NAMED`` form
+    (ints that do not fit 64 bits are found when packing)."""
+    kind, msg_id, src, dst, nbytes, seq, note = detail
+    return (
+        type(kind) is str
+        and type(note) is str
+        and type(msg_id) is int
+        and type(src) is int
+        and type(dst) is int
+        and type(nbytes) is int
+        and (seq is None or (type(seq) is int and seq >= 0))
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +214,16 @@ class Trace:
         self.workers: list[str] = list(workers) if workers is not None else []
         self.source = source
         self.clock = clock
-        self._events: list[tuple[float, int, str, Any]] = []
+        # the events' records (see _RECORD), in order
+        self._buffer = bytearray()
+        self._objects: list[Any] = []
+        self._strings = _Strings()
+        self._event_table: list[tuple[Any, int]] = []
+        self._object_events = _EventCodes(self._event_table, _OBJECT)
+        self._message_events = _EventCodes(self._event_table, _MESSAGE)
+        self._named_events = _EventCodes(self._event_table, _NAMED)
+        self._switch_events = _EventCodes(self._event_table, _SWITCH)
+        self._message_events["send"]  # interned first: _SEND
         # id(message) -> its message number, from its send to its last event (an id is unique while
         # the message lives, and a message in flight is alive: the event queue holds it)
         self._numbers: dict[int, int] = {}
@@ -157,9 +234,61 @@ class Trace:
 
     # -- recording ---------------------------------------------------------------------------------
     def record(self, time: float, worker: int, event: str, detail: Any) -> None:
-        """Record an event; ``detail`` is a string (or a tuple as described in the module docstring)."""
-        if self.enabled:
-            self._events.append((time, worker, event, detail))
+        """Record an event; ``detail`` is a string (or a tuple as described in the module docstring).
+
+        The event reads back with the same values: a task switch's or a message's detail is packed
+        as ints, any other detail kept as is.
+
+        Raises:
+            struct.error: ``time`` is not a number or ``worker`` not an int (nothing is recorded).
+        """
+        if not self.enabled:
+            return
+        if type(detail) is tuple:
+            size = len(detail)
+            if size == 2:  # a task switch, each time the scheduler runs another task
+                task, name = detail
+                if type(task) is int and type(name) is str:
+                    code = self._switch_events[event]
+                    try:
+                        self._buffer += _SWITCH_RECORD.pack(time, worker, code, task, self._strings[name])
+                        return
+                    except struct.error:  # an id past 64 bits (or a bad time or worker: raised below)
+                        pass
+            elif size == 7 and _named_message(detail):
+                kind, msg_id, src, dst, nbytes, seq, note = detail
+                strings = self._strings
+                code = self._named_events[event]
+                try:
+                    self._buffer += _RECORD.pack(
+                        time,
+                        worker,
+                        code,
+                        strings[kind],
+                        msg_id,
+                        src,
+                        dst,
+                        nbytes,
+                        -1 if seq is None else seq,
+                        strings[note],
+                    )
+                    return
+                except struct.error:
+                    pass
+        self._record_object(time, worker, event, detail)
+
+    def _record_object(self, time: float, worker: int, event: Any, detail: Any) -> None:
+        """An event whose detail is kept as is (the record holds its index in ``_objects``)."""
+        objects = self._objects
+        self._buffer += _OBJECT_RECORD.pack(time, worker, self._object_events[event], len(objects))
+        objects.append(detail)
+
+    def _record_message(
+        self, time: float, worker: int, event: str, msg: Message, nbytes: int, n: int | None, note: str
+    ) -> None:
+        """A message event whose fields do not pack (a Message's always do): kept as a tuple."""
+        detail = (_KIND_NAMES.get(msg.kind, msg.kind), msg.id, msg.src, msg.dst, nbytes, n, note)
+        self._record_object(time, worker, event, detail)
 
     def sent(self, time: float, worker: int, msg: Message, nbytes: int) -> None:
         """Record the send of ``msg``, giving it the next message number."""
@@ -167,10 +296,12 @@ class Trace:
             n = self._sent
             self._sent = n + 1
             self._numbers[id(msg)] = n
-            kind = msg.kind
-            self._events.append(
-                (time, worker, "send", (_KIND_NAMES.get(kind, kind), msg.id, msg.src, msg.dst, nbytes, n, ""))
-            )
+            try:
+                self._buffer += _RECORD.pack(
+                    time, worker, _SEND, msg.kind, msg.id, msg.src, msg.dst, nbytes, n, _EMPTY
+                )
+            except struct.error:
+                self._record_message(time, worker, "send", msg, nbytes, n, "")
 
     def message(self, time: float, worker: int, event: str, msg: Message, note: str = "") -> None:
         """Record an event about ``msg`` (``deliver``, ``drop``, ``lost``...); ``note`` is appended to
@@ -188,12 +319,25 @@ class Trace:
             n = self._numbers.get(id(msg))
             if event == "duplicate" and n is not None:
                 self._copies.setdefault((msg.src, msg.dst, msg.kind, msg.id), []).append(n)
-        kind = msg.kind
         tensors = msg.tensors  # msg.nbytes, inlined: every delivery is recorded
         nbytes = len(msg.payload) + (sum(t.numel() for t in tensors) if tensors else 0)
-        self._events.append(
-            (time, worker, event, (_KIND_NAMES.get(kind, kind), msg.id, msg.src, msg.dst, nbytes, n, note))
-        )
+        code = self._message_events[event]
+        noted = self._strings[note] if note else _EMPTY
+        try:
+            self._buffer += _RECORD.pack(
+                time,
+                worker,
+                code,
+                msg.kind,
+                msg.id,
+                msg.src,
+                msg.dst,
+                nbytes,
+                -1 if n is None else n,
+                noted,
+            )
+        except struct.error:
+            self._record_message(time, worker, event, msg, nbytes, n, note)
 
     def _copy_number(self, msg: Message) -> int | None:
         key = (msg.src, msg.dst, msg.kind, msg.id)
@@ -223,14 +367,44 @@ class Trace:
 
     # -- reading -----------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._events)
+        return len(self._buffer) // _RECORD.size
+
+    def count(self, event: str) -> int:
+        """How many ``event`` events the trace holds (e.g. ``count("send")``, the messages sent),
+        counted from the events' codes without reading the events back."""
+        codes = [code for code, (name, _) in enumerate(self._event_table) if name == event]
+        if not codes:
+            return 0
+        column = memoryview(bytes(self._buffer)).cast("q")[2::_FIELDS].tolist()
+        return sum(column.count(code) for code in codes)
+
+    def _rows(self) -> Iterator[tuple[float, int, Any, Any]]:
+        """Every event as recorded, a tuple ``(time, worker, event, detail)`` (see the module
+        docstring), unpacked as it is read (from a copy of the records: recording may go on)."""
+        table, values, objects = self._event_table, self._strings.table, self._objects
+        for time, worker, code, a, b, c, d, e, f, g in _RECORD.iter_unpack(bytes(self._buffer)):
+            event, form = table[code]
+            if form == _MESSAGE:
+                yield (
+                    time,
+                    worker,
+                    event,
+                    (_KIND_BY_VALUE.get(a, a), b, c, d, e, None if f < 0 else f, values[g]),
+                )
+            elif form == _SWITCH:
+                yield time, worker, event, (a, values[b])
+            elif form == _NAMED:
+                yield time, worker, event, (values[a], b, c, d, e, None if f < 0 else f, values[g])
+            else:
+                yield time, worker, event, objects[a]
 
     def __iter__(self) -> Iterator[TraceEvent]:
         """Every event with its message and vector clock (see :meth:`events`)."""
-        n = max(self.world_size, len(self.workers), 1 + max((w for _, w, _, _ in self._events), default=-1))
+        rows = list(self._rows())
+        n = max(self.world_size, len(self.workers), 1 + max((w for _, w, _, _ in rows), default=-1))
         clocks = [[0] * n for _ in range(n)]
         carried: dict[int, list[int]] = {}  # message number -> the sender's clock at its send
-        for index, (t, w, e, d) in enumerate(self._events):
+        for index, (t, w, e, d) in enumerate(rows):
             clock: tuple[int, ...] | None = None
             info = _message(d)
             if 0 <= w < n:
@@ -265,7 +439,7 @@ class Trace:
     def digest(self) -> str:
         """A SHA-256 over every event: equal digests mean identical runs."""
         h = hashlib.sha256()
-        for t, w, e, d in self._events:
+        for t, w, e, d in self._rows():
             h.update(f"{t:.9f}|{w}|{e}|{_render(d)}\n".encode())
         return h.hexdigest()
 
@@ -386,7 +560,8 @@ def _new(header: dict[str, Any]) -> Trace:
 
 def _build(header: dict[str, Any], events: list[_Raw]) -> Trace:
     trace = _new(header)
-    trace._events = events
+    for t, w, e, d in events:
+        trace.record(t, w, e, d)
     trace._sent = 1 + max((d[5] for _, _, e, d in events if e == "send" and d[5] is not None), default=-1)
     return trace
 
@@ -440,6 +615,7 @@ def _merge(parts: list[tuple[dict[str, Any], list[_Raw]]], where: Path) -> Trace
                 q = sent.get(key)
                 d = (*d[:5], q.popleft() if q else None, d[6])
         merged.append((t, w, e, d))
-    trace._events = merged
+    for t, w, e, d in merged:
+        trace.record(t, w, e, d)
     trace._sent = number
     return trace
