@@ -4,6 +4,7 @@ autograd events, crashes; and the trace file (save/load) round trip."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import _trace_scenarios as scenarios
@@ -138,6 +139,48 @@ def test_drops_and_duplicates_keep_the_message_number() -> None:
         ("send-failed", None),
     ]
     assert list(trace)[-1].detail == "CALL#9 0->1 (0 B): peer dead"
+
+
+def test_recorded_details_read_back_as_given_whatever_they_are() -> None:
+    details = [
+        "text",
+        (3, "main[0]"),  # a task switch: packed
+        ("CALL", 1, 0, 1, 5, None, ": note"),  # a loaded message event without a number: packed
+        ("CALL", 1, 0, 1, 5, 7, ""),
+        (3, "main[0]", "x"),  # the tuples below do not fit a packed form: kept as they are
+        (True, "main[0]"),
+        (1 << 70, "main[0]"),
+        (Kind.CALL, 1, 0, 1, 5, 7, ""),
+        ("CALL", 1 << 70, 0, 1, 5, 7, ""),
+        ("CALL", 1, 0, 1, 5, -1, ""),
+        None,
+    ]
+    trace = Trace(world_size=2)
+    for i, detail in enumerate(details):
+        trace.record(0.1 * i, i % 2, "switch" if i % 3 else "fault", detail)
+    msg = Message(Kind.CALL, 9, 0, 1, b"abc")
+    trace.sent(2.5, 0, msg, 3)
+    trace.message(2.75, 1, "deliver", msg, ": late")
+    rows = list(trace._rows())
+    expected = [(0.1 * i, i % 2, "switch" if i % 3 else "fault", d) for i, d in enumerate(details)]
+    expected += [
+        (2.5, 0, "send", ("CALL", 9, 0, 1, 3, 0, "")),
+        (2.75, 1, "deliver", ("CALL", 9, 0, 1, 3, 0, ": late")),
+    ]
+    assert rows == expected
+    assert [repr(row) for row in rows] == [
+        repr(row) for row in expected
+    ]  # the same types too (True, Kind.CALL)
+    assert len(trace) == len(expected)
+    assert (trace.count("switch"), trace.count("fault"), trace.count("send"), trace.count("drop")) == (
+        7,
+        4,
+        1,
+        0,
+    )
+    with pytest.raises(struct.error):
+        trace.record("later", 0, "exit", "ok")  # type: ignore[arg-type]
+    assert len(trace) == len(expected)  # nothing recorded
 
 
 def test_save_then_load_gives_the_same_events_digest_and_bytes(rich: Trace, tmp_path: Path) -> None:
