@@ -56,6 +56,7 @@ _SWITCH = 3  # (task id, task name): the name interned
 _RECORD = struct.Struct("=d9q")  # a message's record, and how any record is read
 _SWITCH_RECORD = struct.Struct("=d4q40x")
 _OBJECT_RECORD = struct.Struct("=d3q48x")
+_pack, _pack_switch = _RECORD.pack, _SWITCH_RECORD.pack  # bound once: they run per message and per switch
 _FIELDS = 10  # the 8-byte fields of a record; the code is field 2
 _EMPTY = 0  # the number of "" in every trace's _Strings
 _SEND = 0  # the code of "send" (a _MESSAGE event) in every trace
@@ -249,9 +250,10 @@ class Trace:
             if size == 2:  # a task switch, each time the scheduler runs another task
                 task, name = detail
                 if type(task) is int and type(name) is str:
-                    code = self._switch_events[event]
                     try:
-                        self._buffer += _SWITCH_RECORD.pack(time, worker, code, task, self._strings[name])
+                        self._buffer += _pack_switch(
+                            time, worker, self._switch_events[event], task, self._strings[name]
+                        )
                         return
                     except struct.error:  # an id past 64 bits (or a bad time or worker: raised below)
                         pass
@@ -297,7 +299,7 @@ class Trace:
             self._sent = n + 1
             self._numbers[id(msg)] = n
             try:
-                self._buffer += _RECORD.pack(
+                self._buffer += _pack(
                     time, worker, _SEND, msg.kind, msg.id, msg.src, msg.dst, nbytes, n, _EMPTY
                 )
             except struct.error:
@@ -321,20 +323,18 @@ class Trace:
                 self._copies.setdefault((msg.src, msg.dst, msg.kind, msg.id), []).append(n)
         tensors = msg.tensors  # msg.nbytes, inlined: every delivery is recorded
         nbytes = len(msg.payload) + (sum(t.numel() for t in tensors) if tensors else 0)
-        code = self._message_events[event]
-        noted = self._strings[note] if note else _EMPTY
         try:
-            self._buffer += _RECORD.pack(
+            self._buffer += _pack(
                 time,
                 worker,
-                code,
+                self._message_events[event],
                 msg.kind,
                 msg.id,
                 msg.src,
                 msg.dst,
                 nbytes,
                 -1 if n is None else n,
-                noted,
+                self._strings[note] if note else _EMPTY,
             )
         except struct.error:
             self._record_message(time, worker, event, msg, nbytes, n, note)
