@@ -138,6 +138,14 @@ def python(
     return _WARM.run(args, env=env, cwd=cwd, timeout=timeout)
 
 
+def close() -> None:
+    """Stop this process's warm interpreter, if it started one (a later command starts another)."""
+    global _WARM
+    if _WARM is not None:
+        _WARM.close()
+        _WARM = None
+
+
 # -- the warm interpreter (this file run as a script) --------------------------------------------------
 def _serve() -> None:
     """Read one JSON request a line from stdin; fork a child per request; write its pid, then its exit

@@ -12,17 +12,25 @@ import re
 import runpy
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _warm_python import python
+from _warm_python import close, python
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 EXAMPLES = DOCS / "examples"
 
 pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _warm_interpreter_closed_after_this_module() -> Iterator[None]:
+    """The warm interpreter (tests/_warm_python.py) holds torch's memory: not for the other modules."""
+    yield
+    close()
 
 
 def _process(
