@@ -219,6 +219,22 @@ class Scheduler:
         _heappush(self._heap, (self.now, self._random(), seq, self._start, (task, context, fn, args)))
         return task
 
+    def start_now(
+        self,
+        worker: int,
+        context: contextvars.Context,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+    ) -> None:
+        """Start ``fn(*args)`` as a new task of ``worker`` at once, from the hub (an event handler):
+        what :meth:`spawn` does without a second event, for a task whose start is decided by the
+        event being handled (a message's delivery)."""
+        task_id = self._task_ids = self._task_ids + 1
+        task = Task(task_id, worker, name)
+        self.tasks[task_id] = task
+        self._start((task, context, fn, args))
+
     def _start(self, item: tuple[Task, contextvars.Context, Callable[..., Any], tuple[Any, ...]]) -> None:
         task, context, fn, args = item
         if self.paused and task.worker in self.paused:
@@ -251,12 +267,7 @@ class Scheduler:
             except greenlet.GreenletExit:
                 raise
             except BaseException as exc:  # a task must not fail silently: stop the simulation with it
-                if self.failure is None:
-                    self.failure = SimulationError(
-                        f"simulated task {task.name!r} on worker {task.worker} failed at t={self.now:.6f}: "
-                        f"{exc!r}"
-                    )
-                    self.failure.__cause__ = exc
+                self.fail(f"simulated task {task.name!r} on worker {task.worker}", exc)
             task.done = True
             task.g = None
             tasks.pop(task.id, None)
@@ -264,6 +275,12 @@ class Scheduler:
             task = fn = args = None  # type: ignore[assignment]  # drop references while idle
             idle.append(g)
             task, fn, args = hub.switch()
+
+    def fail(self, what: str, exc: BaseException) -> None:
+        """``what`` raised ``exc``: the run stops with it (the first failure wins)."""
+        if self.failure is None:
+            self.failure = SimulationError(f"{what} failed at t={self.now:.6f}: {exc!r}")
+            self.failure.__cause__ = exc
 
     def _metered(self, worker: int, switch: Callable[..., Any], *args: Any) -> None:
         """Run a task until it blocks, counting what it computes, then book that on its worker."""

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from . import _serialize
+from ._call_deadlines import CallDeadlines
 from ._control_channel import ControlChannel
 from ._departure import Departure, departure_error
 from ._dist_autograd import AUTOGRAD_KINDS, CURRENT_CONTEXT, AutogradEnvelope, DistAutogradContainer
@@ -39,7 +40,7 @@ from ._rref import GloballyUniqueId, OwnerState, RRef, UserState, wrap_rref
 from ._rref_context import ForkRecorder, RRefContext
 from ._shutdown import ShutdownProtocol
 from ._worker_info import Roster, WorkerInfo
-from ._world import Timer, World
+from ._world import World
 
 _log = logging.getLogger("twinrpc")
 
@@ -49,13 +50,12 @@ _POOL_KINDS = frozenset({Kind.CALL, Kind.REMOTE_CALL})
 
 
 class _Pending:
-    __slots__ = ("dst", "fut", "kind", "timer")
+    __slots__ = ("dst", "fut", "kind")
 
     def __init__(self, fut: Future[Any], dst: int, kind: Kind) -> None:
         self.fut = fut
         self.dst = dst
         self.kind = kind
-        self.timer: Timer | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +97,8 @@ class RpcAgent:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._pending: dict[int, _Pending] = {}
+        #: when pending calls time out (twinrpc._call_deadlines)
+        self._deadlines = CallDeadlines(world, self._lock, self._pending, self._on_timeout)
         #: request id -> (its destination, the RRef forks it carried to their owner there), accepted
         #: when its reply arrives; kept past a timeout, as a late reply accepts them too
         #: (RRefContext.accepted_by_reply)
@@ -228,8 +230,9 @@ class RpcAgent:
                 self._sent_requests += 1
             if by_reply:
                 self._accepted_by_reply[msg_id] = (dst, by_reply)
-        if timeout > 0:
-            pending.timer = self.world.call_later(timeout, lambda: self._on_timeout(msg_id, timeout))
+            arm = self._deadlines.add(msg_id, timeout) if timeout > 0 else None
+        if arm is not None:
+            self._deadlines.arm(timeout, arm)
         self.world.send(Message(kind, msg_id, self.info.id, dst, payload, tensors, deferrable))
         return fut
 
@@ -292,10 +295,7 @@ class RpcAgent:
 
     def _finish_call(self, msg_id: int) -> _Pending | None:
         with self._lock:
-            pending = self._pending.pop(msg_id, None)
-        if pending is not None and pending.timer is not None:
-            pending.timer.cancel()
-        return pending
+            return self._pending.pop(msg_id, None)
 
     def _call_ended(self) -> None:
         with self._lock:
@@ -367,8 +367,6 @@ class RpcAgent:
             accepted = [fork for mid in gone for fork in self._accepted_by_reply.pop(mid)[1]]
         self.rrefs.implied_accepts(accepted)
         for _, p in dead:
-            if p.timer is not None:
-                p.timer.cancel()
             p.fut.set_exception(exc)
             self._call_ended()
         self.shutdown_protocol.peer_failed(peer, exc, departure.orderly)
@@ -395,9 +393,6 @@ class RpcAgent:
             pending = self._pending.pop(msg.id, None)
         if pending is None:
             return  # a late reply to a call that timed out: dropped (ERR-4)
-        timer = pending.timer
-        if timer is not None:
-            timer.cancel()
         try:
             value, load = _serialize.loads(msg.payload, msg.tensors, msg.src, self.rrefs.rebuild)
         except BaseException as exc:
@@ -672,11 +667,10 @@ class RpcAgent:
         self.running = False
         self.control.close()
         leak_error = self.rrefs.close(graceful, ignore_rref_leak)  # RRef leak check (SHUT-4)
-        with self._lock:
-            pending, self._pending = self._pending, {}
+        with self._lock:  # emptied in place: the call deadlines read this table
+            pending = dict(self._pending)
+            self._pending.clear()
         for p in pending.values():
-            if p.timer is not None:
-                p.timer.cancel()
             p.fut.set_exception(
                 ShutdownError(
                     f"RPC agent of {self.info} shut down while a {p.kind.name} to {self.worker_by_id(p.dst)} was pending"

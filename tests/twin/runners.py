@@ -39,7 +39,7 @@ SIM_MAX_TIME = 600.0
 #: 20 ms (the default jitter is 20 us)
 LOADED_HOST_JITTER = 0.02
 #: seeds run under the loaded-host model when the default model did not produce the gloo outcome
-LOADED_HOST_SEEDS = tuple(range(16))
+LOADED_HOST_SEEDS = tuple(range(32))
 #: the gloo world programs without departures run in (their operations name only ranks below
 #: ``Program.world_size``; the others idle, so the simulator runs just ``Program.world_size``
 #: workers). One size means one pooled gloo world: the harness keeps at most 8 pooled processes, so

@@ -1,14 +1,15 @@
 """Regression test exported by twinrpc.simulator (explore, then shrink).
 
-Found by run 17, shrunk in 43 more runs to seed 0 and 1 fault:
-FaultPlan(faults=[delay the 1st gradient by 0.0001s], gc_delay=0)
+Found by run 17, shrunk in 25 more runs to seed 0 and 1 fault:
+FaultPlan(faults=[delay the 1st message by 0.0001s])
 
-It failed with builtins.RuntimeError: one of the variables needed for gradient computation has been modified by an inplace operation: [torch.FloatTensor [8, 4]], which is output 0 of AsStrided, is at version 6; expected version 5 instead.
+It failed with builtins.RuntimeError: one of the variables needed for gradient computation has been modified by an inplace operation: [torch.FloatTensor [8, 4]], which is output 0 of AsStrided, is at version 2; expected version 1 instead.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,13 @@ from pathlib import Path
 PROGRAM = Path(__file__).parent / "../ps_race.py"
 PROGRAM_ARGS = ["--fixed"]  # edited: ps_race.py keeps both versions, --fixed turns the fix on
 RUN_ARGS = ["--nproc-per-node", "3", "--seed", "0"]
-FAULTS = {"gc_delay": 0.0, "faults": [{"type": "delay", "extra": 0.0001, "kind": "gradient"}]}
+FAULTS = {"faults": [{"type": "delay", "extra": 0.0001}]}
 NETWORK = None
+COMPUTE = None
 PATTERN = "one\\ of\\ the\\ variables\\ needed\\ for\\ gradient\\ computation\\ has\\ been\\ modified\\ by\\ an\\ inplace\\ operation:\\ \\[torch\\.FloatTensor\\ \\[\\d[\\d.eE+-]*,\\ \\d[\\d.eE+-]*\\]\\],\\ which\\ is\\ output\\ \\d[\\d.eE+-]*\\ of\\ AsStrided,\\ is\\ at\\ version\\ \\d[\\d.eE+-]*;\\ expected\\ version\\ \\d[\\d.eE+-]*\\ instead\\.\\ Hint:\\ enable\\ anomaly\\ detection\\ to\\ find\\ the\\ operation\\ that\\ failed\\ to\\ compute\\ its\\ gradient,\\ with\\ torc"
+#: the environment variables the program read, as the failing run had them (set, or unset)
+ENVIRONMENT = {}
+UNSET = []
 
 
 def test_ps_race_regression(tmp_path: Path) -> None:
@@ -29,6 +34,11 @@ def test_ps_race_regression(tmp_path: Path) -> None:
     if NETWORK is not None:
         (tmp_path / "network.json").write_text(json.dumps(NETWORK), encoding="utf-8")
         extra = ["--network", str(tmp_path / "network.json")]
+    if COMPUTE is not None:
+        (tmp_path / "compute.json").write_text(json.dumps(COMPUTE), encoding="utf-8")
+        extra += ["--compute", str(tmp_path / "compute.json")]
+    env = {k: v for k, v in os.environ.items() if k not in UNSET}
+    env.update(ENVIRONMENT)
     run = subprocess.run(
         [
             sys.executable,
@@ -43,6 +53,7 @@ def test_ps_race_regression(tmp_path: Path) -> None:
             *PROGRAM_ARGS,
         ],
         cwd=PROGRAM.parent,
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
