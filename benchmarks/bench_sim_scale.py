@@ -137,7 +137,7 @@ def run_job(
         wall,
         result.virtual_time,
         messages,
-        sim.sched._seq,
+        sim.sched.events_scheduled,
         result.digest if trace else "",
     )
 

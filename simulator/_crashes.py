@@ -12,6 +12,7 @@ after heartbeat silence.
 from __future__ import annotations
 
 import functools
+from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -19,9 +20,10 @@ import greenlet
 
 from twinrpc._departure import Departure
 
+from ._network._model import NetworkModel
+
 if TYPE_CHECKING:
     from ._kernel._scheduler import Scheduler
-    from ._network._model import NetworkModel
     from ._traces._trace import Trace
     from ._world import SimWorker, SimWorld
 
@@ -155,12 +157,27 @@ class Crashes:
             and other.rank not in crashed
         ]
 
-        def delay(target: SimWorld) -> float:
-            return max(delay_of(rank, target.rank, 0, rng), last_arrival.get(target.rank, 0.0) - now)
+        announce = lambda target: self._departed((target, rank, departure))  # noqa: E731
+        network = self.network
+        if type(network).delay is not NetworkModel.delay:  # a model of the user's: its own delays
 
-        sched.schedule_spread(
-            lambda target: self._departed((target, rank, departure)), targets, delay, self._moot
-        )
+            def delay(target: SimWorld) -> float:
+                return max(delay_of(rank, target.rank, 0, rng), last_arrival.get(target.rank, 0.0) - now)
+
+            sched.schedule_spread(announce, targets, delay, self._moot)
+            return
+        # NetworkModel.delay of a 0-byte message to another worker, inlined, with the draws of
+        # schedule_spread in its order (the delay's, then the tie-break's, per target): the same
+        # events, without two Python calls per pair of workers (a world's shutdown is N^2 of them).
+        latency, jitter, bandwidth = network.latency, network.jitter, network.bandwidth
+        draw, arrival = rng.random, last_arrival.get
+        times, ties = array("d"), array("d")
+        for target in targets:
+            d = latency + draw() * jitter + 0 / bandwidth
+            behind = arrival(target.rank, 0.0) - now
+            times.append(now + (d if d >= behind else behind))
+            ties.append(draw())
+        sched.schedule_spread_at(announce, targets, times, ties, self._moot)
 
     def _moot(self, observer: SimWorld) -> bool:
         """An announcement to ``observer`` that can no longer do anything: it stopped, crashed or

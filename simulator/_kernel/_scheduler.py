@@ -132,6 +132,12 @@ class Scheduler:
         #: counts what tasks compute and books it on their worker (Simulation(compute=...)); None: free
         self.meter: ComputeMeter | None = None
 
+    @property
+    def events_scheduled(self) -> int:
+        """How many events were scheduled so far (messages, task starts and wake-ups, timers, and
+        each announcement of a departure, run or dropped)."""
+        return self._seq
+
     # -- events -----------------------------------------------------------------------------------
     def schedule(self, delay: float, fn: Callable[[Any], None], arg: Any = None) -> None:
         seq = self._seq = self._seq + 1
@@ -160,9 +166,23 @@ class Scheduler:
         for arg in args:
             times.append(now + delay_of(arg))
             ties.append(random())
+        self.schedule_spread_at(fn, args, times, ties, dead)
+
+    def schedule_spread_at(
+        self,
+        fn: Callable[[Any], None],
+        args: Sequence[Any],
+        times: array[float],
+        ties: array[float],
+        dead: Callable[[Any], bool],
+    ) -> None:
+        """:meth:`schedule_spread` with each event's time and tie-break already drawn (``times[i]``,
+        ``ties[i]``, as it draws them): for a caller that draws them faster than one call per arg."""
+        if not args:
+            return
         first = self._seq + 1
         self._seq += len(args)
-        head = min(range(len(args)), key=lambda i: (times[i], ties[i], i))
+        head = min(zip(times, ties, range(len(args)), strict=True))[2]  # keys built in C, N per stop
         spread = _Spread(fn, args, dead, times, ties, first, head)
         _heappush(self._heap, (times[head], ties[head], first + head, self._spread_step, spread))
 
@@ -179,7 +199,7 @@ class Scheduler:
                     self._skip(times[i])
                 else:
                     live.append(i)
-            live.sort(key=lambda i: (times[i], ties[i], i), reverse=True)
+            live = [i for _, _, i in sorted(((times[i], ties[i], i) for i in live), reverse=True)]
             spread.live = live
         while live:
             i = live.pop()
