@@ -9,9 +9,9 @@ files. The child runs what an interpreter runs at exit (non-daemon threads joine
 then leaves with the program's exit status, skipping only the module teardown. Processes the
 program starts (``mp.spawn``, torchrun's workers) are fresh interpreters, as before.
 
-Only for programs whose work happens in the processes they start: what differs from a new
-interpreter is the process's history (torch's random seed, the cyclic collector's counts), and a
-program run on the simulator frees RRefs when the collector runs, so its schedule depends on it.
+Only for programs whose work happens in the processes they start: a forked child keeps the warm
+interpreter's history (torch's state, the cyclic collector's counts), so a program that computes in
+this process, as one run on the simulator does, could see other results than in a new interpreter.
 
 ``TWINRPC_DOCS_COLD=1`` runs every command in a new interpreter instead (to rule this out).
 """
