@@ -232,9 +232,7 @@ class Scheduler:
         args: tuple[Any, ...],
     ) -> Task:
         """Start ``fn(*args)`` as a new task of ``worker``, running in a copy of ``context``."""
-        task_id = self._task_ids = self._task_ids + 1
-        task = Task(task_id, worker, name)
-        self.tasks[task_id] = task
+        task = self._new_task(worker, name)
         seq = self._seq = self._seq + 1  # schedule(0.0, ...), inlined: a task starts per message
         _heappush(self._heap, (self.now, self._random(), seq, self._start, (task, context, fn, args)))
         return task
@@ -250,10 +248,12 @@ class Scheduler:
         """Start ``fn(*args)`` as a new task of ``worker`` at once, from the hub (an event handler):
         what :meth:`spawn` does without a second event, for a task whose start is decided by the
         event being handled (a message's delivery)."""
+        self._start((self._new_task(worker, name), context, fn, args))
+
+    def _new_task(self, worker: int, name: str) -> Task:
         task_id = self._task_ids = self._task_ids + 1
-        task = Task(task_id, worker, name)
-        self.tasks[task_id] = task
-        self._start((task, context, fn, args))
+        task = self.tasks[task_id] = Task(task_id, worker, name)
+        return task
 
     def _start(self, item: tuple[Task, contextvars.Context, Callable[..., Any], tuple[Any, ...]]) -> None:
         task, context, fn, args = item
