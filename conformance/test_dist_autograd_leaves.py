@@ -8,6 +8,7 @@ makes a simulated group and ignores it, SIM-5).
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -115,6 +116,7 @@ def _ddp_under_dist_autograd(ctx: Any, init_file: str, batches: list[int]) -> di
     rank, rpc, dist_autograd = ctx.rank, ctx.rpc, ctx.dist_autograd
     other = ctx.name(1 - rank)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    ddp = ddp_ref = None
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
@@ -146,6 +148,10 @@ def _ddp_under_dist_autograd(ctx: Any, init_file: str, batches: list[int]) -> di
                 (alone(x) * 3.0).pow(2).sum().backward()
                 own_grads.append([p.grad.flatten().tolist() for p in alone.parameters()])  # type: ignore[union-attr]
     finally:
+        # The DDP modules (their reducers hold the process group) go first, while the group is
+        # there: torn down after it, with the frame's locals, one rank once hung in that teardown.
+        ddp = ddp_ref = None
+        gc.collect()
         dist.destroy_process_group()
     return {"dist": dist_grads, "local": local_grads, "own": own_grads, "untouched": dot_grads_untouched}
 
