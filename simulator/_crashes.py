@@ -157,7 +157,9 @@ class Crashes:
             and other.rank not in crashed
         ]
 
-        announce = lambda target: self._departed((target, rank, departure))  # noqa: E731
+        def announce(target: SimWorld) -> None:
+            self._departed((target, rank, departure))
+
         network = self.network
         if type(network).delay is not NetworkModel.delay:  # a model of the user's: its own delays
 
@@ -169,11 +171,12 @@ class Crashes:
         # NetworkModel.delay of a 0-byte message to another worker, inlined, with the draws of
         # schedule_spread in its order (the delay's, then the tie-break's, per target): the same
         # events, without two Python calls per pair of workers (a world's shutdown is N^2 of them).
-        latency, jitter, bandwidth = network.latency, network.jitter, network.bandwidth
+        # (Its size term, 0 bytes / bandwidth, adds 0.0: left out.)
+        latency, jitter = network.latency, network.jitter
         draw, arrival = rng.random, last_arrival.get
         times, ties = array("d"), array("d")
         for target in targets:
-            d = latency + draw() * jitter + 0 / bandwidth
+            d = latency + draw() * jitter
             behind = arrival(target.rank, 0.0) - now
             times.append(now + (d if d >= behind else behind))
             ties.append(draw())
