@@ -121,3 +121,16 @@ def test_ended_calls_are_dropped_so_memory_follows_the_calls_pending() -> None:
     assert held <= 2048, held
     agent.world.advance_to(1000.0)
     assert [e[0] for e in agent.expired] == [-1]
+
+
+def test_a_timeout_whose_calls_are_all_due_keeps_nothing_behind() -> None:
+    agent = _Agent()
+    for i in range(500):  # a deadline budget computed per call: every timeout differs
+        agent.call(i, 1.0 + i * 1e-3)
+        agent.end(i)
+    agent.world.advance_to(10.0)
+    with agent.lock:
+        assert agent.deadlines.timeouts() == 0 and agent.deadlines.held() == 0
+    agent.call(500, 1.0)  # a timeout seen before queues and fires again
+    agent.world.advance_to(20.0)
+    assert [e[0] for e in agent.expired] == [500]

@@ -61,6 +61,10 @@ class CallDeadlines:
         memory grows with (``lock`` held)."""
         return sum(len(queue) for queue in self._queues.values())
 
+    def timeouts(self) -> int:
+        """How many distinct timeouts have calls queued (``lock`` held)."""
+        return len(self._queues)
+
     def arm(self, timeout: float, deadline: float) -> None:
         """Start the timer of ``timeout``'s queue for its head, due at ``deadline``."""
         self._world.call_later(deadline - self._world.now(), lambda: self._fire(timeout, deadline))
@@ -79,6 +83,8 @@ class CallDeadlines:
                     expired.append(call_id)
             if queue:
                 nxt = queue[0][0]
+            else:  # gone until a call with this timeout comes again (timeouts may differ per call)
+                del self._queues[timeout], self._compact_at[timeout]
         for call_id in expired:
             self._expire(call_id, timeout)
         if nxt is not None:
