@@ -43,6 +43,14 @@ def test_small_view_of_a_big_storage_is_compacted_before_sending() -> None:
     assert storages[0].numel() == 400
 
 
+def test_a_storage_is_sent_as_the_tensors_own_bytes_without_a_copy() -> None:
+    t = torch.arange(6.0).reshape(2, 3).t()
+    _, storages = dumps(t)
+    (sent,) = storages
+    assert sent.dtype == torch.uint8 and sent.numel() == t.untyped_storage().nbytes()
+    assert sent.data_ptr() == t.untyped_storage().data_ptr()
+
+
 def test_requires_grad_survives_and_the_copy_is_a_leaf() -> None:
     x = torch.ones(3, requires_grad=True)
     out = roundtrip(x * 2)

@@ -79,6 +79,22 @@ _FUTURE_TYPES = (torch.futures.Future, Future)
 #: below costs about half a microsecond (torch's metaclasses)
 _BY_REFERENCE = frozenset({types.FunctionType, types.BuiltinFunctionType, type})
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
+#: exact types the pickler hook passes on at once (reducer_override): what every call carries besides
+#: tensors, so the isinstance checks below it are skipped
+_PLAIN = _BY_REFERENCE | {tuple, list, dict, torch.dtype, torch.Size}
+_STRIDED = torch.strided
+#: ``_BYTES.new(storage)``: a uint8 tensor over a whole untyped storage, a third of the cost of
+#: ``torch.empty(0, dtype=torch.uint8).set_(storage)`` (one of these per storage sent)
+_BYTES = torch.empty(0, dtype=torch.uint8)
+_EMPTY: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _empty_of(dtype: torch.dtype) -> torch.Tensor:
+    """A new empty tensor of ``dtype`` (``Tensor.new()`` on a cached one: cheaper than torch.empty)."""
+    proto = _EMPTY.get(dtype)
+    if proto is None:
+        proto = _EMPTY[dtype] = torch.empty(0, dtype=dtype)
+    return proto.new()
 
 
 class _LoadSlot(threading.local):
@@ -102,7 +118,7 @@ def _rebuild_tensor(
     if state is None:
         raise SerializationError("a twinrpc tensor record was unpickled outside an RPC message")
     storage = state.storages[index].untyped_storage()
-    t = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+    t = _empty_of(dtype).set_(storage, offset, size, stride)
     if requires_grad:
         if state.autograd is not None:  # distributed autograd hook (DAG-4)
             return state.autograd(t)
@@ -164,7 +180,10 @@ class _RpcPickler(pickle.Pickler):
     _grad_tensors: list[torch.Tensor] | None = None
 
     def reducer_override(self, obj: Any) -> Any:
-        if type(obj) in _BY_REFERENCE:  # the function of every call: none of the types below
+        tp = type(obj)
+        if tp is torch.Tensor:  # first: most of what an RPC carries, and no isinstance needed
+            return self._reduce_tensor(obj)
+        if tp in _PLAIN:  # functions, containers, dtypes: none of the types below
             return NotImplemented
         if isinstance(obj, torch.Tensor):
             return self._reduce_tensor(obj)
@@ -182,20 +201,21 @@ class _RpcPickler(pickle.Pickler):
     def _reduce_tensor(self, t: torch.Tensor) -> Any:
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             return NotImplemented  # subclasses: torch's own reduce, whose parts come back here
-        if t.layout != torch.strided:
+        if t.layout is not _STRIDED:
             return self._reduce_sparse(t)
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise _not_cpu(t)
         if self.storages is None:
             self.storages, self._storage_index, self._keepalive = [], {}, []
         requires_grad = t.requires_grad
         if requires_grad and self._grad_tensors is not None:
             self._grad_tensors.append(t)
-        t = t.detach()
+        # The tensor itself, not a detached alias: reading its storage and geometry records nothing
+        # in autograd; only the clone below would, so it clones a detached alias.
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes >= _COMPACT_MIN_STORAGE_BYTES and nbytes >= 2 * t.numel() * t.element_size():
-            t = t.clone()
+            t = t.detach().clone()
             self._keepalive.append(t)
             storage = t.untyped_storage()
             nbytes = storage.nbytes()
@@ -203,7 +223,7 @@ class _RpcPickler(pickle.Pickler):
         index = self._storage_index.get(key) if nbytes else None
         if index is None:
             index = len(self.storages)
-            self.storages.append(torch.empty(0, dtype=torch.uint8).set_(storage))
+            self.storages.append(_BYTES.new(storage))  # a uint8 tensor over the whole storage
             if nbytes:
                 self._storage_index[key] = index
         return (
