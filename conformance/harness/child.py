@@ -1,7 +1,8 @@
 """Worker-process side of a :class:`~conformance.harness.ProcessBackend` (never runs in pytest).
 
-A child is a ``spawn``-started interpreter. It imports its context's ``rpc`` module at once (warm), then
-waits for its first message:
+A child is forked by a forkserver that preloaded torch and its context's modules (or a ``spawn``-started
+interpreter, see :mod:`conformance.harness.processes`). It imports its context's ``rpc`` module at once
+(warm), then waits for its first message:
 
 * ``("serve", header, b"")``: become rank ``header["rank"]`` of a pool world: ``init_rpc`` once (with
   :meth:`ProcessContext.pool_options`), then loop on ``("call", header, payload)`` messages, running
@@ -112,10 +113,22 @@ def _exit(code: int = 0) -> NoReturn:
 
 
 def _watch_parent(parent_pid: int) -> None:
-    """Exit when the pytest process is gone, even while the main thread is stuck in a program."""
+    """Exit when the pytest process is gone, even while the main thread is stuck in a program.
+
+    A spawned child is the pytest process's own child (its parent changes when that process dies); a
+    forked one is the forkserver's, which outlives pytest while children hold it open, so the pytest
+    process's pid is checked as well.
+    """
+    first_parent = os.getppid()
     while True:
         time.sleep(0.5)
-        if os.getppid() != parent_pid:
+        if os.getppid() != first_parent:
+            os._exit(70)
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            os._exit(70)
+        except PermissionError:  # a pid taken over by another user's process: the parent is gone
             os._exit(70)
 
 
@@ -200,7 +213,12 @@ def _serve(conn: Connection, header: dict[str, Any]) -> NoReturn:
 
 
 def main(
-    conn: Connection, parent_pid: int, stack_path: str, context: type[ProcessContext], backend: str
+    conn: Connection,
+    parent_pid: int,
+    stack_path: str,
+    context: type[ProcessContext],
+    backend: str,
+    environ: dict[str, str] | None = None,
 ) -> None:
     """Entry point of every worker process of a process backend (see the module docstring).
 
@@ -211,8 +229,13 @@ def main(
             world is killed).
         context: The :class:`ProcessContext` subclass programs receive as ``ctx``.
         backend: The backend's name (``ctx.backend``).
+        environ: The pytest process's environment when it started this child: a forked child has
+            the forkserver's (as of that server's start) until it takes this one.
     """
     global _CONTEXT, _BACKEND
+    if environ is not None and environ != os.environ:
+        os.environ.clear()
+        os.environ.update(environ)
     _CONTEXT, _BACKEND = context, backend
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
     # The parent sends SIGUSR1 before killing a hung world, so the failure shows where it hung.

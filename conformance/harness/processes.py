@@ -13,6 +13,12 @@ Cost model. Starting an interpreter that imports torch costs ~1-2 s, far too muc
 * ``spawn`` needs fresh processes, but they are taken from a few SPARES: children that already
   imported torch and wait for their first message. Spares are refilled after each spawn, so their
   start-up overlaps with the next test instead of delaying this one.
+* Children are forked by a FORKSERVER that imported torch and the implementation's modules once
+  (``multiprocessing``'s ``forkserver`` start method, preloaded), so a child starts without importing
+  anything (a new interpreter importing torch took 3.4-4 s of CPU on a loaded 2-core machine, and
+  every pool and every ``spawn`` needs new children). A child is still a new process that never ran
+  pytest or any program, and it takes the pytest process's current environment. ``TWINRPC_HARNESS_START=spawn`` starts
+  every child as a new interpreter instead (to rule the forkserver out).
 
 Every wait is bounded: past the deadline the hung ranks dump their stacks (SIGUSR1 + faulthandler),
 the world's processes are SIGKILLed, the test fails with the stacks in its message, and the next test
@@ -52,6 +58,24 @@ MAX_POOLED_PROCESSES = 10
 SHUTDOWN_BOUND = 15.0
 #: After a rank died, how long the surviving ranks get to notice and finish before they are killed.
 DEATH_GRACE = 10.0
+#: How children start (module docstring): "forkserver" (default) or "spawn".
+START_METHOD_ENV = "TWINRPC_HARNESS_START"
+
+
+def _start_context(context: type[ProcessContext]) -> Any:
+    """The multiprocessing context children start from: a forkserver that preloaded what they import.
+
+    The forkserver is one per pytest process; its preload list is fixed when it starts (the first
+    child of the first process backend): a backend used later in the same process still works, its
+    children import their own modules.
+    """
+    method = os.environ.get(START_METHOD_ENV, "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{START_METHOD_ENV}={method!r}: use forkserver or spawn")
+    mp = multiprocessing.get_context(method)
+    if method == "forkserver":
+        mp.set_forkserver_preload(["torch", _child.__name__, *context.MODULES.values()])
+    return mp
 
 
 @dataclass(eq=False)
@@ -143,7 +167,7 @@ class ProcessBackend(Backend):
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
-        self._mp = multiprocessing.get_context("spawn")
+        self._mp = _start_context(self.context)
         self._pools: OrderedDict[int, _Pool] = OrderedDict()  # LRU order: last = most recently used
         self._spares: list[_Worker] = []
         self._spares_wanted = 0
@@ -162,7 +186,7 @@ class ProcessBackend(Backend):
         stack_path.touch()
         process = self._mp.Process(
             target=_child.main,
-            args=(child_conn, os.getpid(), str(stack_path), self.context, self.name),
+            args=(child_conn, os.getpid(), str(stack_path), self.context, self.name, dict(os.environ)),
             name=f"twinrpc-{self.name}-{n}",
             daemon=True,  # multiprocessing's atexit handler terminates it if close() never ran
         )
