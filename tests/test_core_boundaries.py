@@ -38,6 +38,7 @@ TORCH_PRIVATE = {
     "_get_builtin_table",
     "_C",
     "_jit_resolve_packet",
+    "_VariableFunctionsClass",  # what a pickle names as the owner of torch.add (twinrpc._unpickle_allow)
 }
 
 

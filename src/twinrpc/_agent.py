@@ -39,6 +39,7 @@ from ._message import CONTROL_KINDS, REQUEST_KINDS, Kind, Message
 from ._rref import GloballyUniqueId, OwnerState, RRef, UserState, wrap_rref
 from ._rref_context import ForkRecorder, RRefContext
 from ._shutdown import ShutdownProtocol
+from ._unpickle_allow import UnpickleAllowlist
 from ._worker_info import Roster, WorkerInfo
 from ._world import World
 
@@ -85,8 +86,11 @@ class RpcAgent:
         workers: list[WorkerInfo] | Roster,
         rpc_timeout: float,
         num_worker_threads: int,
+        unpickle_allow: UnpickleAllowlist | None = None,
     ) -> None:
         self.world = world
+        #: the globals this worker unpickles (RpcBackendOptions(unpickle_allow=...)); None: any
+        self.unpickle_allow = unpickle_allow
         self.info = info
         roster = workers if isinstance(workers, Roster) else Roster(workers)  # shared: never changed
         self.workers = roster.workers
@@ -394,7 +398,9 @@ class RpcAgent:
         if pending is None:
             return  # a late reply to a call that timed out: dropped (ERR-4)
         try:
-            value, load = _serialize.loads(msg.payload, msg.tensors, msg.src, self.rrefs.rebuild)
+            value, load = _serialize.loads(
+                msg.payload, msg.tensors, msg.src, self.rrefs.rebuild, allow=self.unpickle_allow
+            )
         except BaseException as exc:
             pending.fut.set_exception(
                 SerializationError(
@@ -438,7 +444,9 @@ class RpcAgent:
     def _serve(self, msg: Message) -> None:
         """Run one request and reply (now, or when the value it waits for is ready)."""
         try:
-            obj, load = _serialize.loads(msg.payload, msg.tensors, msg.src, self.rrefs.rebuild, request=True)
+            obj, load = _serialize.loads(
+                msg.payload, msg.tensors, msg.src, self.rrefs.rebuild, request=True, allow=self.unpickle_allow
+            )
         except BaseException as exc:
             self.reply_error(
                 msg,

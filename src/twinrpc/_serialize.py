@@ -23,6 +23,7 @@ import torch
 from ._errors import SerializationError, serialization_error
 from ._future import Future
 from ._rref import RRef
+from ._unpickle_allow import UnpickleAllowlist
 
 # A view whose storage is at least this big and at least twice the view's bytes is cloned compact
 # before sending, as PyTorch's cloneSparseTensors does (RPC-9).
@@ -331,15 +332,21 @@ def loads(
     src: int = -1,
     rebuild_rref: Callable[[Any, int, LoadState], Any] | None = None,
     request: bool = False,
+    allow: UnpickleAllowlist | None = None,
 ) -> tuple[Any, LoadState]:
     """Unpickle a payload made by :func:`dumps`; returns the object and the load state. ``request``:
-    the payload is a request that this worker will answer (see LoadState.request)."""
+    the payload is a request that this worker will answer (see LoadState.request). ``allow``: load
+    only the globals it allows (twinrpc._unpickle_allow); None: any, as PyTorch does.
+
+    Raises:
+        UnpickleRefused: the payload names a global that ``allow`` does not allow.
+    """
     state = LoadState(storages, src, rebuild_rref, request)
     slot = _LOAD
     outer = slot.state
     slot.state = state
     try:
-        return pickle.loads(payload), state
+        return (pickle.loads(payload) if allow is None else allow.loads(payload)), state
     except BaseException:
         state.handled()  # nothing will handle the message: what was deferred must happen now
         raise

@@ -222,7 +222,9 @@ class ShutdownProtocol:
         return f"Followers {missing} timed out in _all_gather after {timeout:.2f} seconds"
 
     def _on_gather(self, msg: Message) -> None:
-        (tag, value), _ = _serialize.loads(msg.payload, msg.tensors, msg.src)
+        (tag, value), _ = _serialize.loads(
+            msg.payload, msg.tensors, msg.src, allow=self._agent.unpickle_allow
+        )
         with self._lock:
             got = self._gathered.setdefault(tag, {})
             got[msg.src] = value
@@ -232,7 +234,9 @@ class ShutdownProtocol:
             done.try_set_result(None)
 
     def _on_scatter(self, msg: Message) -> None:
-        (tag, result), _ = _serialize.loads(msg.payload, msg.tensors, msg.src)
+        (tag, result), _ = _serialize.loads(
+            msg.payload, msg.tensors, msg.src, allow=self._agent.unpickle_allow
+        )
         with self._lock:
             fut = self._scattered.setdefault(tag, Future())
         if isinstance(result, _GatherAborted):

@@ -19,6 +19,7 @@ from .._current import current_agent, current_slot
 from .._future import Future
 from .._membership import join_group
 from .._rref import RRef
+from .._unpickle_allow import UnpickleAllowlist
 from .._worker_info import WorkerInfo, check_worker_name
 from .options import (
     DEFAULT_SHUTDOWN_TIMEOUT,
@@ -71,7 +72,15 @@ def init_rpc(
         name=name, rank=rank, world_size=world_size, options=options, generation=slot.generation
     )
     slot.generation += 1
-    agent = RpcAgent(world, info, workers, options.rpc_timeout, options.num_worker_threads)
+    allow = getattr(options, "unpickle_allow", None)  # a subclass may skip RpcBackendOptions.__init__
+    agent = RpcAgent(
+        world,
+        info,
+        workers,
+        options.rpc_timeout,
+        options.num_worker_threads,
+        UnpickleAllowlist(allow) if allow is not None else None,
+    )
     slot.agent = agent
     world.start(agent)
     membership = world.membership

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
@@ -52,6 +53,12 @@ class RpcBackendOptions:
             in a long user function stays alive. The simulator applies the same bound in virtual
             time (unless its ``NetworkModel.heartbeat_timeout`` overrides it).
         heartbeat_misses: twinrpc only: see ``heartbeat_interval``.
+        unpickle_allow: twinrpc only: module patterns (``"mypkg.*"``, ``"torch.add"``, ``"__main__"``)
+            naming the globals this worker may unpickle from other workers' requests and replies,
+            beyond what twinrpc itself needs (tensors, RRefs, remote errors, torch's dtypes and
+            optimizers). A message naming any other global is refused before anything in it runs:
+            its caller gets a SerializationError naming the global. None (the default): any global,
+            as PyTorch does. See docs/howto/restrict-unpickling.md.
     """
 
     def __init__(
@@ -62,6 +69,7 @@ class RpcBackendOptions:
         num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_misses: int = DEFAULT_HEARTBEAT_MISSES,
+        unpickle_allow: Sequence[str] | None = None,
     ) -> None:
         if not isinstance(rpc_timeout, (int, float)) or isinstance(rpc_timeout, bool):
             raise TypeError(
@@ -91,6 +99,14 @@ class RpcBackendOptions:
         self.num_worker_threads = num_worker_threads
         self.heartbeat_interval = float(heartbeat_interval)
         self.heartbeat_misses = heartbeat_misses
+        if unpickle_allow is not None and (
+            isinstance(unpickle_allow, str) or not all(isinstance(p, str) and p for p in unpickle_allow)
+        ):
+            raise TypeError(
+                "unpickle_allow must be a list of non-empty module patterns such as ['mypkg.*'], "
+                f"but got {unpickle_allow!r}"
+            )
+        self.unpickle_allow: list[str] | None = None if unpickle_allow is None else list(unpickle_allow)
 
     def __repr__(self) -> str:
         return (
@@ -117,6 +133,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         _channels: list[str] | None = None,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_misses: int = DEFAULT_HEARTBEAT_MISSES,
+        unpickle_allow: Sequence[str] | None = None,
     ) -> None:
         super().__init__(
             rpc_timeout,
@@ -124,6 +141,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             num_worker_threads=num_worker_threads,
             heartbeat_interval=heartbeat_interval,
             heartbeat_misses=heartbeat_misses,
+            unpickle_allow=unpickle_allow,
         )
         self.device_maps: dict[str, dict[Any, Any]] = dict(device_maps or {})
         self.devices: list[Any] = list(devices or [])
@@ -150,6 +168,7 @@ class ProcessGroupRpcBackendOptions(RpcBackendOptions):
         init_method: rendezvous URL (``env://``, ``tcp://host:port``, ``file://path``).
         heartbeat_interval: twinrpc only: see :class:`RpcBackendOptions`.
         heartbeat_misses: twinrpc only: see :class:`RpcBackendOptions`.
+        unpickle_allow: twinrpc only: see :class:`RpcBackendOptions`.
     """
 
     def __init__(
@@ -160,6 +179,7 @@ class ProcessGroupRpcBackendOptions(RpcBackendOptions):
         *,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_misses: int = DEFAULT_HEARTBEAT_MISSES,
+        unpickle_allow: Sequence[str] | None = None,
     ) -> None:
         if (
             not isinstance(num_send_recv_threads, int)
@@ -175,6 +195,7 @@ class ProcessGroupRpcBackendOptions(RpcBackendOptions):
             num_worker_threads=num_send_recv_threads,
             heartbeat_interval=heartbeat_interval,
             heartbeat_misses=heartbeat_misses,
+            unpickle_allow=unpickle_allow,
         )
 
     @property
