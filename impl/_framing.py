@@ -17,6 +17,13 @@ earlier but allowed to wait for the next frame to the same peer (``Message.defer
 before the header's own message. They sit at the end of the frame: each rider is kind u16, id i64,
 payload_len u32 and the payload; the last four bytes say how many riders there are (u16) and how many
 bytes they take (u16).
+
+A header frame may carry further whole messages (``FLAG_MORE``: *coalescing*, when several messages
+wait for the same peer): right after the first message's inline part, a u16 count, then one record per
+message: kind u16, flags u16 (``FLAG_INLINE``, ``FLAG_INLINE_TENSORS``), id i64, payload_len u64,
+n_tensors u32, the n_tensors u64 storage sizes, the payload and the storages. Senders only add
+messages that fit whole (no data frame of their own); the receiver dispatches the riders, the first
+message, then the records, in that order.
 """
 
 from __future__ import annotations
@@ -31,12 +38,13 @@ from twinrpc._message import Kind, Message
 
 HEADER_BYTES = 4096
 MAGIC = 0x54574E52  # "TWNR"
-VERSION = 3
+VERSION = 4
 FLAG_INLINE = 1  # the payload is inside the header
 FLAG_CLOSE = 2  # the sender is closing this link (graceful shutdown): no message follows
 FLAG_GRACEFUL = 4  # with FLAG_CLOSE: the sender completed graceful shutdown (an orderly departure)
 FLAG_INLINE_TENSORS = 8  # the storages follow the inline payload inside the header (small ones)
 FLAG_RIDERS = 16  # earlier small messages ride at the end of the header (delivered first)
+FLAG_MORE = 32  # further whole messages follow the first one's inline part (see the module docstring)
 
 _FIXED = struct.Struct("<IHHHHiqQIQ")
 _SIZE = struct.Struct("<Q")
@@ -46,6 +54,12 @@ _TRAILER = struct.Struct("<HH")  # riders, bytes they take (the last bytes of th
 #: bytes of riders one header frame takes at most (the rest stays for the message's own inline payload)
 MAX_RIDER_BYTES = 1024
 _KINDS = {int(k): k for k in Kind}
+_COUNT = struct.Struct("<H")  # records after the first message
+_FLAGS = struct.Struct("<H")
+_FLAGS_AT = 6  # the flags' offset in _FIXED (after magic u32 and version u16)
+_RECORD = struct.Struct("<HHqQI")  # kind, flags, id, payload length, storages; then sizes, payload, storages
+#: a message this small travels whole in a header frame even beside a full riders' block
+WHOLE_BYTES = HEADER_BYTES - MAX_RIDER_BYTES - _TRAILER.size - _COUNT.size - _RECORD.size
 
 
 class FrameError(RPCError):
@@ -70,6 +84,14 @@ def encode_header(
     and whether the storages are inline too (then the header is the whole message: one gloo send
     instead of one per storage, each of which would wait for the peer to post its receive).
     ``riders`` (each :func:`can_ride`, together at most ``MAX_RIDER_BYTES``) travel at its end."""
+    inline, inline_tensors, _, _ = _encode_first(buf, msg, ack, riders)
+    return inline, inline_tensors
+
+
+def _encode_first(
+    buf: memoryview, msg: Message, ack: int, riders: list[Message] | None
+) -> tuple[bool, bool, int, int]:
+    """encode_header, also returning where the frame's used part ends and where the riders start."""
     tensors = msg.tensors
     n = len(tensors)
     if n > MAX_TENSORS:
@@ -103,12 +125,80 @@ def encode_header(
         _SIZE.pack_into(buf, _FIXED.size + i * _SIZE.size, size)
     if inline:
         buf[offset:end] = payload
+    else:
+        end = offset
     if inline_tensors:
-        for t, size in zip(tensors, sizes, strict=True):
-            if size:
-                buf[end : end + size] = t.numpy()  # type: ignore[call-overload]  # a contiguous uint8 buffer
-                end += size
-    return inline, inline_tensors
+        end = _put_storages(buf, end, tensors, sizes)
+    return inline, inline_tensors, end, limit
+
+
+def _put_storages(buf: memoryview, pos: int, tensors: list[torch.Tensor], sizes: list[int]) -> int:
+    for t, size in zip(tensors, sizes, strict=True):
+        if size:
+            buf[pos : pos + size] = t.numpy()  # type: ignore[call-overload]  # a contiguous uint8 buffer
+            pos += size
+    return pos
+
+
+def fits_whole(msg: Message) -> bool:
+    """Whether ``msg`` travels whole inside a header frame (payload and storages), whatever riders
+    share it: such a message can ride the next frame (see ``FrameEncoder.add``)."""
+    size = len(msg.payload) + _SIZE.size * len(msg.tensors)
+    if size > WHOLE_BYTES:
+        return False
+    for t in msg.tensors:
+        size += t.numel()
+    return size <= WHOLE_BYTES
+
+
+class FrameEncoder:
+    """Fills one header frame with several messages: the first one (as encode_header does), then
+    further whole messages while they fit (``FLAG_MORE``). One per send buffer; not thread-safe (the
+    sender uses it under its send lock)."""
+
+    __slots__ = ("_buf", "_count_at", "_limit", "_pos", "count")
+
+    def __init__(self, buf: memoryview) -> None:
+        self._buf = buf
+        self._pos = self._limit = self._count_at = 0
+        #: messages added after the first one
+        self.count = 0
+
+    def first(self, msg: Message, ack: int, riders: list[Message] | None) -> tuple[bool, bool]:
+        """Start the frame with ``msg`` (see encode_header); raises if ``msg`` cannot be framed."""
+        inline, inline_tensors, self._pos, self._limit = _encode_first(self._buf, msg, ack, riders)
+        self.count = 0
+        return inline, inline_tensors
+
+    def add(self, msg: Message) -> bool:
+        """Append ``msg`` whole (payload and storages inside the frame) if it fits; False: it does not,
+        and the frame is unchanged."""
+        buf, tensors, payload = self._buf, msg.tensors, msg.payload
+        n = len(tensors)
+        pos = self._pos if self.count else self._pos + _COUNT.size
+        head = pos + _RECORD.size + n * _SIZE.size
+        if n > MAX_TENSORS or head + len(payload) > self._limit:
+            return False
+        sizes = [t.numel() for t in tensors]
+        end = head + len(payload) + sum(sizes)
+        if end > self._limit:
+            return False
+        if not self.count:
+            self._count_at = self._pos
+            flags = _FLAGS.unpack_from(buf, _FLAGS_AT)[0]
+            _FLAGS.pack_into(buf, _FLAGS_AT, flags | FLAG_MORE)
+        _RECORD.pack_into(
+            buf, pos, int(msg.kind), FLAG_INLINE | (FLAG_INLINE_TENSORS if n else 0), msg.id, len(payload), n
+        )
+        pos += _RECORD.size
+        for size in sizes:
+            _SIZE.pack_into(buf, pos, size)
+            pos += _SIZE.size
+        buf[pos : pos + len(payload)] = payload
+        self._pos = _put_storages(buf, pos + len(payload), tensors, sizes)
+        self.count += 1
+        _COUNT.pack_into(buf, self._count_at, self.count)
+        return True
 
 
 def _encode_riders(buf: memoryview, riders: list[Message]) -> int:
@@ -131,22 +221,50 @@ def encode_close(buf: memoryview, src: int, graceful: bool = False) -> None:
     _FIXED.pack_into(buf, 0, MAGIC, VERSION, flags, 0, 0, src, 0, 0, 0, 0)
 
 
-class Header:
-    """A decoded header."""
+class Record:
+    """One decoded message of a header frame: its kind, id, payload length and storage sizes, with
+    the payload and storages that travelled inside the frame (None: they follow as data frames)."""
 
-    __slots__ = (
-        "ack",
-        "closing",
-        "graceful",
-        "id",
-        "inline_payload",
-        "inline_tensors",
-        "kind",
-        "payload_len",
-        "riders",
-        "sizes",
-        "src",
-    )
+    __slots__ = ("id", "inline_payload", "inline_tensors", "kind", "payload_len", "sizes")
+
+    kind: Kind
+    id: int
+    payload_len: int
+    sizes: list[int]
+    inline_payload: bytes | None
+    inline_tensors: list[torch.Tensor] | None
+
+    def _decode_inline(
+        self, buf: memoryview, pos: int, flags: int, limit: int, src: int, frame: torch.Tensor | None
+    ) -> int:
+        """Take the inline payload and storages at ``pos`` (per ``flags``); returns where they end."""
+        payload_len = self.payload_len
+        if flags & FLAG_INLINE:
+            if pos + payload_len > limit:
+                raise FrameError(f"inline payload of {payload_len} B overflows the header from rank {src}")
+            self.inline_payload = buf[pos : pos + payload_len].tobytes()
+            pos += payload_len
+        else:
+            self.inline_payload = None
+        self.inline_tensors = None
+        if flags & FLAG_INLINE_TENSORS:
+            if not flags & FLAG_INLINE or pos + sum(self.sizes) > limit:
+                raise FrameError(f"inline storages overflow the header from rank {src}")
+            if frame is None:
+                frame = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+            tensors = []
+            for size in self.sizes:
+                tensors.append(frame[pos : pos + size].clone())
+                pos += size
+            self.inline_tensors = tensors
+        return pos
+
+
+class Header(Record):
+    """A decoded header frame: its first message (the Record fields), the frame's own fields, the
+    riders before it and the further messages after it (``more``)."""
+
+    __slots__ = ("ack", "closing", "graceful", "more", "riders", "src")
 
     def __init__(
         self, buf: memoryview, expected_src: int, dst: int, frame: torch.Tensor | None = None
@@ -169,6 +287,8 @@ class Header:
         self.ack = ack
         self.closing = bool(flags & FLAG_CLOSE)
         self.graceful = bool(flags & FLAG_GRACEFUL)
+        #: the further messages of the frame, in the order they were sent (after this one)
+        self.more: list[Record] = []
         if self.closing:
             return
         if kind not in _KINDS:
@@ -185,24 +305,36 @@ class Header:
         self.riders: list[tuple[Kind, int, bytes]] = []
         if flags & FLAG_RIDERS:
             limit = self._decode_riders(buf, offset)
-        if flags & FLAG_INLINE:
-            if offset + payload_len > limit:
-                raise FrameError(f"inline payload of {payload_len} B overflows the header from rank {src}")
-            self.inline_payload: bytes | None = buf[offset : offset + payload_len].tobytes()
-        else:
-            self.inline_payload = None
-        self.inline_tensors: list[torch.Tensor] | None = None
-        if flags & FLAG_INLINE_TENSORS:
-            pos = offset + payload_len
-            if not flags & FLAG_INLINE or pos + sum(self.sizes) > limit:
-                raise FrameError(f"inline storages overflow the header from rank {src}")
-            if frame is None:
-                frame = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
-            tensors = []
-            for size in self.sizes:
-                tensors.append(frame[pos : pos + size].clone())
-                pos += size
-            self.inline_tensors = tensors
+        pos = self._decode_inline(buf, offset, flags, limit, src, frame)
+        if flags & FLAG_MORE:
+            self._decode_more(buf, pos, limit, frame)
+
+    def _decode_more(self, buf: memoryview, pos: int, limit: int, frame: torch.Tensor | None) -> None:
+        src = self.src
+        if pos + _COUNT.size > limit:
+            raise FrameError(f"the message count overflows the header from rank {src}")
+        (count,) = _COUNT.unpack_from(buf, pos)
+        pos += _COUNT.size
+        if count == 0 or count > (limit - pos) // _RECORD.size:
+            raise FrameError(f"a header from rank {src} claims {count} further messages, which cannot fit")
+        for _ in range(count):
+            if pos + _RECORD.size > limit:
+                raise FrameError(f"message records overflow the header from rank {src}")
+            kind, flags, msg_id, payload_len, n = _RECORD.unpack_from(buf, pos)
+            pos += _RECORD.size
+            if kind not in _KINDS:
+                raise FrameError(f"unknown message kind {kind} in a record from rank {src}")
+            if n > MAX_TENSORS or pos + n * _SIZE.size > limit:
+                raise FrameError(f"a record from rank {src} claims {n} tensors, which overflow the header")
+            if not flags & FLAG_INLINE or (n and not flags & FLAG_INLINE_TENSORS):
+                raise FrameError(f"a further message from rank {src} is not whole inside its header frame")
+            record = Record()
+            record.kind = _KINDS[kind]
+            record.id = msg_id
+            record.payload_len = payload_len
+            record.sizes = [_SIZE.unpack_from(buf, pos + i * _SIZE.size)[0] for i in range(n)]
+            pos = record._decode_inline(buf, pos + n * _SIZE.size, flags, limit, src, frame)
+            self.more.append(record)
 
     def _decode_riders(self, buf: memoryview, offset: int) -> int:
         count, total = _TRAILER.unpack_from(buf, HEADER_BYTES - _TRAILER.size)

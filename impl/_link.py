@@ -1,7 +1,8 @@
 """One link per peer: a facade over the parts that each own one concept and its state.
 
 * ``_pair.py``: the pair's private 2-rank gloo process group, its tags and its kill switch (``Pair``);
-* ``_sender.py``: frames to the peer under the send lock, and the outbox thread (``Sender``);
+* ``_sender.py``: frames to the peer under the send lock, several messages to a frame when they wait
+  together (coalescing), and the outbox thread (``Sender``);
 * ``_receiver.py``: the ring of receives posted ahead, the staging buffer and the receive loop's
   threads (``Receiver``);
 * ``_riders.py``: deferrable messages that ride at the end of the next header frame (``Riders``);
@@ -85,17 +86,17 @@ class PeerLink:
         )
         self.sender = Sender(self.state, self.pair, self.liveness, self.riders, self.receiver, self.fail)
         # The message path calls the parts' own methods, bound here: no extra call per message.
-        #: Send one message (header, maybe payload, then each storage); raises on a broken link
-        #: (Sender.send).
+        #: Send one message (in a header frame with whatever else waits for the peer, then its data
+        #: frames); raises on a broken link, or with ``on_error`` may ride the next frame (Sender.send).
         self.send = self.sender.send
-        #: Send a one-frame message now if that cannot wait for the peer, else return False
+        #: Send a whole message now if that cannot wait for the peer, else return False
         #: (Sender.try_send_now).
         self.try_send_now = self.sender.try_send_now
         #: Send from the link's outbox thread, for threads that must not block (Sender.send_later).
         self.send_later = self.sender.send_later
         #: Let a deferrable message ride in the next header frame; False: send it as usual
-        #: (Riders.defer).
-        self.defer = self.riders.defer
+        #: (Sender.defer).
+        self.defer = self.sender.defer
 
     # -- what the world reads and sets -------------------------------------------------------------
     @property

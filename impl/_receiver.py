@@ -24,7 +24,7 @@ import torch
 from twinrpc._future import CALLBACK_ROLE
 from twinrpc._message import Kind, Message
 
-from ._framing import FrameError, Header, new_header_tensor, recv_buffer
+from ._framing import FrameError, Header, Record, new_header_tensor, recv_buffer
 from ._link_state import LinkState
 from ._liveness import MIN_FRAME_RATE, Liveness
 from ._pair import DATA_TAG, LARGE_TAG, TAG, Pair
@@ -129,6 +129,9 @@ class Receiver:
         self.peer_acked = 0
         #: malformed frames rejected so far (each logged, naming the peer)
         self.bad_frames = 0
+        #: messages of the frame being dispatched still to come after the current one (written and
+        #: read by the dispatching thread): it must not hand its role off before they are dispatched
+        self._frame_left = 0
         self._thread = threading.Thread(
             target=self._receive_loop, name=f"twinrpc-recv-{state.peer}", daemon=True
         )
@@ -152,8 +155,14 @@ class Receiver:
         has received): the next message may be dispatched at once, by the receiver already waiting
         for it (a new one is started only if none is left), and this thread becomes an ordinary
         thread that may block, run a request or send; it rejoins the receive loop when done. Returns
-        False (nothing changed) where that cannot be done."""
-        if THREAD_ROLE.link is not self or self._run_elsewhere is None or self._riders.delivering:
+        False (nothing changed) where that cannot be done: before a frame's last message (the rest
+        of the frame is this thread's to dispatch, in order)."""
+        if (
+            THREAD_ROLE.link is not self
+            or self._run_elsewhere is None
+            or self._riders.delivering
+            or self._frame_left
+        ):
             return False
         THREAD_ROLE.link = None
         THREAD_ROLE.no_blocking_send = False
@@ -397,7 +406,9 @@ class Receiver:
             self._receive_done.set()
 
     def _receive_messages(self) -> bool:
-        """Dispatch messages in turn; True: this thread handed its role off, False: receiving ended."""
+        """Dispatch messages in turn; True: this thread handed its role off, False: receiving ended.
+        A frame's messages (riders, its first message, the further ones) are dispatched in order by
+        this thread: it hands its role off only at the frame's last message (see hand_off)."""
         state = self._state
         while True:
             try:
@@ -414,20 +425,6 @@ class Receiver:
                         self._peer_closed()
                     self._pass_turn()
                     return False
-                if header.riders:
-                    self._riders.deliver(header)
-                if header.kind is Kind.HEARTBEAT:
-                    self._pass_turn()
-                    continue
-                payload = header.inline_payload
-                if payload is None:
-                    payload = self._recv_data(header.payload_len, as_bytes=True)
-                tensors = header.inline_tensors
-                if tensors is None:
-                    tensors = [
-                        self._recv_data(size) if size else torch.empty(0, dtype=torch.uint8)
-                        for size in header.sizes
-                    ]
             except FrameError as exc:
                 # gloo is message-based: each receive gets exactly one send's frame, so after a bad
                 # header the next frame starts a message again. Reject this one and keep the link.
@@ -443,10 +440,34 @@ class Receiver:
                 if not state.closing:
                     self._fail(exc)
                 return False
-            try:
-                self._on_message(Message(header.kind, header.id, state.peer, state.me, payload, tensors))
-            except Exception:
-                _log.exception("twinrpc: handling a message from %s failed", state.peer_name)
-            if THREAD_ROLE.link is not self:
-                return True  # handed off while handling it (the turn went with it)
+            if header.riders:
+                self._riders.deliver(header)
+            records: list[Record] = [header] if header.kind is not Kind.HEARTBEAT else []
+            if header.more:
+                records += [r for r in header.more if r.kind is not Kind.HEARTBEAT]
+            left = len(records)
+            for record in records:
+                left -= 1
+                try:
+                    payload = record.inline_payload
+                    if payload is None:
+                        payload = self._recv_data(record.payload_len, as_bytes=True)
+                    tensors = record.inline_tensors
+                    if tensors is None:
+                        tensors = [
+                            self._recv_data(size) if size else torch.empty(0, dtype=torch.uint8)
+                            for size in record.sizes
+                        ]
+                except RuntimeError as exc:
+                    if not state.closing:
+                        self._fail(exc)
+                    return False
+                self._frame_left = left
+                try:
+                    self._on_message(Message(record.kind, record.id, state.peer, state.me, payload, tensors))
+                except Exception:
+                    _log.exception("twinrpc: handling a message from %s failed", state.peer_name)
+                if THREAD_ROLE.link is not self:
+                    return True  # handed off while handling the frame's last message (the turn went with it)
+            self._frame_left = 0
             self._pass_turn()

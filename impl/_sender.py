@@ -1,15 +1,18 @@
-"""A link's send side: frames to the peer under one send lock, and the outbox thread for threads
-that must not block.
+"""A link's send side: frames to the peer under one send lock, coalescing, and the outbox thread for
+threads that must not block.
 
-A message goes as one header frame (small payloads and storages inline, riders at its end; see
-``_framing``), then a frame per larger payload or storage. A gloo send completes only once the peer
-has posted the matching receive; the receiver's credit (``Receiver.consumed`` and
-``Receiver.peer_acked``) tells when a header send cannot wait for the peer (try_send_now). Several
-messages in one frame would be encoded here.
+A frame is one header frame (small payloads and storages inline, riders at its end; see ``_framing``),
+then a frame per larger payload or storage of its first message. Messages that wait for the same
+peer travel together (*coalescing*, as a group commit does): whoever holds the send lock sends every
+message queued meanwhile, the first one and then every whole message that fits, in one header frame;
+a message that finds the lock free goes at once, alone. A gloo send completes only once the peer has
+posted the matching receive; the receiver's credit (``Receiver.consumed`` and ``Receiver.peer_acked``)
+tells when a header send cannot wait for the peer (try_send_now).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -23,7 +26,7 @@ import torch
 from twinrpc._future import CALLBACK_ROLE
 from twinrpc._message import Kind, Message
 
-from ._framing import HEADER_BYTES, encode_close, encode_header, new_header_tensor
+from ._framing import HEADER_BYTES, FrameEncoder, encode_close, encode_header, fits_whole, new_header_tensor
 from ._link_state import LinkState, PeerShutDown
 from ._liveness import MIN_FRAME_RATE, Liveness
 from ._pair import DATA_TAG, LARGE_TAG, TAG, Pair
@@ -33,13 +36,31 @@ from ._riders import Rider, Riders, messages, report_failed
 _log = logging.getLogger("twinrpc.impl")
 _CLOSE_FLUSH = 10.0  # seconds to let the outbox drain before the close frame
 
+OnError = Callable[[Message, BaseException], None]
+
+
+class _Queued:
+    """A message waiting for a frame. ``on_error`` None: the thread that queued it waits until it is
+    sent (send) and raises ``error`` itself; else ``on_error(msg, exc)`` reports a failure."""
+
+    __slots__ = ("done", "error", "msg", "on_error")
+
+    def __init__(self, msg: Message, on_error: OnError | None) -> None:
+        self.msg = msg
+        self.on_error = on_error
+        self.done = False
+        self.error: BaseException | None = None
+
 
 class Sender:
     """Sends one peer's messages, in order.
 
-    Thread safety: ``lock`` (the send lock) is held while a message's frames go out, in order, and
-    guards the header tensor and ``headers_sent``; ``_outbox_lock`` only guards starting the outbox
-    thread; ``_close_lock`` lets send_close run once. A failed frame fails the link through ``fail``.
+    Thread safety: ``lock`` (the send lock) is held while a frame goes out, and guards the header
+    tensor, ``headers_sent`` and taking from ``_queue`` (any thread appends to it); whoever releases
+    the lock looks at ``_queue`` again afterwards, so a message queued behind a frame is never left
+    (see _lead). ``_outbox_lock`` only guards starting the outbox thread; ``_close_lock`` lets
+    send_close run once. A failed frame fails the link through ``fail``, and every message in it
+    and still queued with the link's error.
     """
 
     def __init__(
@@ -62,16 +83,25 @@ class Sender:
         #: the send lock: held by whoever writes frames to the peer (a test injecting raw frames too)
         self.lock = threading.Lock()
         self._header, self._view = new_header_tensor()
+        self._encoder = FrameEncoder(self._view)
+        #: messages waiting for a frame, in order (appended by any thread, taken under the send lock)
+        self._queue: collections.deque[_Queued] = collections.deque()
         #: header frames we have sent (under the send lock); see Receiver.peer_acked
         self.headers_sent = 0
+        #: messages sent in those frames (riders not counted): messages / headers_sent is the coalescing
+        self.messages_sent = 0
         self._defer_callbacks: Callable[[Callable[[], None]], None] | None = None
-        self._outbox: queue.SimpleQueue[tuple[Message, Callable[[Message, BaseException], None]] | None] = (
-            queue.SimpleQueue()
-        )
+        #: wake-ups of the outbox thread (None: exit once what is queued is sent)
+        self._outbox: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
         self._outbox_thread: threading.Thread | None = None
         self._outbox_lock = threading.Lock()
         #: our close frames went (or are going): send_close runs once
         self._close_started = False
+        #: nothing more goes to the peer (close frames sent, or the link ends at exit): what is still
+        #: queued, or queued later, fails at once (under the send lock, see _send_queued)
+        self._closed = False
+        #: while closing, no wait for the peer lasts past this (monotonic; see send_close)
+        self._deadline: float | None = None
         self._close_lock = threading.Lock()
 
     def start(self, defer_callbacks: Callable[[Callable[[], None]], None] | None) -> None:
@@ -79,89 +109,184 @@ class Sender:
         (see PeerLink.start)."""
         self._defer_callbacks = defer_callbacks
 
-    def send(self, msg: Message) -> None:
-        """Send one message (header, maybe payload, then each storage). Raises on a broken link."""
+    def send(self, msg: Message, on_error: OnError | None = None) -> None:
+        """Send one message (in a frame with whatever else waits for the peer); returns once it is
+        sent. Raises on a broken link. With ``on_error``, a whole message (see fits_whole) that finds
+        a frame being sent returns at once instead: it rides the next frame (its tensors copied), and
+        ``on_error(msg, exc)`` reports if that frame fails."""
         state = self._state
         if state.failed is not None:
             raise state.failed
         if state.closed_by_peer:
             raise PeerShutDown(state.peer_graceful)
-        pg, dst = self._pg, self._dst
-        with self.lock:
-            if state.failed is not None:  # failed while this thread waited for the lock
-                raise state.failed
-            inline, inline_tensors, riders = self._encode(msg)
-            try:
-                self.headers_sent += 1
-                self._wait_sent(pg.send([self._header], dst, TAG), HEADER_BYTES)
-                if not inline:
-                    payload = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8)
-                    n = len(msg.payload)
-                    self._wait_sent(pg.send([payload], dst, DATA_TAG if n <= STAGED_BYTES else LARGE_TAG), n)
-                if not inline_tensors:
-                    for t in msg.tensors:
-                        n = t.numel()
-                        if n:
-                            self._wait_sent(
-                                pg.send([t], dst, DATA_TAG if n <= STAGED_BYTES else LARGE_TAG), n
-                            )
-            except RuntimeError as exc:
-                self._frame_failed(exc, riders)
-                raise
-        self._receiver.repost_after_send()
+        lock = self.lock
+        if on_error is not None and lock.locked() and fits_whole(msg):
+            self._ride(msg, on_error)
+            return
+        entry = _Queued(msg, None)
+        self._queue.append(entry)
+        lock.acquire()
+        if entry.done:  # a frame of the thread that held the lock took it
+            self._lead_after(blocking=True, sent=False)
+        else:
+            self._lead(blocking=True)
+        if entry.error is not None:
+            raise entry.error
 
-    def try_send_now(self, msg: Message) -> bool:
-        """Send ``msg`` now if that cannot make this thread wait for the peer's receiver: it is one
-        header frame (small payload and storages inline), the send lock is free and the peer has a
-        header receive posted that none of our headers has used (see ``Receiver.peer_acked``). For
-        threads that must not block (receivers, the timer): replying this way saves handing the
-        receiver role to another thread. Returns False (nothing sent) otherwise; raises as send() does."""
+    def try_send_now(self, msg: Message, on_error: OnError | None = None) -> bool:
+        """Send ``msg`` now if that cannot make this thread wait for the peer's receiver: it travels
+        whole in a header frame, the send lock is free and the peer has a header receive posted that
+        none of our headers has used (see ``Receiver.peer_acked``). With ``on_error``, a whole message
+        that finds the lock taken rides the next frame instead (see send). For threads that must not
+        block (receivers, the timer): replying this way saves handing the receiver role to another
+        thread. Returns False (nothing sent or queued) otherwise; raises as send() does."""
         state, receiver = self._state, self._receiver
-        if state.failed is not None or state.closed_by_peer:
-            return False  # the ordinary path reports it
-        if self.headers_sent - receiver.peer_acked >= RING - 1:
-            return False
-        if not self.lock.acquire(blocking=False):
-            return False
-        try:
-            if state.failed is not None or self.headers_sent - receiver.peer_acked >= RING - 1:
+        if state.failed is not None or state.closed_by_peer or not fits_whole(msg):
+            return False  # the ordinary path reports a broken link
+        lock = self.lock
+        if not lock.acquire(blocking=False):
+            if on_error is None:
                 return False
-            inline, inline_tensors, riders = self._encode(msg)
-            if not inline or not (inline_tensors or not any(t.numel() for t in msg.tensors)):
+            self._ride(msg, on_error)
+            return True
+        if (
+            state.failed is not None
+            or self.headers_sent - receiver.peer_acked >= RING - 1
+            or (self._queue and on_error is None)
+        ):
+            self._lead_after(blocking=False, sent=False)  # messages queued meanwhile count on us
+            return False
+        # first in the queue, it goes now; behind others it may be left for the next frame
+        entry = _Queued(msg if not self._queue else _detached(msg), on_error)
+        self._queue.append(entry)
+        self._lead(blocking=False)
+        if on_error is None and not entry.done:  # cannot happen: it was first, whole, with credit
+            raise RuntimeError("twinrpc: a message sent now was left queued")
+        if entry.error is not None and on_error is None:
+            raise entry.error
+        return True
+
+    def defer(self, msg: Message, on_error: OnError) -> bool:
+        """Let a deferrable message ride in the next header frame (Riders.defer); False: send it as
+        usual. Not while messages are queued: riders go at the front of a frame, before them."""
+        return not self._queue and self._riders.defer(msg, on_error)
+
+    def _ride(self, msg: Message, on_error: OnError) -> None:
+        """Queue ``msg`` for the next frame (the lock's holder sends it, see _lead)."""
+        self._queue.append(_Queued(_detached(msg), on_error))
+        if self.lock.acquire(blocking=False):  # the holder left meanwhile: lead ourselves
+            self._lead(blocking=False)
+
+    def _lead(self, blocking: bool) -> None:
+        """With the send lock held: send what is queued, release the lock, then see to what was queued
+        meanwhile (_lead_after). ``blocking``: this thread may wait for the peer (else it sends only
+        whole messages, one frame per credit, and leaves the rest to the outbox thread)."""
+        try:
+            failed = self._send_queued(blocking)
+        except BaseException:
+            self.lock.release()
+            raise
+        self._lead_after(blocking, True, failed)
+
+    def _lead_after(
+        self, blocking: bool, sent: bool, failed: list[tuple[_Queued, BaseException]] | None = None
+    ) -> None:
+        """Release the send lock, report failed messages, post receives again (the receiver's
+        business after a send), and send what was queued while the lock was held: a message queued
+        behind a frame found the lock taken and counts on the holder to send it."""
+        while True:
+            self.lock.release()
+            for entry, error in failed or ():
+                _report(entry, error)
+            if sent:
+                self._receiver.repost_after_send()
+            if not self._queue:
+                return
+            if not self.lock.acquire(blocking=False):
+                return  # its holder sends them
+            if not (blocking or self._can_send_now() or self._closed or self._state.failed is not None):
+                self.lock.release()
+                self._kick()  # they need a thread that may wait: the outbox's
+                return
+            failed = self._send_queued(blocking)
+            sent = True
+
+    def _can_send_now(self) -> bool:
+        """Whether the next frame can go without waiting (under the send lock)."""
+        q = self._queue
+        return (
+            bool(q)
+            and fits_whole(q[0].msg)
+            and self.headers_sent - self._receiver.peer_acked < RING - 1
+            and self._state.failed is None
+        )
+
+    def _send_queued(self, blocking: bool) -> list[tuple[_Queued, BaseException]]:
+        """Send what is queued, a frame at a time (under the send lock); ``blocking`` False: only
+        frames that cannot wait for the peer. Returns the failed messages whose senders are still
+        to be told (outside the lock: a report may run a callback that sends)."""
+        q, state, receiver, enc = self._queue, self._state, self._receiver, self._encoder
+        failed: list[tuple[_Queued, BaseException]] = []
+        while q:
+            if state.failed is not None or self._closed:
+                error = state.failed or self._closed_error()
+                while q:
+                    failed.append((q.popleft(), error))
+                break
+            if not blocking and not self._can_send_now():
+                break
+            first = q[0]
+            riders = self._riders.take()
+            try:
+                inline, inline_tensors = enc.first(first.msg, receiver.consumed, messages(riders))
+            except Exception as exc:  # it cannot be framed (too many storages): it alone fails
                 self._riders.give_back(riders)
-                return False  # more frames would follow: their receives are not posted yet
+                failed.append((q.popleft(), exc))
+                continue
+            batch = [q.popleft()]
+            while q and enc.add(q[0].msg):
+                batch.append(q.popleft())
             self.headers_sent += 1
             try:
                 self._wait_sent(self._pg.send([self._header], self._dst, TAG), HEADER_BYTES)
+                if not inline or not inline_tensors:
+                    self._send_data(first.msg, inline, inline_tensors)
             except RuntimeError as exc:
-                self._frame_failed(exc, riders)
-                raise
-        finally:
-            self.lock.release()
-        receiver.repost_after_send()
-        return True
+                error = self._frame_failed(exc, riders)
+                failed += [(entry, error) for entry in batch]
+                while q:
+                    failed.append((q.popleft(), error))
+                break
+            self.messages_sent += len(batch)
+            for entry in batch:
+                entry.done = True
+        for entry, error in failed:
+            entry.done = True
+            entry.error = error
+        return [f for f in failed if f[0].on_error is not None]
 
-    def _encode(self, msg: Message) -> tuple[bool, bool, list[Rider]]:
-        """Fill the send header for ``msg`` with the riders waiting (under the send lock): whether its
-        payload and its storages are inline (see encode_header), and the riders taken."""
-        riders = self._riders.take()
-        try:
-            inline, inline_tensors = encode_header(self._view, msg, self._receiver.consumed, messages(riders))
-        except BaseException:
-            self._riders.give_back(riders)  # msg cannot be framed: they wait for the next one
-            raise
-        return inline, inline_tensors, riders
+    def _send_data(self, msg: Message, inline: bool, inline_tensors: bool) -> None:
+        """The data frames of a frame's first message: its payload unless inline, then its storages."""
+        pg, dst = self._pg, self._dst
+        if not inline:
+            payload = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8)
+            n = len(msg.payload)
+            self._wait_sent(pg.send([payload], dst, DATA_TAG if n <= STAGED_BYTES else LARGE_TAG), n)
+        if not inline_tensors:
+            for t in msg.tensors:
+                n = t.numel()
+                if n:
+                    self._wait_sent(pg.send([t], dst, DATA_TAG if n <= STAGED_BYTES else LARGE_TAG), n)
 
-    def _frame_failed(self, exc: RuntimeError, riders: list[Rider]) -> None:
+    def _frame_failed(self, exc: RuntimeError, riders: list[Rider]) -> BaseException:
         """A frame of ours failed in gloo: fail the link (unless it had failed already) and report the
-        riders it carried; raises the link's own error if abandon() woke the send (it says why)."""
+        riders it carried; returns the link's error (the one its messages fail with)."""
         state = self._state
-        earlier = state.failed
-        if earlier is None:
+        if state.failed is None:
             self._fail(exc)
-        report_failed(riders, state.failed or exc)
-        if earlier is not None:
-            raise earlier from None
+        error = state.failed or exc
+        report_failed(riders, error)
+        return error
 
     def _wait_sent(self, work: Any, nbytes: int) -> None:
         """Wait until the peer has taken one frame of ours, recording the wait for the liveness check."""
@@ -169,12 +294,16 @@ class Sender:
         allowance = nbytes / MIN_FRAME_RATE
         since = time.monotonic()
         live.sending = (since, allowance)
+        timeout = None if self._send_timeout is None else self._send_timeout + allowance
+        if self._deadline is not None:  # closing: bounded whatever the link's own bound
+            left = max(1.0, self._deadline - since)
+            timeout = left if timeout is None else min(timeout, left)
         try:
-            if self._send_timeout is None:
+            if timeout is None:
                 work.wait()
                 return
             try:
-                work.wait(timedelta(seconds=self._send_timeout + allowance))
+                work.wait(timedelta(seconds=timeout))
             except RuntimeError as exc:
                 self._fail(exc)  # while sending is still set: see Liveness.overdue_send
                 raise
@@ -182,8 +311,18 @@ class Sender:
             live.sending = None
 
     # -- the outbox --------------------------------------------------------------------------------
-    def send_later(self, msg: Message, on_error: Callable[[Message, BaseException], None]) -> None:
+    def send_later(self, msg: Message, on_error: OnError) -> None:
         """Send from the link's outbox thread (for threads that must not block, see THREAD_ROLE)."""
+        self._queue.append(_Queued(msg, on_error))
+        self._kick()
+
+    def _kick(self) -> None:
+        """Wake the outbox thread (started on first use) to send what is queued; once the link is
+        closed, fail it here instead."""
+        if self._closed:
+            if self.lock.acquire(blocking=False):
+                self._lead(blocking=False)
+            return
         if self._outbox_thread is None:
             # Not under the send lock: the timer queues heartbeats here and must never wait for a
             # send that is stuck on a stopped peer (it is the thread that judges that peer).
@@ -193,24 +332,22 @@ class Sender:
                         target=self._outbox_loop, name=f"twinrpc-send-{self._state.peer}", daemon=True
                     )
                     self._outbox_thread.start()
-        for rider in self._riders.take():  # they were sent before msg: they stay before it
-            self._outbox.put(rider)
-        self._outbox.put((msg, on_error))
+        self._outbox.put(True)
 
     def _outbox_loop(self) -> None:
         CALLBACK_ROLE.defer = self._defer_callbacks  # a failed send fails its call's future here
         while True:
             item = self._outbox.get()
+            if self._queue:
+                self.lock.acquire()
+                self._lead(blocking=True)  # fails what is queued at once once the link failed
             if item is None:
                 return
-            msg, on_error = item
-            try:
-                self.send(msg)  # raises at once once the link failed, so a failed outbox drains fast
-            except Exception as exc:
-                on_error(msg, exc)
 
     def stop_outbox(self) -> None:
-        """Let the outbox thread end after what is queued (at once if the link failed)."""
+        """The link ends at once (a process exiting without shutdown): let the outbox thread end,
+        failing what is still queued."""
+        self._closed = True
         if self._outbox_thread is not None:
             self._outbox.put(None)
 
@@ -229,7 +366,7 @@ class Sender:
         skipped while the outbox is busy, since whatever it is sending tells the peer we are alive
         just as well."""
         state = self._state
-        if state.failed is not None or state.closing or state.closed_by_peer or not self._outbox.empty():
+        if state.failed is not None or state.closing or state.closed_by_peer or self._queue:
             return
         self.send_beat()
 
@@ -259,35 +396,72 @@ class Sender:
         state = self._state
         if deadline is None:
             deadline = time.monotonic() + _CLOSE_FLUSH
+        self._deadline = deadline
+        if self._queue:
+            self._kick()  # what is still queued goes first, from the outbox (a bounded wait here)
         if self._outbox_thread is not None:
             self._outbox.put(None)  # the outbox thread ends after what is queued (or at once if failed)
             if state.failed is None:
-                self._outbox_thread.join(max(0.0, deadline - time.monotonic()))
-        if state.failed is not None or (self._outbox_thread is not None and self._outbox_thread.is_alive()):
-            return  # a dead peer reads nothing; a stuck outbox holds the send lock
-        left = max(1.0, deadline - time.monotonic())
-        if not self.lock.acquire(timeout=left):
+                # at least a moment: an idle outbox exits within milliseconds
+                self._outbox_thread.join(max(0.5, deadline - time.monotonic()))
+        stuck = self._outbox_thread is not None and self._outbox_thread.is_alive()
+        # a dead peer reads nothing; a stuck outbox holds the send lock (it fails what is queued
+        # once its send ends: at the deadline, or when abandon() wakes it)
+        if (
+            state.failed is not None
+            or stuck
+            or not self.lock.acquire(timeout=max(1.0, deadline - time.monotonic()))
+        ):
+            self._closed = True
+            self._kick()
             return
+        failed = self._send_queued(blocking=True)  # queued after the outbox left
         riders = self._riders.take()
         try:
-            if riders:  # in a heartbeat frame of their own, before the close frames
-                beat = Message(Kind.HEARTBEAT, 0, state.me, state.peer, b"")
-                encode_header(self._view, beat, self._receiver.consumed, messages(riders))
-                self.headers_sent += 1
-                work = self._pg.send([self._header], self._dst, TAG)
-                work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
-                riders = []
-            encode_close(self._view, state.me, graceful)
-            for _ in range(RECEIVERS):  # one for each of the peer's receivers (each ends one)
-                self.headers_sent += 1
-                work = self._pg.send([self._header], self._dst, TAG)
-                work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
+            if state.failed is None:
+                if riders:  # in a heartbeat frame of their own, before the close frames
+                    beat = Message(Kind.HEARTBEAT, 0, state.me, state.peer, b"")
+                    encode_header(self._view, beat, self._receiver.consumed, messages(riders))
+                    self.headers_sent += 1
+                    work = self._pg.send([self._header], self._dst, TAG)
+                    work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
+                    riders = []
+                encode_close(self._view, state.me, graceful)
+                for _ in range(RECEIVERS):  # one for each of the peer's receivers (each ends one)
+                    self.headers_sent += 1
+                    work = self._pg.send([self._header], self._dst, TAG)
+                    work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
         except RuntimeError as exc:
             _log.debug("twinrpc: close frame to %d failed: %s", state.peer, exc)
             report_failed(riders, exc)
         finally:
-            self.lock.release()
+            self._closed = True
+            failed += self._send_queued(blocking=False)  # anything queued meanwhile fails now
+            self._lead_after(blocking=False, sent=False, failed=failed)
+
+    def _closed_error(self) -> BaseException:
+        return RuntimeError(
+            f"the link to {self._state.peer_name} was closed (this worker is shutting down) before "
+            "the message could be sent"
+        )
 
 
 def _ignore_heartbeat_error(msg: Message, exc: BaseException) -> None:
     """A heartbeat that cannot be sent needs no report: the failed send broke the link already."""
+
+
+def _detached(msg: Message) -> Message:
+    """``msg`` with its storages copied: it waits for a frame after its sender has returned (and may
+    change the tensors); a whole message's storages are small."""
+    if not msg.tensors:
+        return msg
+    return Message(msg.kind, msg.id, msg.src, msg.dst, msg.payload, [t.clone() for t in msg.tensors])
+
+
+def _report(entry: _Queued, exc: BaseException) -> None:
+    """Tell a queued message's sender that its frame failed with ``exc``."""
+    assert entry.on_error is not None
+    try:
+        entry.on_error(entry.msg, exc)
+    except Exception:
+        _log.exception("twinrpc: reporting a failed %s failed", entry.msg.describe())

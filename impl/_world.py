@@ -164,11 +164,12 @@ class GlooWorld(World):
             self._flush_riders_later()
             return
         if THREAD_ROLE.no_blocking_send:
-            # A one-frame message the peer has a receive posted for goes at once (most replies);
+            # A one-frame message the peer has a receive posted for goes at once, or rides the frame
+            # going out if the send lock is taken (most replies);
             # otherwise a receiver hands its role to an idle thread and sends itself (no outbox hop
             # on the reply's way); the timer (no link to hand off) queues on the outbox.
             try:
-                if link.try_send_now(msg):
+                if link.try_send_now(msg, self._send_failed):
                     return
             except Exception as exc:
                 self._send_failed(msg, exc)
@@ -178,7 +179,7 @@ class GlooWorld(World):
                 link.send_later(msg, self._send_failed)
                 return
         try:
-            link.send(msg)
+            link.send(msg, self._send_failed)  # a small message may ride a frame already going out
         except Exception as exc:
             self._send_failed(msg, exc)
 
