@@ -269,6 +269,15 @@ def test_torchrun_program():
     assert "worker1: worker0 runs on" in out and "returned [2.0, 2.0]" in out
 
 
+def test_restrict_unpickling_refuses_the_unlisted_call_and_serves_the_rest():
+    out = _run("docs/examples/restrict_unpickling.py").splitlines()
+    assert out == [
+        "step: tensor([2., 2.])",
+        "evil refused: True | nothing ran: True",
+        "add: tensor([2., 2.])",
+    ]
+
+
 def test_pause_a_peer_from_the_program_under_the_simulator_command():
     out = _run("-m", "twinrpc.simulator", "run", "--nproc-per-node", "2", "docs/examples/pause_a_peer.py")
     assert "[rank0]:worker1 answered after 5.0 s" in out
