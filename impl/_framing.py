@@ -67,6 +67,55 @@ class FrameError(RPCError):
     the frame boundary can still be trusted (it cannot after a bad header, so the link is closed)."""
 
 
+class FrameTooLarge(FrameError):
+    """A header announced more bytes than this worker accepts in one message (MAX_MESSAGE_BYTES):
+    refused before anything is allocated for them, and the link to that peer fails (the frames that
+    would follow cannot be told apart from the next header)."""
+
+
+def _max_message_bytes() -> int:
+    """The most bytes one message may announce: ``TWINRPC_MAX_MESSAGE_BYTES``, else this machine's
+    physical memory (no message larger than that can be received, so no legitimate sender is
+    refused)."""
+    import os
+
+    text = os.environ.get("TWINRPC_MAX_MESSAGE_BYTES", "")
+    if text:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise ValueError(f"TWINRPC_MAX_MESSAGE_BYTES must be a positive number of bytes, got {text!r}")
+        return value
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+#: read once per process: what a receiver allows one message to announce (payload and storages)
+MAX_MESSAGE_BYTES = _max_message_bytes()
+
+
+def check_announced(record: Record, peer: str, limit: int) -> None:
+    """Refuse a message whose header announces more bytes still to come than ``limit`` (checked
+    before any receive buffer is allocated for them).
+
+    Raises:
+        FrameTooLarge: naming the peer, what it announced and the limit.
+    """
+    payload = record.payload_len if record.inline_payload is None else 0
+    storages = sum(record.sizes) if record.inline_tensors is None else 0
+    if payload + storages > limit:
+        raise FrameTooLarge(
+            f"{peer} announced a {record.kind.name} message of {payload + storages} B still to come "
+            f"(payload {payload} B, {len(record.sizes)} storages), more than the {limit} B this worker "
+            "accepts in one message (TWINRPC_MAX_MESSAGE_BYTES, default: physical memory); the link to "
+            "it is closed"
+        )
+
+
 def rider_bytes(msg: Message) -> int:
     """Bytes ``msg`` takes as a rider (see the module docstring)."""
     return _RIDER.size + len(msg.payload)

@@ -24,7 +24,16 @@ import torch
 from twinrpc._future import CALLBACK_ROLE
 from twinrpc._message import Kind, Message
 
-from ._framing import FrameError, Header, Record, new_header_tensor, recv_buffer
+from . import _framing
+from ._framing import (
+    FrameError,
+    FrameTooLarge,
+    Header,
+    Record,
+    check_announced,
+    new_header_tensor,
+    recv_buffer,
+)
 from ._link_state import LinkState
 from ._liveness import MIN_FRAME_RATE, Liveness
 from ._pair import DATA_TAG, LARGE_TAG, TAG, Pair
@@ -90,6 +99,8 @@ class Receiver:
         self._on_message = on_message
         self._fail = fail
         self._peer_closed = peer_closed
+        #: the most bytes one message from the peer may announce (checked before allocating them)
+        self._max_message_bytes = _framing.MAX_MESSAGE_BYTES
         self._ring = [new_header_tensor() for _ in range(RING)]
         self._ring_works: list[Any] = []
         #: the staging buffer for data frames up to STAGED_BYTES, with its posted receive
@@ -445,6 +456,14 @@ class Receiver:
             records: list[Record] = [header] if header.kind is not Kind.HEARTBEAT else []
             if header.more:
                 records += [r for r in header.more if r.kind is not Kind.HEARTBEAT]
+            try:
+                for record in records:
+                    check_announced(record, state.peer_name, self._max_message_bytes)
+            except FrameTooLarge as exc:
+                _log.error("twinrpc: %s", exc)
+                self.bad_frames += 1
+                self._fail(exc)
+                return False
             left = len(records)
             for record in records:
                 left -= 1

@@ -2,7 +2,8 @@
 
 * A peer that stops without closing its sockets (SIGSTOP: a hung or partitioned host) is declared dead
   by the heartbeat (ERR-7), while a peer busy in a long user function is not.
-* Malformed and truncated frames are rejected (logged, naming the peer) and the receiver keeps going.
+* Malformed and truncated frames are rejected (logged, naming the peer) and the receiver keeps going;
+  a header announcing more bytes than the receiver accepts fails that link only.
 
 Each test starts its own small world in fresh ``spawn`` processes; every wait is bounded, and the
 processes are SIGKILLed at the end whatever happened.
@@ -508,3 +509,54 @@ def test_malformed_frames_are_rejected_and_the_link_keeps_working(tmp_path: Path
     rejections = [line for line in result["logged"] if "rejected a malformed frame" in line]
     assert len(rejections) == 6, result["logged"]
     assert all("'worker0' (rank 0)" in line for line in rejections), rejections
+
+
+def _oversize_program(rank: int, world_size: int, init_file: str, shared: dict[str, Any]) -> Any:
+    rpc = _init(rank, world_size, init_file)
+    from twinrpc._current import current_agent
+
+    if rank == 0:
+        from twinrpc.impl._framing import encode_header, new_header_tensor
+        from twinrpc.impl._pair import TAG
+
+        from twinrpc._message import Kind, Message
+
+        link = current_agent().world.links[1]  # type: ignore[attr-defined]
+        assert rpc.rpc_sync("worker1", operator.add, args=(1, 1)) == 2
+        t, view = new_header_tensor()
+        encode_header(view, Message(Kind.CALL, 7, 0, 1, b"x" * 5000))  # a payload that follows
+        struct.pack_into("<Q", view, 24, 1 << 50)  # ... announced as 1 PiB
+        with link.sender.lock:  # test-only injection on the pair's own process group
+            link.pair.pg.send([t], link.pair.peer_rank, TAG).wait()
+        shared["sent"].set()
+        shared["done"].wait(WORLD_TIMEOUT)
+        rpc.shutdown(graceful=False)
+        return "sent"
+    shared["sent"].wait(WORLD_TIMEOUT)
+    if rank == 2:
+        shared["done"].wait(WORLD_TIMEOUT)
+        rpc.shutdown(graceful=False)
+        return "idle"
+    error = ""
+    deadline = time.monotonic() + 30
+    while not error and time.monotonic() < deadline:
+        try:
+            rpc.rpc_sync("worker0", operator.add, args=(1, 1), timeout=5)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    other = rpc.rpc_sync("worker2", operator.add, args=(2, 1))
+    bad = current_agent().world.links[0].bad_frames  # type: ignore[attr-defined]
+    shared["done"].set()
+    rpc.shutdown(graceful=False)
+    return {"error": error, "other": other, "bad": bad}
+
+
+def test_a_header_announcing_more_than_the_bound_fails_only_that_link(tmp_path: Path) -> None:
+    """A peer announcing a message larger than the receiver accepts (TWINRPC_MAX_MESSAGE_BYTES,
+    default: physical memory) is refused before anything is allocated: the link to it fails with an
+    error naming it, what it announced and the bound; the receiver's other links keep working."""
+    mp = multiprocessing.get_context("spawn")
+    got = _run_world(_oversize_program, 3, tmp_path, reporting=[1], sent=mp.Event(), done=mp.Event())[1]
+    assert got["other"] == 3 and got["bad"] == 1
+    assert "'worker0' (rank 0) announced a CALL message of 1125899906842624 B" in got["error"], got
+    assert "TWINRPC_MAX_MESSAGE_BYTES" in got["error"]
