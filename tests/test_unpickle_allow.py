@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import re
 
 import _unpickle_allow_program as program
 import pytest
@@ -71,6 +72,28 @@ def test_builtin_operators_and_methods_are_checked_by_their_full_name() -> None:
         _loads(torch.sub, allow)
     with pytest.raises(UnpickleRefused, match=r"builtins\.str\.join"):
         _loads(",".join, UnpickleAllowlist(["builtins.str"]))  # the method, not just its class
+
+
+def _payload_naming(module: str, name: str) -> bytes:
+    """A pickle that loads ``module.name`` with STACK_GLOBAL (as protocol 4 does for dotted names)."""
+    return (
+        b"\x80\x04"
+        + pickle.dumps(module, 4)[2:-1]
+        + pickle.dumps(name, 4)[2:-1]
+        + b"\x93."  # STACK_GLOBAL, STOP
+    )
+
+
+def test_an_allowed_module_does_not_open_the_modules_it_imported_or_dunders() -> None:
+    allow = UnpickleAllowlist([f"{__name__}.*"])
+    for name in ("pickle.loads", "record.__globals__", "SIDE_EFFECTS.__class__"):
+        with pytest.raises(UnpickleRefused, match=re.escape(f"{__name__}.{name}")):
+            allow.loads(_payload_naming(__name__, name))
+    assert allow.loads(_payload_naming(__name__, "record")) is record
+    with pytest.raises(UnpickleRefused, match=re.escape(f"{__name__}._Calls.__init__")):
+        _loads(_Calls.__init__, allow)  # by qualified name, through a dunder
+    with pytest.raises(UnpickleRefused, match=re.escape("builtins.list.__len__")):
+        _loads([1, 2].__len__, UnpickleAllowlist(["builtins.*"]))  # getattr(owner, dunder)
 
 
 @pytest.mark.parametrize(

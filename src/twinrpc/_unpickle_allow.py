@@ -20,12 +20,15 @@ import fnmatch
 import io
 import pickle
 import re
+import sys
 import threading
+import types
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from . import _errors
 from ._errors import SerializationError
 
 #: twinrpc's own globals, allowed with any allowlist: what its messages and its own remote calls name
@@ -106,13 +109,17 @@ class UnpickleAllowlist:
             raise self.refused(f"{module}.{name}")
         if key == ("builtins", "getattr"):
             return self._checked_getattr
-        return _load_global(module, name)
+        obj = _load_global(module, name)
+        if obj is None:  # a dotted name that leaves its module or goes through a dunder
+            raise self.refused(f"{module}.{name}")
+        return obj
 
     def _checked_getattr(self, owner: Any, name: str) -> Any:
         """``getattr`` as a pickle calls it (methods, builtin operators): the attribute is allowed
-        only if a pattern allows its full name (``torch.add``, ``mypkg.Model.forward``)."""
+        only if a pattern allows its full name (``torch.add``, ``mypkg.Model.forward``); never a
+        dunder (``__globals__``, ``__subclasses__``: no message needs one)."""
         dotted = f"{_owner_name(owner)}.{name}"
-        if not self.allows_name(dotted):
+        if _is_dunder(name) or not self.allows_name(dotted):
             raise self.refused(dotted)
         return getattr(owner, name)
 
@@ -148,8 +155,6 @@ def _implied(module: str, name: str) -> bool:
         value = getattr(builtins, name, None)
         return isinstance(value, type) and issubclass(value, BaseException)
     if module == "twinrpc._errors":
-        from . import _errors
-
         value = getattr(_errors, name, None)
         return isinstance(value, type) and issubclass(value, BaseException)
     if _OPTIMIZER_MODULE.match(module):
@@ -161,14 +166,22 @@ def _implied(module: str, name: str) -> bool:
 
 
 def _load_global(module: str, name: str) -> Any:
-    """What ``pickle`` itself would load for ``module.name``."""
+    """What ``pickle`` itself would load for ``module.name``, or None for a dotted name that reaches
+    through another module (``mypkg.os.system``: a pattern for ``mypkg`` must not allow ``os``) or
+    through a dunder attribute."""
     __import__(module)
-    import sys
-
     obj: Any = sys.modules[module]
     for part in name.split("."):
+        if _is_dunder(part):
+            return None
         obj = getattr(obj, part)
+        if isinstance(obj, types.ModuleType):
+            return None
     return obj
+
+
+def _is_dunder(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
 
 
 def _owner_name(owner: Any) -> str:
