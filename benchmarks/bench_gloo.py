@@ -7,6 +7,9 @@ measurement runs on every system in turn (the order rotates each round), so all 
 load the machine has at that moment. Reported: medians (and p99 for latency) over all rounds, and
 twinrpc / TensorPipe ratios against the targets in ``_TARGETS``.
 
+With 64 calls in flight, twinrpc's links also count the messages per header frame each way (requests,
+replies): several messages waiting for the same peer share a frame (``Sender`` in ``impl/_sender.py``).
+
 Bandwidth is a round trip: a UDF that returns its argument; GB/s = 2 x size / round-trip time (bytes
 moved both ways). The raw gloo floor is the same ping-pong with reused receive buffers.
 
@@ -101,6 +104,26 @@ def _throughput(rpc: Any, n: int, a: Any, b: Any) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def link_frames(peer: int) -> tuple[int, int]:
+    """(header frames, messages) this twinrpc worker has sent to ``peer`` (a tree from before
+    coalescing counts a message per frame)."""
+    from twinrpc._current import current_agent
+
+    sender = current_agent().world.links[peer].sender  # type: ignore[attr-defined]
+    return sender.headers_sent, getattr(sender, "messages_sent", sender.headers_sent)
+
+
+def _messages_per_frame(rpc: Any, n: int, a: Any, b: Any) -> tuple[float, float]:
+    """Messages per header frame (requests, replies) over ``n`` calls with WINDOW in flight."""
+    mine, theirs = link_frames(1), rpc.rpc_sync("worker1", link_frames, args=(0,))
+    _throughput(rpc, n, a, b)
+    mine2, theirs2 = link_frames(1), rpc.rpc_sync("worker1", link_frames, args=(0,))
+    return (
+        (mine2[1] - mine[1]) / max(1, mine2[0] - mine[0]),
+        (theirs2[1] - theirs[1]) / max(1, theirs2[0] - theirs[0]),
+    )
+
+
 def _rpc_measure(rpc: Any, what: str, n: int, size: int) -> Any:
     import torch
 
@@ -111,6 +134,8 @@ def _rpc_measure(rpc: Any, what: str, n: int, size: int) -> Any:
         return _timed_calls(n, lambda: rpc.rpc_sync("worker1", tiny_udf, args=(a, b)))
     if what == "throughput":
         return _throughput(rpc, n, a, b)
+    if what == "frames":
+        return _messages_per_frame(rpc, n, a, b)
     if what == "remote":
         return _timed_calls(n, lambda: rpc.remote("worker1", tiny_udf, args=(a, b)).to_here())
     if what == "bw":
@@ -283,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             plan.append(("remote", "remote", args.calls // 2, 0))
         if "throughput" in wanted:
             plan.append(("throughput", "throughput", args.calls * 4, 0))
+            plan.append(("frames", "frames", args.calls * 2, 0))
         if "bw" in wanted:
             for size in SIZES:
                 reps = max(3, min(args.calls // 4, (256 * MiB) // size))
@@ -291,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         # warm-up: one short pass of everything, not recorded
         for _name, what, n, size in plan:
             for s, p in pairs.items():
-                if s == "gloo" and what not in ("builtin", "bw"):
+                if not _measures(s, what):
                     continue
                 _only(pairs, s)
                 p.run(what, max(2, n // 10), size)
@@ -301,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             order = systems[k:] + systems[:k]
             for name, what, n, size in plan:
                 for s in order:
-                    if s == "gloo" and what not in ("builtin", "bw"):
+                    if not _measures(s, what):
                         continue
                     _only(pairs, s)
                     r = pairs[s].run(what, n, size)
@@ -312,6 +338,14 @@ def main(argv: list[str] | None = None) -> int:
 
     _report(samples, plan, args.rounds, wall, systems)
     return 0
+
+
+def _measures(system: str, what: str) -> bool:
+    """Whether ``system`` takes part in measurement ``what`` (raw gloo: only its ping-pongs; frames
+    per message: only twinrpc's links count them)."""
+    if system == "gloo":
+        return what in ("builtin", "bw")
+    return what != "frames" or system.startswith("twinrpc")
 
 
 _TARGETS = {
@@ -369,6 +403,10 @@ def _report(
         elif what == "throughput":
             med = {s: statistics.median(v) if v else None for s, v in got.items()}
             line(f"rpc_async {WINDOW} in flight", "calls/s", med, what)
+        elif what == "frames":
+            for i, way in enumerate(("requests", "replies")):
+                per = {s: statistics.median(x[i] for x in v) if v else None for s, v in got.items()}
+                line(f"  {way} per header frame", "msgs", per, "")
         else:
             rate = {s: 2 * size / statistics.median(v) / 1e9 if v else None for s, v in got.items()}
             line(f"round trip {_fmt_size(size)}", "GB/s", rate, name)
