@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _serialize
-from ._departure import relayed_departure
+from ._departure import Departure, relayed_departure
 from ._errors import RPCTimeoutError, WorkerUnavailableError
 from ._future import Future, wait_bounded
 from ._message import Kind, Message
@@ -47,6 +47,18 @@ class _GatherAborted:
 
     why: str
     departure: str | None
+
+
+@dataclass(frozen=True)
+class _PeerDied:
+    """A follower's news for the leader, in place of its contribution to an all-gather: worker
+    ``rank`` died (or fell silent) before the follower could take part. The leader fails the
+    all-gather naming that worker as if it had seen the death itself, whatever it has heard of it
+    yet: the follower now leaves because of that death, and its leaving must not be blamed for it
+    (on a loaded host a crash's news can reach the leader after the follower's close frame)."""
+
+    rank: int
+    departure: str
 
 
 class ShutdownProtocol:
@@ -159,21 +171,44 @@ class ShutdownProtocol:
             if dead is None:
                 fut = self._scattered.setdefault(tag, Future())
         if dead is not None:
+            self._tell_leader_of_deaths(tag)
             raise dead
         fut.label = f"the shutdown leader {agent.leader.name} to answer _all_gather {tag}"
         payload, _ = _serialize.dumps((tag, value))
         agent.world.send(Message(Kind.GATHER, 0, me, agent.leader.id, payload))
-        result = wait_bounded(
-            fut,
-            timeout,
-            lambda: (
-                f"{agent.info} timed out after {timeout} s waiting for the shutdown leader {agent.leader} in _all_gather"
-            ),
-            agent.world.call_later,
-        )
+        try:
+            result = wait_bounded(
+                fut,
+                timeout,
+                lambda: (
+                    f"{agent.info} timed out after {timeout} s waiting for the shutdown leader {agent.leader} in _all_gather"
+                ),
+                agent.world.call_later,
+            )
+        except WorkerUnavailableError:
+            self._tell_leader_of_deaths(tag)
+            raise
         with self._lock:
             self._scattered.pop(tag, None)
         return result
+
+    def _tell_leader_of_deaths(self, tag: Hashable) -> None:
+        """Follower: the all-gather failed here; tell the leader which workers this one saw die
+        (see _PeerDied), before this worker's leaving can reach it."""
+        agent = self._agent
+        leader = agent.leader.id
+        with self._lock:
+            died = [
+                (peer, err)
+                for peer, err in self._peer_errors.items()
+                if peer != leader and err.departure is not None and not err.departure.shut_down
+            ]
+            if leader in self._peer_errors:
+                return  # nobody to tell
+        for peer, err in died:
+            assert err.departure is not None
+            payload, _ = _serialize.dumps((tag, _PeerDied(peer, err.departure.value)))
+            agent.world.send(Message(Kind.GATHER, 0, agent.info.id, leader, payload))
 
     def _gather_as_leader(
         self, tag: Hashable, value: Any, timeout: float, combine: Callable[[list[Any]], Any] | None
@@ -225,6 +260,13 @@ class ShutdownProtocol:
         (tag, value), _ = _serialize.loads(
             msg.payload, msg.tensors, msg.src, allow=self._agent.unpickle_allow
         )
+        if isinstance(value, _PeerDied):
+            # as if this worker had seen it die (the same words, this worker the observer)
+            agent = self._agent
+            seen = f"seen dead by {agent.worker_by_id(msg.src)}"
+            err = agent.departure_error(value.rank, Departure(value.departure), seen)
+            self.peer_failed(value.rank, err, orderly=False)
+            return
         with self._lock:
             got = self._gathered.setdefault(tag, {})
             got[msg.src] = value

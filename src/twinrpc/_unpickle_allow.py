@@ -42,6 +42,7 @@ _TWINRPC_GLOBALS = frozenset(
         ("twinrpc._agent", "_RemoteException"),
         ("twinrpc._worker_info", "WorkerInfo"),
         ("twinrpc._shutdown", "_GatherAborted"),
+        ("twinrpc._shutdown", "_PeerDied"),
         ("twinrpc._dist_autograd", "_open_envelope"),
         ("twinrpc._dist_autograd", "rref_backward_on_owner"),
         ("twinrpc._membership", "member_ready"),
