@@ -4,7 +4,8 @@ gloo world's link layer without starting processes."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
@@ -45,3 +46,35 @@ def close_links(*links: PeerLink) -> None:
         link.send_close(deadline=0.0)
     for link in links:
         link.join(WAIT)
+
+
+class Inbox:
+    """The listener's side: records every message delivered, in order."""
+
+    def __init__(self) -> None:
+        self.got: list[Message] = []
+        self.changed = threading.Condition()
+
+    def __call__(self, msg: Message) -> None:
+        with self.changed:
+            self.got.append(msg)
+            self.changed.notify_all()
+
+    def wait_for(self, n: int) -> list[Message]:
+        with self.changed:
+            assert self.changed.wait_for(lambda: len(self.got) >= n, WAIT), [m.describe() for m in self.got]
+            return list(self.got)
+
+
+@contextmanager
+def started_links() -> Iterator[tuple[PeerLink, PeerLink, Inbox]]:
+    """Both links started, the listener delivering to an :class:`Inbox`; closed at the end, and no
+    link may have failed meanwhile."""
+    inbox = Inbox()
+    failures: list[BaseException] = []
+    sender, listener = make_links(inbox, failures)
+    sender.start()
+    listener.start()
+    yield sender, listener, inbox
+    close_links(sender, listener)
+    assert not failures, failures

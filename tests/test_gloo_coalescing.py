@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _gloo_pair import WAIT, close_links, make_links
+from _gloo_pair import WAIT, Inbox, make_links, started_links
 from twinrpc.impl._framing import (
     HEADER_BYTES,
     FrameEncoder,
@@ -32,34 +32,10 @@ from twinrpc.impl._pair import TAG
 from twinrpc._message import Kind, Message
 
 
-class _Inbox:
-    """Rank 1's side: records every message delivered, in order."""
-
-    def __init__(self) -> None:
-        self.got: list[Message] = []
-        self.changed = threading.Condition()
-
-    def __call__(self, msg: Message) -> None:
-        with self.changed:
-            self.got.append(msg)
-            self.changed.notify_all()
-
-    def wait_for(self, n: int) -> list[Message]:
-        with self.changed:
-            assert self.changed.wait_for(lambda: len(self.got) >= n, WAIT), [m.describe() for m in self.got]
-            return list(self.got)
-
-
 @pytest.fixture
-def links() -> Iterator[tuple[PeerLink, PeerLink, _Inbox]]:
-    inbox = _Inbox()
-    failures: list[BaseException] = []
-    sender, listener = make_links(inbox, failures)
-    sender.start()
-    listener.start()
-    yield sender, listener, inbox
-    close_links(sender, listener)
-    assert not failures, failures
+def links() -> Iterator[tuple[PeerLink, PeerLink, Inbox]]:
+    with started_links() as started:
+        yield started
 
 
 def _call(i: int, extra: bytes = b"") -> Message:
@@ -155,7 +131,7 @@ def test_a_malformed_multi_message_header_is_refused_naming_the_peer(
 
 
 def test_a_malformed_multi_message_frame_is_dropped_and_the_link_keeps_working(
-    links: tuple[PeerLink, PeerLink, _Inbox], caplog: pytest.LogCaptureFixture
+    links: tuple[PeerLink, PeerLink, Inbox], caplog: pytest.LogCaptureFixture
 ) -> None:
     sender, listener, inbox = links
     t, view, count_at = _two_record_frame()
@@ -170,7 +146,7 @@ def test_a_malformed_multi_message_frame_is_dropped_and_the_link_keeps_working(
 
 
 # -- on a link ---------------------------------------------------------------------------------------
-def test_a_lone_message_goes_at_once_in_a_frame_of_its_own(links: tuple[PeerLink, PeerLink, _Inbox]) -> None:
+def test_a_lone_message_goes_at_once_in_a_frame_of_its_own(links: tuple[PeerLink, PeerLink, Inbox]) -> None:
     sender, _, inbox = links
     for i in range(3):
         frames = sender.sender.headers_sent
@@ -181,7 +157,7 @@ def test_a_lone_message_goes_at_once_in_a_frame_of_its_own(links: tuple[PeerLink
 
 
 def test_concurrent_sends_to_one_peer_share_frames_and_arrive_in_order(
-    links: tuple[PeerLink, PeerLink, _Inbox],
+    links: tuple[PeerLink, PeerLink, Inbox],
 ) -> None:
     sender, _, inbox = links
     n = 8
@@ -213,7 +189,7 @@ def test_concurrent_sends_to_one_peer_share_frames_and_arrive_in_order(
 
 
 def test_messages_that_find_a_frame_going_out_ride_the_next_and_return_at_once(
-    links: tuple[PeerLink, PeerLink, _Inbox],
+    links: tuple[PeerLink, PeerLink, Inbox],
 ) -> None:
     sender, _, inbox = links
     frames = sender.sender.headers_sent
@@ -234,7 +210,7 @@ def test_messages_that_find_a_frame_going_out_ride_the_next_and_return_at_once(
 
 
 def test_a_failed_frame_fails_every_message_in_it_with_the_links_error() -> None:
-    inbox = _Inbox()
+    inbox = Inbox()
     failures: list[BaseException] = []
     sender, listener = make_links(inbox, failures)
     sender.start()
@@ -274,7 +250,7 @@ def _never(msg: Message, exc: BaseException) -> None:
 
 
 def test_closing_sends_the_messages_still_riding_first_and_fails_later_ones() -> None:
-    inbox = _Inbox()
+    inbox = Inbox()
     failures: list[BaseException] = []
     sender, listener = make_links(inbox, failures)
     sender.start()

@@ -9,7 +9,6 @@ no wake-up of the peer's receiver of its own. Order per link is kept either way.
 from __future__ import annotations
 
 import multiprocessing
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,29 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from _gloo_pair import WAIT, close_links, make_links
+from _gloo_pair import WAIT, Inbox, make_links, started_links
 from twinrpc.impl._framing import MAX_RIDER_BYTES, FrameError, Header, encode_header, new_header_tensor
 from twinrpc.impl._link import PeerLink
 
 from twinrpc._message import Kind, Message
-
-
-class _Inbox:
-    """Rank 1's side: records every message delivered, in order."""
-
-    def __init__(self) -> None:
-        self.got: list[Message] = []
-        self.changed = threading.Condition()
-
-    def __call__(self, msg: Message) -> None:
-        with self.changed:
-            self.got.append(msg)
-            self.changed.notify_all()
-
-    def wait_for(self, n: int) -> list[Message]:
-        with self.changed:
-            assert self.changed.wait_for(lambda: len(self.got) >= n, WAIT), [m.describe() for m in self.got]
-            return list(self.got)
 
 
 def _cleanup(msg_id: int) -> Message:
@@ -47,15 +28,9 @@ def _cleanup(msg_id: int) -> Message:
 
 
 @pytest.fixture
-def links() -> Iterator[tuple[PeerLink, PeerLink, _Inbox]]:
-    inbox = _Inbox()
-    failures: list[BaseException] = []
-    sender, listener = make_links(inbox, failures)
-    sender.start()
-    listener.start()
-    yield sender, listener, inbox
-    close_links(sender, listener)
-    assert not failures, failures
+def links() -> Iterator[tuple[PeerLink, PeerLink, Inbox]]:
+    with started_links() as started:
+        yield started
 
 
 def test_riders_are_decoded_in_order_and_leave_the_message_its_inline_payload() -> None:
@@ -95,7 +70,7 @@ def test_a_rider_whose_payload_overflows_its_block_is_rejected() -> None:
 
 
 def test_deferred_messages_are_delivered_before_the_message_they_ride_with_in_one_frame(
-    links: tuple[PeerLink, PeerLink, _Inbox],
+    links: tuple[PeerLink, PeerLink, Inbox],
 ) -> None:
     sender, _listener, inbox = links
     assert sender.defer(_cleanup(1), _never) and sender.defer(_cleanup(2), _never)
@@ -115,7 +90,7 @@ def test_deferred_messages_are_delivered_before_the_message_they_ride_with_in_on
 
 
 def test_riders_left_waiting_go_in_a_heartbeat_frame_of_their_own(
-    links: tuple[PeerLink, PeerLink, _Inbox],
+    links: tuple[PeerLink, PeerLink, Inbox],
 ) -> None:
     sender, _listener, inbox = links
     assert sender.defer(_cleanup(1), _never)
@@ -126,7 +101,7 @@ def test_riders_left_waiting_go_in_a_heartbeat_frame_of_their_own(
 
 
 def test_a_message_queued_on_the_outbox_keeps_its_place_behind_earlier_riders(
-    links: tuple[PeerLink, PeerLink, _Inbox],
+    links: tuple[PeerLink, PeerLink, Inbox],
 ) -> None:
     sender, _listener, inbox = links
     assert sender.defer(_cleanup(1), _never)
@@ -135,7 +110,7 @@ def test_a_message_queued_on_the_outbox_keeps_its_place_behind_earlier_riders(
 
 
 def test_a_message_with_tensors_or_a_large_payload_does_not_wait() -> None:
-    inbox = _Inbox()
+    inbox = Inbox()
     sender, _listener = make_links(inbox, [])
     assert not sender.defer(Message(Kind.CONTEXT_CLEANUP, 1, 0, 1, b"", [torch.ones(1)], True), _never)
     assert not sender.defer(
@@ -144,7 +119,7 @@ def test_a_message_with_tensors_or_a_large_payload_does_not_wait() -> None:
 
 
 def test_riders_waiting_on_a_link_that_fails_are_reported() -> None:
-    inbox = _Inbox()
+    inbox = Inbox()
     failures: list[BaseException] = []
     sender, _listener = make_links(inbox, failures)
     reported: list[tuple[int, str]] = []
