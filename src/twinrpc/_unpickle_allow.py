@@ -21,7 +21,6 @@ import io
 import pickle
 import re
 import sys
-import threading
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -81,9 +80,9 @@ class UnpickleAllowlist:
                 raise TypeError(f"unpickle_allow patterns must be non-empty strings, got {pattern!r}")
         self._regex = re.compile("|".join(fnmatch.translate(p) for p in self.patterns) or r"(?!)")
         self._modules = frozenset(p for p in self.patterns if not any(c in p for c in "*?["))
-        #: (module, name) -> allowed: a message names the same few globals over and over
-        self._decided: dict[tuple[str, str], bool] = {}
-        self._lock = threading.Lock()
+        #: the globals found allowed: a message names the same few over and over. Refusals are not
+        #: kept: a hostile peer could otherwise grow this with names of its choosing
+        self._allowed: set[tuple[str, str]] = set()
 
     def __repr__(self) -> str:
         return f"UnpickleAllowlist({list(self.patterns)!r})"
@@ -99,13 +98,13 @@ class UnpickleAllowlist:
             UnpickleRefused: it is not allowed (nothing was imported or looked up).
         """
         key = (module, name)
-        allowed = self._decided.get(key)
-        if allowed is None:
+        allowed = key in self._allowed
+        if not allowed:
             allowed = key in _TWINRPC_GLOBALS or self.allows_name(f"{module}.{name}", module)
             if not allowed:  # twinrpc's own needs that are kinds of values, not single names
                 allowed = _implied(module, name)
-            with self._lock:
-                self._decided[key] = allowed
+            if allowed:
+                self._allowed.add(key)  # set.add is atomic: no lock needed
         if not allowed:
             raise self.refused(f"{module}.{name}")
         if key == ("builtins", "getattr"):
