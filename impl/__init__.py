@@ -13,6 +13,7 @@ from typing import Any
 from twinrpc._worker_info import WorkerInfo
 from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
+from ._auth import JobAuth, job_key
 from ._rendezvous import LaunchError, join, join_dynamic
 from ._world import GlooWorld
 
@@ -30,11 +31,15 @@ def connect(
         LaunchError: missing MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, a rank outside the world, an
             unknown or malformed ``init_method`` (a ValueError and a RuntimeError).
         RPCTimeoutError: not every worker joined in time; the message names the missing ranks.
+        AuthenticationError: the workers were not all started with the same key (``auth_key`` or
+            ``TWINRPC_AUTH_KEY``; see impl/_auth.py).
     """
+    key = job_key(options)
+    auth = JobAuth(key) if key is not None else None
     if world_size:
-        joined = join(name, rank, world_size, options.init_method, options.rpc_timeout, generation)
+        joined = join(name, rank, world_size, options.init_method, options.rpc_timeout, generation, auth)
     else:
-        joined = join_dynamic(name, rank, options.init_method, options.rpc_timeout, generation)
+        joined = join_dynamic(name, rank, options.init_method, options.rpc_timeout, generation, auth)
     try:
         world = GlooWorld(
             joined,

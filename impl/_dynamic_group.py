@@ -15,6 +15,7 @@ them is the core's (``twinrpc._membership``). Keys, under the generation's ``twi
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,6 +26,10 @@ import torch.distributed as dist
 from twinrpc._departure import Departure, departure_error
 from twinrpc._membership import MIXED_GROUP_ERROR
 from twinrpc._worker_info import WorkerInfo
+
+from ._auth import AuthenticationError, refuse_marked
+
+_log = logging.getLogger("twinrpc.impl")
 
 #: how long a member's watcher waits for its next inbox entry before asking again (quietly)
 _WATCH_WAIT = timedelta(days=1)
@@ -48,8 +53,11 @@ class JoinNotice:
 
 
 def mark_kind(store: Any, kind: str) -> None:
-    """Record this group's kind (``static`` or ``dynamic``); raises PyTorch's error on a mix."""
-    found = store.compare_set("kind", "", kind).decode()
+    """Record this group's kind (``static`` or ``dynamic``); raises PyTorch's error on a mix, and
+    AuthenticationError if the group's workers do not share this worker's key (impl/_auth.py)."""
+    raw = store.compare_set("kind", "", kind)
+    refuse_marked(raw, "the group's rendezvous entry 'kind'")
+    found = raw.decode()
     if found != kind:
         raise RuntimeError(MIXED_GROUP_ERROR)
 
@@ -165,18 +173,25 @@ class StoreGroup:
         self._post(self.me.uid, "stop")
 
     def next_notice(self) -> JoinNotice | None:
-        """Block until the next inbox entry; None when it is ``stop``."""
-        key = f"{self._inbox}/{self._next}"
+        """Block until the next inbox entry; None when it is ``stop``. With a job key, an entry that is
+        not authenticated (not posted by a worker of this job) is logged and skipped."""
         while True:
+            key = f"{self._inbox}/{self._next}"
+            while True:
+                try:
+                    self._watch_store.wait([key], _WATCH_WAIT)
+                    break
+                except RuntimeError as exc:
+                    if "timeout" not in str(exc).lower():
+                        raise  # the store is gone (its host process left)
+                    # the wait timed out: wait again
+            self._next += 1
             try:
-                self._watch_store.wait([key], _WATCH_WAIT)
-                break
-            except RuntimeError as exc:
-                if "timeout" not in str(exc).lower():
-                    raise  # the store is gone (its host process left)
-                # the wait timed out: wait again
-        self._next += 1
-        entry = self._watch_store.get(key).decode()
+                entry = self._watch_store.get(key).decode()
+            except AuthenticationError as exc:
+                _log.error("twinrpc: %s; skipped", exc)
+                continue
+            break
         if entry == "stop":
             return None
         _, rank, uid, name = entry.split(" ", 3)

@@ -7,9 +7,12 @@ sent straight from the tensor's memory (no pickling, no copy). The receiver take
 1 MiB into a receive it posted ahead and copies them out (see ``STAGED_BYTES`` in ``_receiver``), and
 receives larger ones in place.
 
-Header layout (little-endian): magic u32, version u16, flags u16, kind u16, reserved u16, src i32,
-id i64, payload_len u64, n_tensors u32, ack u64, then n_tensors u64 storage sizes, then the inline
-payload. ``ack`` counts the header frames the sender has taken from its receive ring (and posted a
+Header layout (little-endian): magic u32, version u16, flags u16, kind u16, used u16, src i32,
+id i64, payload_len u64, n_tensors u32, ack u64, the frame's tag (16 bytes), the payload's tag (16
+bytes), then n_tensors u64 storage sizes, then the inline payload. ``used`` and the two tags are set
+only with a job key (``_auth``): ``used`` is where the frame's leading part ends (the tag covers that
+part and the riders), the payload's tag authenticates a payload sent as a frame of its own; without a
+key they stay zero and nothing reads them. ``ack`` counts the header frames the sender has taken from its receive ring (and posted a
 receive again for): the peer's credit for sends that cannot block (see Sender.try_send_now).
 
 A header may also carry *riders* (``FLAG_RIDERS``): small payload-only messages that were sent
@@ -38,7 +41,7 @@ from twinrpc._message import Kind, Message
 
 HEADER_BYTES = 4096
 MAGIC = 0x54574E52  # "TWNR"
-VERSION = 4
+VERSION = 5
 FLAG_INLINE = 1  # the payload is inside the header
 FLAG_CLOSE = 2  # the sender is closing this link (graceful shutdown): no message follows
 FLAG_GRACEFUL = 4  # with FLAG_CLOSE: the sender completed graceful shutdown (an orderly departure)
@@ -47,8 +50,15 @@ FLAG_RIDERS = 16  # earlier small messages ride at the end of the header (delive
 FLAG_MORE = 32  # further whole messages follow the first one's inline part (see the module docstring)
 
 _FIXED = struct.Struct("<IHHHHiqQIQ")
+#: the ``used`` field's offset (see the module docstring)
+USED_AT = 10
+TAG_BYTES = 16
+#: where the frame's tag and the payload's tag sit (after the fixed fields), and the sizes after them
+TAG_AT = _FIXED.size
+PAYLOAD_TAG_AT = TAG_AT + TAG_BYTES
+SIZES_AT = PAYLOAD_TAG_AT + TAG_BYTES
 _SIZE = struct.Struct("<Q")
-MAX_TENSORS = (HEADER_BYTES - _FIXED.size) // _SIZE.size
+MAX_TENSORS = (HEADER_BYTES - SIZES_AT) // _SIZE.size
 _RIDER = struct.Struct("<HqI")  # kind, id, payload length; the payload follows
 _TRAILER = struct.Struct("<HH")  # riders, bytes they take (the last bytes of the header frame)
 #: bytes of riders one header frame takes at most (the rest stays for the message's own inline payload)
@@ -149,7 +159,7 @@ def _encode_first(
     if riders:
         limit = _encode_riders(buf, riders)
     payload = msg.payload
-    offset = _FIXED.size + n * _SIZE.size
+    offset = SIZES_AT + n * _SIZE.size
     end = offset + len(payload)
     inline = end <= limit
     sizes = [t.numel() for t in tensors]
@@ -171,7 +181,7 @@ def _encode_first(
         ack,
     )
     for i, size in enumerate(sizes):
-        _SIZE.pack_into(buf, _FIXED.size + i * _SIZE.size, size)
+        _SIZE.pack_into(buf, SIZES_AT + i * _SIZE.size, size)
     if inline:
         buf[offset:end] = payload
     else:
@@ -212,6 +222,11 @@ class FrameEncoder:
         self._pos = self._limit = self._count_at = 0
         #: messages added after the first one
         self.count = 0
+
+    @property
+    def used(self) -> int:
+        """Where the frame's leading part (the messages, not the riders) ends so far."""
+        return self._pos
 
     def first(self, msg: Message, ack: int, riders: list[Message] | None) -> tuple[bool, bool]:
         """Start the frame with ``msg`` (see encode_header); raises if ``msg`` cannot be framed."""
@@ -313,7 +328,11 @@ class Header(Record):
     """A decoded header frame: its first message (the Record fields), the frame's own fields, the
     riders before it and the further messages after it (``more``)."""
 
-    __slots__ = ("ack", "closing", "graceful", "more", "riders", "src")
+    __slots__ = ("ack", "closing", "graceful", "more", "payload_tag", "riders", "src")
+
+    #: with a job key: the tag the payload frame that follows must match (set by the receiver, which
+    #: checked the header's own tag before decoding it; see _auth.FrameAuth)
+    payload_tag: bytes
 
     def __init__(
         self, buf: memoryview, expected_src: int, dst: int, frame: torch.Tensor | None = None
@@ -347,8 +366,8 @@ class Header(Record):
         self.kind = _KINDS[kind]
         self.id = msg_id
         self.payload_len = payload_len
-        offset = _FIXED.size + n * _SIZE.size
-        self.sizes = [_SIZE.unpack_from(buf, _FIXED.size + i * _SIZE.size)[0] for i in range(n)]
+        offset = SIZES_AT + n * _SIZE.size
+        self.sizes = [_SIZE.unpack_from(buf, SIZES_AT + i * _SIZE.size)[0] for i in range(n)]
         limit = HEADER_BYTES
         #: (kind, id, payload) of each rider, in the order they were sent
         self.riders: list[tuple[Kind, int, bytes]] = []

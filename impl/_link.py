@@ -45,6 +45,7 @@ from typing import Any
 
 from twinrpc._message import Message
 
+from ._auth import FrameAuth
 from ._link_state import LinkState, PeerShutDown
 from ._liveness import Liveness, PeerSilent
 from ._pair import Pair, make_pair_group
@@ -70,9 +71,11 @@ class PeerLink:
         on_message: Callable[[Message], None],
         on_failure: Callable[[int, BaseException], None],
         send_timeout: float | None = None,
+        auth: FrameAuth | None = None,
     ) -> None:
         """``send_timeout``: seconds (plus the size allowance) a send may wait in gloo before the link
-        is failed; None: no bound of its own (the heartbeat tick judges stuck sends, see check_alive)."""
+        is failed; None: no bound of its own (the heartbeat tick judges stuck sends, see check_alive).
+        ``auth``: the link's frame MACs with a job key (impl/_auth.py); None: frames carry none."""
         self.me = me
         self.peer = peer
         self._on_failure = on_failure
@@ -82,9 +85,11 @@ class PeerLink:
         self.liveness = Liveness(self.state, self.fail, send_timeout)
         self.riders = Riders(self.state, on_message)
         self.receiver = Receiver(
-            self.state, self.pair, self.liveness, self.riders, on_message, self.fail, self._peer_closed
+            self.state, self.pair, self.liveness, self.riders, on_message, self.fail, self._peer_closed, auth
         )
-        self.sender = Sender(self.state, self.pair, self.liveness, self.riders, self.receiver, self.fail)
+        self.sender = Sender(
+            self.state, self.pair, self.liveness, self.riders, self.receiver, self.fail, auth
+        )
         # The message path calls the parts' own methods, bound here: no extra call per message.
         #: Send one message (in a header frame with whatever else waits for the peer, then its data
         #: frames); raises on a broken link, or with ``on_error`` may ride the next frame (Sender.send).

@@ -25,6 +25,7 @@ from twinrpc._future import CALLBACK_ROLE
 from twinrpc._message import Kind, Message
 
 from . import _framing
+from ._auth import AuthenticationError, FrameAuth
 from ._framing import (
     FrameError,
     FrameTooLarge,
@@ -90,8 +91,12 @@ class Receiver:
         on_message: Callable[[Message], None],
         fail: Callable[[BaseException], None],
         peer_closed: Callable[[], None],
+        auth: FrameAuth | None = None,
     ) -> None:
+        """``auth``: the link's frame MACs with a job key (every frame is checked before it is decoded
+        or handed on; the ``n``-th header frame must carry sequence number ``n``); None: none."""
         self._state = state
+        self._auth = auth
         self._pg = pair.pg
         self._src = pair.peer_rank
         self._live = liveness
@@ -341,11 +346,15 @@ class Receiver:
             gate.acquire()  # woken when no receiver waits for the next slot (or at the end)
         i = slot % RING
         state = self._state
+        payload_tag = b""
+        if self._auth is not None:  # before decoding anything of it
+            payload_tag = self._auth.check_header(self._ring[i][1], slot, state.peer_name)
         try:
             header = Header(self._ring[i][1], state.peer, state.me, self._ring[i][0])
         except FrameError:
             self._repost_queue.append(i)
             raise
+        header.payload_tag = payload_tag
         if not header.closing:
             self._repost_queue.append(i)  # posted again after this message is handled (_repost)
             self.peer_acked = header.ack
@@ -416,6 +425,12 @@ class Receiver:
         if done:
             self._receive_done.set()
 
+    def _refuse(self, exc: AuthenticationError) -> None:
+        """A frame failed the job key's check: nothing of it was handed on; the link fails."""
+        self.bad_frames += 1
+        _log.error("twinrpc: %s", exc)
+        self._fail(exc)
+
     def _receive_messages(self) -> bool:
         """Dispatch messages in turn; True: this thread handed its role off, False: receiving ended.
         A frame's messages (riders, its first message, the further ones) are dispatched in order by
@@ -436,6 +451,9 @@ class Receiver:
                         self._peer_closed()
                     self._pass_turn()
                     return False
+            except AuthenticationError as exc:
+                self._refuse(exc)
+                return False
             except FrameError as exc:
                 # gloo is message-based: each receive gets exactly one send's frame, so after a bad
                 # header the next frame starts a message again. Reject this one and keep the link.
@@ -471,12 +489,17 @@ class Receiver:
                     payload = record.inline_payload
                     if payload is None:
                         payload = self._recv_data(record.payload_len, as_bytes=True)
+                        if self._auth is not None:  # before anything unpickles it
+                            self._auth.check_payload(payload, header.payload_tag, record.id, state.peer_name)
                     tensors = record.inline_tensors
                     if tensors is None:
                         tensors = [
                             self._recv_data(size) if size else torch.empty(0, dtype=torch.uint8)
                             for size in record.sizes
                         ]
+                except AuthenticationError as exc:
+                    self._refuse(exc)
+                    return False
                 except RuntimeError as exc:
                     if not state.closing:
                         self._fail(exc)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from twinrpc._errors import RPCError, RPCTimeoutError
 from twinrpc._worker_info import WorkerInfo
 
+from ._auth import AuthenticationError, JobAuth, refuse_marked
 from ._dynamic_group import StoreGroup, mark_kind
 
 #: how long init waits for the other workers when rpc_timeout is 0 ("never")
@@ -63,6 +64,8 @@ class Joined:
     group: StoreGroup | None = None
     #: members whose world stopped without leaving the group: listed, but not connected to
     stopped: frozenset[int] = frozenset()
+    #: the job key (impl/_auth.py): ``store`` authenticates every value; None: no key
+    auth: JobAuth | None = None
 
 
 def _int_from(value: str, what: str, fix: str) -> int:
@@ -215,26 +218,39 @@ def _open_store(init_method: str, rank: int, world_size: int, timeout: timedelta
 
 
 def join(
-    name: str, rank: int, world_size: int, init_method: str, rpc_timeout: float, generation: int
+    name: str,
+    rank: int,
+    world_size: int,
+    init_method: str,
+    rpc_timeout: float,
+    generation: int,
+    auth: JobAuth | None = None,
 ) -> Joined:
     """Rendezvous as a member of a static group, exchange names (refusing duplicates) and return the
-    world's workers.
+    world's workers. With ``auth`` every entry is authenticated with the job key.
 
-    Blocks until every worker has joined, for at most ``rpc_timeout`` seconds (0: half an hour).
+    Blocks until every worker has joined, for at most ``rpc_timeout`` seconds (0: half an hour). A
+    worker whose key differs from another's (or who has none while another has one) still posts its
+    name, so that every worker finds the mismatch once all have joined, rather than waiting.
 
     Raises:
         LaunchError: bad launch input (see the module docstring); nothing was opened.
         RPCTimeoutError: the other workers did not all join in time (says which ranks are missing).
         RPCError: the store could not be opened (unreachable MASTER_ADDR, port taken).
+        AuthenticationError: another worker's entries are not authenticated with this worker's key.
     """
     init_method, query = _split_query(init_method)
     rank, world_size = _resolve_rank_and_size(rank, world_size, query)
     seconds = rpc_timeout if rpc_timeout > 0 else _DEFAULT_STORE_TIMEOUT
     timeout = timedelta(seconds=seconds)
     root, shared = _open_store(init_method, rank, world_size, timeout)
-    store = dist.PrefixStore(f"twinrpc/{generation}", root)  # type: ignore[attr-defined]
-    mark_kind(store, "static")
+    store = dist.PrefixStore(f"twinrpc/{generation}", root if auth is None else auth.wrap(root))  # type: ignore[attr-defined]
     mine = f"name/{rank}"
+    try:
+        mark_kind(store, "static")
+    except AuthenticationError as exc:
+        store.set(mine, name)  # the others find the mismatch in our name instead of waiting for it
+        raise _auth_failed(name, rank, init_method, exc) from exc
     if store.check([mine]):
         # Only this process writes its own name key, so it is left over from an earlier run.
         raise LaunchError(
@@ -258,7 +274,15 @@ def join(
             f"{missing} of a world of {world_size} to join at {init_method!r}; start every worker with "
             "the same init_method and world_size, or raise rpc_timeout"
         ) from exc
-    names = [store.get(k).decode() for k in keys]
+    names = []
+    for r, k in enumerate(keys):
+        try:
+            raw = store.get(k)
+            if auth is None:
+                refuse_marked(raw, f"rank {r}'s name")
+        except AuthenticationError as exc:
+            raise _auth_failed(name, rank, init_method, exc) from exc
+        names.append(raw.decode())
     seen: dict[str, int] = {}
     for r, n in enumerate(names):
         if n in seen:
@@ -266,10 +290,22 @@ def join(
                 f"RPC worker name {n} is not unique. Workers {seen[n]} and {r} share the same name."
             )
         seen[n] = r
-    return Joined(store, rank, world_size, [WorkerInfo(n, r) for r, n in enumerate(names)], timeout, shared)
+    return Joined(
+        store, rank, world_size, [WorkerInfo(n, r) for r, n in enumerate(names)], timeout, shared, auth=auth
+    )
 
 
-def join_dynamic(name: str, rank: int, init_method: str, rpc_timeout: float, generation: int) -> Joined:
+def _auth_failed(name: str, rank: int, init_method: str, exc: AuthenticationError) -> AuthenticationError:
+    return AuthenticationError(
+        f"init_rpc as '{name}' (rank {rank}) at {init_method!r}: {exc}. Every worker of a job must be "
+        "started with the same key (RpcBackendOptions(auth_key=...) or the environment variable "
+        "TWINRPC_AUTH_KEY), or all without one"
+    )
+
+
+def join_dynamic(
+    name: str, rank: int, init_method: str, rpc_timeout: float, generation: int, auth: JobAuth | None = None
+) -> Joined:
     """Join (or start) a dynamic group (LIFE-5): take the membership token, check the name and rank
     are free, list this worker and post a join notice to every member. Returns holding the token,
     which ``init_rpc`` gives back once every member knows this worker (twinrpc._membership).
@@ -277,6 +313,7 @@ def join_dynamic(name: str, rank: int, init_method: str, rpc_timeout: float, gen
     Raises:
         LaunchError: bad launch input, as ``join``; also ``world_size=`` in the init_method's query.
         RuntimeError: PyTorch's errors for a static group on this store, a taken name or rank.
+        AuthenticationError: the group's entries are not authenticated with this worker's key.
     """
     init_method, query = _split_query(init_method)
     if "world_size" in query:
@@ -299,12 +336,18 @@ def join_dynamic(name: str, rank: int, init_method: str, rpc_timeout: float, gen
             f"init_rpc (rank {rank}, dynamic group) could not open the rendezvous store at {where}: {exc}"
         ) from exc
     root.set_timeout(timeout)
-    store = dist.PrefixStore(f"twinrpc/{generation}", root)  # type: ignore[attr-defined]
-    mark_kind(store, "dynamic")
-    group = StoreGroup(store, WorkerInfo(name, rank), timeout)
-    group.lock()
+    store = dist.PrefixStore(f"twinrpc/{generation}", root if auth is None else auth.wrap(root))  # type: ignore[attr-defined]
+    try:
+        mark_kind(store, "dynamic")
+        group = StoreGroup(store, WorkerInfo(name, rank), timeout)
+        group.lock()
+    except AuthenticationError as exc:
+        raise _auth_failed(name, rank, init_method, exc) from exc
     try:
         others = group.add_me()
+    except AuthenticationError as exc:
+        group.unlock()
+        raise _auth_failed(name, rank, init_method, exc) from exc
     except BaseException:
         group.unlock()
         raise
@@ -318,4 +361,5 @@ def join_dynamic(name: str, rank: int, init_method: str, rpc_timeout: float, gen
         pair_store=group.pair_store(group.me.uid),
         group=group,
         stopped=frozenset(m.info.id for m in others if m.stopped),
+        auth=auth,
     )

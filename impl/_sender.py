@@ -26,7 +26,8 @@ import torch
 from twinrpc._future import CALLBACK_ROLE
 from twinrpc._message import Kind, Message
 
-from ._framing import HEADER_BYTES, FrameEncoder, encode_close, encode_header, fits_whole, new_header_tensor
+from ._auth import FrameAuth
+from ._framing import HEADER_BYTES, SIZES_AT, FrameEncoder, encode_close, fits_whole, new_header_tensor
 from ._link_state import LinkState, PeerShutDown
 from ._liveness import MIN_FRAME_RATE, Liveness
 from ._pair import DATA_TAG, LARGE_TAG, TAG, Pair
@@ -71,8 +72,12 @@ class Sender:
         riders: Riders,
         receiver: Receiver,
         fail: Callable[[BaseException], None],
+        auth: FrameAuth | None = None,
     ) -> None:
+        """``auth``: the link's frame MACs with a job key (each header frame is sealed with its
+        sequence number, ``headers_sent``); None: frames carry none."""
         self._state = state
+        self._auth = auth
         self._pg = pair.pg
         self._dst = pair.peer_rank
         self._live = liveness
@@ -246,7 +251,10 @@ class Sender:
             batch = [q.popleft()]
             while q and enc.add(q[0].msg):
                 batch.append(q.popleft())
-            self.headers_sent += 1
+            seq = self.headers_sent
+            self.headers_sent = seq + 1
+            if self._auth is not None:
+                self._auth.seal(self._view, seq, enc.used, None if inline else first.msg.payload)
             try:
                 self._wait_sent(self._pg.send([self._header], self._dst, TAG), HEADER_BYTES)
                 if not inline or not inline_tensors:
@@ -421,14 +429,14 @@ class Sender:
             if state.failed is None:
                 if riders:  # in a heartbeat frame of their own, before the close frames
                     beat = Message(Kind.HEARTBEAT, 0, state.me, state.peer, b"")
-                    encode_header(self._view, beat, self._receiver.consumed, messages(riders))
-                    self.headers_sent += 1
+                    self._encoder.first(beat, self._receiver.consumed, messages(riders))
+                    self._seal_next(self._encoder.used)
                     work = self._pg.send([self._header], self._dst, TAG)
                     work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
                     riders = []
                 encode_close(self._view, state.me, graceful)
                 for _ in range(RECEIVERS):  # one for each of the peer's receivers (each ends one)
-                    self.headers_sent += 1
+                    self._seal_next(SIZES_AT)
                     work = self._pg.send([self._header], self._dst, TAG)
                     work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
         except RuntimeError as exc:
@@ -438,6 +446,13 @@ class Sender:
             self._closed = True
             failed += self._send_queued(blocking=False)  # anything queued meanwhile fails now
             self._lead_after(blocking=False, sent=False, failed=failed)
+
+    def _seal_next(self, used: int) -> None:
+        """Count the header frame about to go (with a key, seal it with its sequence number)."""
+        seq = self.headers_sent
+        self.headers_sent = seq + 1
+        if self._auth is not None:
+            self._auth.seal(self._view, seq, used, None)
 
     def _closed_error(self) -> BaseException:
         return RuntimeError(

@@ -17,6 +17,7 @@ from twinrpc._worker_info import WorkerInfo
 from twinrpc._world import TimerHandle, World, WorldEvents
 from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
+from ._auth import FrameAuth
 from ._dynamic_group import StoreGroup
 from ._link import THREAD_ROLE, PeerLink, PeerShutDown, PeerSilent, make_pair_group
 from ._pool import CallbackRunner, RequestPool
@@ -57,6 +58,8 @@ class GlooWorld(World):
         self.workers: dict[int, WorkerInfo] = {w.id: w for w in joined.workers}
         #: this worker's dynamic group (LIFE-5); the world returns from a join holding its token
         self._group: StoreGroup | None = joined.group
+        #: the job key (impl/_auth.py): every link's frames are authenticated; None: no key
+        self._auth = joined.auth
         self.membership: GroupMembership | None = joined.group
         self.agent: WorldEvents | None = None
         self._early: list[Message] = []
@@ -88,7 +91,8 @@ class GlooWorld(World):
             if peer != self.rank and peer not in joined.stopped:
                 if self._group is not None:  # a member connects once it has read our join notice
                     self._group.wait_ready(peer, silence)
-                self.links[peer] = self._make_link(peer, make_pair_group(pair_store, self.rank, peer))
+                pg = make_pair_group(pair_store, self.rank, peer)
+                self.links[peer] = self._make_link(peer, pg, self._link_auth(pair_store, peer))
         self._store = joined.store
         for link in self.links.values():
             link.start(self._pool.run_job, self._callbacks.submit)
@@ -107,9 +111,13 @@ class GlooWorld(World):
             self._timer.call_later(heartbeat_interval, self._heartbeat_tick)
         atexit.register(self._close_at_exit)
 
-    def _make_link(self, peer: int, pg: Any) -> PeerLink:
+    def _link_auth(self, pair_store: Any, peer: int) -> FrameAuth | None:
+        """With a job key, the frame MACs of the link to ``peer`` (a nonce exchange on the store)."""
+        return None if self._auth is None else self._auth.link(pair_store, self.rank, peer)
+
+    def _make_link(self, peer: int, pg: Any, auth: FrameAuth | None) -> PeerLink:
         link = PeerLink(
-            self.rank, peer, pg, self._deliver, self._peer_failed, send_timeout=self._send_timeout
+            self.rank, peer, pg, self._deliver, self._peer_failed, send_timeout=self._send_timeout, auth=auth
         )
         link.peer_name = f"'{self.workers[peer].name}' (rank {peer})"
         return link
@@ -133,12 +141,13 @@ class GlooWorld(World):
             info = notice.member.info
             try:
                 pg = make_pair_group(notice.pair_store, self.rank, info.id)
+                auth = self._link_auth(notice.pair_store, info.id)
             except Exception as exc:
                 _log.warning("twinrpc: could not connect to %s joining the group: %s", info, exc)
                 continue
             with self._lock:
                 self.workers = {**self.workers, info.id: info}
-                link = self._make_link(info.id, pg)
+                link = self._make_link(info.id, pg, auth)
                 self.links = {**self.links, info.id: link}
             link.start(self._pool.run_job, self._callbacks.submit)
 

@@ -19,6 +19,7 @@ import torch
 from _gloo_pair import WAIT, Inbox, make_links, started_links
 from twinrpc.impl._framing import (
     HEADER_BYTES,
+    SIZES_AT,
     FrameEncoder,
     FrameError,
     Header,
@@ -102,7 +103,7 @@ def _two_record_frame() -> tuple[torch.Tensor, memoryview, int]:
     t, view = new_header_tensor()
     enc = FrameEncoder(view)
     enc.first(Message(Kind.CALL, 1, 0, 1, b"a"), 0, None)
-    count_at = 44 + 1  # after the fixed part (44 B) and the first message's 1-byte payload
+    count_at = SIZES_AT + 1  # after the fixed part and the first message's 1-byte payload
     enc.add(Message(Kind.CALL, 2, 0, 1, b"b"))
     enc.add(Message(Kind.CALL, 3, 0, 1, b"c"))
     assert struct.unpack_from("<H", view, count_at)[0] == 2

@@ -59,6 +59,11 @@ class RpcBackendOptions:
             optimizers). A message naming any other global is refused before anything in it runs:
             its caller gets a SerializationError naming the global. None (the default): any global,
             as PyTorch does. See docs/howto/restrict-unpickling.md.
+        auth_key: twinrpc only: the job's secret (bytes). Every worker of the job must have the same
+            one; None (the default) takes it from the environment variable ``TWINRPC_AUTH_KEY``
+            (UTF-8), and without either, frames and rendezvous entries carry no authentication. With a
+            key, the gloo world authenticates every frame and every rendezvous entry and drops what
+            fails the check before unpickling any of it. See docs/howto/authenticate-workers.md.
     """
 
     def __init__(
@@ -70,6 +75,7 @@ class RpcBackendOptions:
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_misses: int = DEFAULT_HEARTBEAT_MISSES,
         unpickle_allow: Sequence[str] | None = None,
+        auth_key: bytes | None = None,
     ) -> None:
         if not isinstance(rpc_timeout, (int, float)) or isinstance(rpc_timeout, bool):
             raise TypeError(
@@ -107,6 +113,15 @@ class RpcBackendOptions:
                 f"but got {unpickle_allow!r}"
             )
         self.unpickle_allow: list[str] | None = None if unpickle_allow is None else list(unpickle_allow)
+        if auth_key is not None and not isinstance(auth_key, (bytes, bytearray)):
+            raise TypeError(
+                "auth_key must be bytes (the job's secret, the same on every worker), "
+                f"but got {type(auth_key).__name__}"
+            )
+        if auth_key is not None and not auth_key:
+            raise ValueError("auth_key must not be empty: pass the job's secret, or None for no key")
+        #: never shown by repr (a secret)
+        self.auth_key: bytes | None = None if auth_key is None else bytes(auth_key)
 
     def __repr__(self) -> str:
         return (
@@ -134,6 +149,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_misses: int = DEFAULT_HEARTBEAT_MISSES,
         unpickle_allow: Sequence[str] | None = None,
+        auth_key: bytes | None = None,
     ) -> None:
         super().__init__(
             rpc_timeout,
@@ -142,6 +158,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             heartbeat_interval=heartbeat_interval,
             heartbeat_misses=heartbeat_misses,
             unpickle_allow=unpickle_allow,
+            auth_key=auth_key,
         )
         self.device_maps: dict[str, dict[Any, Any]] = dict(device_maps or {})
         self.devices: list[Any] = list(devices or [])
@@ -169,6 +186,7 @@ class ProcessGroupRpcBackendOptions(RpcBackendOptions):
         heartbeat_interval: twinrpc only: see :class:`RpcBackendOptions`.
         heartbeat_misses: twinrpc only: see :class:`RpcBackendOptions`.
         unpickle_allow: twinrpc only: see :class:`RpcBackendOptions`.
+        auth_key: twinrpc only: see :class:`RpcBackendOptions`.
     """
 
     def __init__(
@@ -180,6 +198,7 @@ class ProcessGroupRpcBackendOptions(RpcBackendOptions):
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_misses: int = DEFAULT_HEARTBEAT_MISSES,
         unpickle_allow: Sequence[str] | None = None,
+        auth_key: bytes | None = None,
     ) -> None:
         if (
             not isinstance(num_send_recv_threads, int)
@@ -196,6 +215,7 @@ class ProcessGroupRpcBackendOptions(RpcBackendOptions):
             heartbeat_interval=heartbeat_interval,
             heartbeat_misses=heartbeat_misses,
             unpickle_allow=unpickle_allow,
+            auth_key=auth_key,
         )
 
     @property
