@@ -57,6 +57,8 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "tests", "-q", "-n", _workers(), *session.posargs)
     for backend in BACKENDS:
         _conformance(session, backend)
+    # The gloo world once more with a job key: every frame and rendezvous entry authenticated.
+    _conformance(session, "gloo", env={"TWINRPC_AUTH_KEY": "nox tests job key"}, matrix=False)
     # The conformance matrix in the docs comes from the three runs above: all must be there.
     _build_docs(session, require_matrix=True)
 
@@ -69,7 +71,10 @@ def conformance(session: nox.Session) -> None:
     _conformance(session, backend, *session.posargs[1:])
 
 
-def _conformance(session: nox.Session, backend: str, *extra: str) -> None:
+def _conformance(
+    session: nox.Session, backend: str, *extra: str, env: dict[str, str] | None = None, matrix: bool = True
+) -> None:
+    """``matrix``: write the run's results for the docs' conformance matrix (one run per backend)."""
     report = ROOT / "build" / "conformance" / f"{backend}.json"
     report.parent.mkdir(parents=True, exist_ok=True)
     session.run(
@@ -79,8 +84,9 @@ def _conformance(session: nox.Session, backend: str, *extra: str) -> None:
         "-n",
         _workers(),
         f"--backend={backend}",
-        f"--matrix-json={report}",
+        *([f"--matrix-json={report}"] if matrix else []),
         *extra,
+        env=env,
     )
 
 
@@ -135,7 +141,8 @@ def bench(session: nox.Session) -> None:
     TensorPipe vs raw gloo side by side (ratios); the simulator's models fitted to gloo and the training
     job's simulated vs real time; 256 simulated workers training (messages/s, virtual/wall);
     distributed forward+backward+step and parameter-server training samples/s vs TensorPipe, and what
-    handing a reply from a receiver thread to its waiter costs there; an RRef soak on gloo.
+    handing a reply from a receiver thread to its waiter costs there; what a job key costs a call; an RRef
+    soak on gloo.
 
     Posargs go to the simulator benchmark. The soak runs 100,000 create/to_here/delete cycles on gloo
     (about 5 minutes) and prints owner-side state before and after; set
@@ -144,6 +151,7 @@ def bench(session: nox.Session) -> None:
     _install(session, "test,train")
     session.run("python", "benchmarks/bench_simulator.py", *session.posargs)
     session.run("python", "benchmarks/bench_gloo.py")
+    session.run("python", "benchmarks/bench_auth.py", "--mac")
     network = "build/bench/network-calibrated.toml"
     session.run("python", "benchmarks/bench_calibration.py", "--out", network)
     session.run("python", "benchmarks/bench_sim_scale.py", "--network", network)

@@ -278,6 +278,17 @@ def test_restrict_unpickling_refuses_the_unlisted_call_and_serves_the_rest():
     ]
 
 
+def test_auth_key_workers_with_the_same_key_work_and_with_different_keys_fail_init():
+    out = _run("docs/examples/auth_key.py", warm=True).splitlines()
+    assert out == [
+        "same key:",
+        "  rank 0: worker1 says 1 + 2 = 3",
+        "different keys:",
+        "  rank 0: init_rpc failed: AuthenticationError, mentions authentication: True",
+        "  rank 1: init_rpc failed: AuthenticationError, mentions authentication: True",
+    ]
+
+
 def test_pause_a_peer_from_the_program_under_the_simulator_command():
     out = _run("-m", "twinrpc.simulator", "run", "--nproc-per-node", "2", "docs/examples/pause_a_peer.py")
     assert "[rank0]:worker1 answered after 5.0 s" in out
