@@ -250,6 +250,7 @@ TWIN_RPC_NAMES = [
     "DEFAULT_RPC_TIMEOUT_SEC",
     "DEFAULT_SHUTDOWN_TIMEOUT",
     "UNSET_RPC_TIMEOUT",
+    "AuthenticationError",  # twinrpc's job keys (docs/howto/authenticate-workers.md)
     "BackendType",
     "NotInitializedError",
     "ProcessGroupRpcBackendOptions",  # PyTorch 1.4-1.7 (LIFE-8)

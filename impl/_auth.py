@@ -34,7 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from twinrpc._errors import RPCError
+from twinrpc._errors import AuthenticationError
 
 from ._framing import (
     _FLAGS,
@@ -59,10 +59,7 @@ _USED = struct.Struct("<H")
 _DIRECTION = struct.Struct("<iiQ")  # sender rank, receiver rank, sequence number
 _NAME_LEN = struct.Struct("<I")
 
-
-class AuthenticationError(RPCError):
-    """A frame or a rendezvous entry failed the job key's check (or one side has no key): it was not
-    used, and nothing in it was unpickled. On a link, the link to that peer fails with it."""
+__all__ = ["AuthStore", "AuthenticationError", "FrameAuth", "JobAuth", "job_key", "refuse_marked"]
 
 
 def job_key(options: Any) -> bytes | None:

@@ -346,15 +346,16 @@ class Receiver:
             gate.acquire()  # woken when no receiver waits for the next slot (or at the end)
         i = slot % RING
         state = self._state
-        payload_tag = b""
-        if self._auth is not None:  # before decoding anything of it
-            payload_tag = self._auth.check_header(self._ring[i][1], slot, state.peer_name)
+        auth = self._auth
+        # with a key, the frame is checked before anything of it is decoded
+        payload_tag = None if auth is None else auth.check_header(self._ring[i][1], slot, state.peer_name)
         try:
             header = Header(self._ring[i][1], state.peer, state.me, self._ring[i][0])
         except FrameError:
             self._repost_queue.append(i)
             raise
-        header.payload_tag = payload_tag
+        if payload_tag is not None:
+            header.payload_tag = payload_tag
         if not header.closing:
             self._repost_queue.append(i)  # posted again after this message is handled (_repost)
             self.peer_acked = header.ack

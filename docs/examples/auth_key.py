@@ -23,7 +23,7 @@ def worker(rank: int, key: bytes, init_file: str, out: multiprocessing.Queue) ->
     options = rpc.RpcBackendOptions(init_method=f"file://{init_file}", auth_key=key, rpc_timeout=30)
     try:
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
-    except rpc.RPCError as exc:
+    except rpc.AuthenticationError as exc:
         out.put(
             (
                 rank,

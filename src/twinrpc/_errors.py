@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ._departure import Departure
 
 __all__ = [
+    "AuthenticationError",
     "NotInitializedError",
     "RPCError",
     "RPCTimeoutError",
@@ -53,6 +54,12 @@ class WorkerUnavailableError(RPCError):
 
     #: how the worker left (``twinrpc._departure.Departure``); None if not known
     departure: Departure | None = None
+
+
+class AuthenticationError(RPCError):
+    """With a job key (``RpcBackendOptions(auth_key=...)`` or ``TWINRPC_AUTH_KEY``): the workers were
+    not all started with the same key, or a frame or rendezvous entry failed the key's check. Nothing
+    in what failed was used or unpickled; on a link, the link to that peer fails with it."""
 
 
 class ShutdownError(RPCError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .._errors import (
+    AuthenticationError,
     NotInitializedError,
     RemoteError,
     RPCError,
@@ -51,6 +52,7 @@ __all__ = [
     "DEFAULT_RPC_TIMEOUT_SEC",
     "DEFAULT_SHUTDOWN_TIMEOUT",
     "UNSET_RPC_TIMEOUT",
+    "AuthenticationError",
     "BackendType",
     "NotInitializedError",
     "ProcessGroupRpcBackendOptions",
