@@ -35,6 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from twinrpc._errors import AuthenticationError
+from twinrpc.rpc.options import auth_key_of as job_key
 
 from ._framing import (
     _FLAGS,
@@ -50,8 +51,6 @@ from ._framing import (
     USED_AT,
 )
 
-#: the environment variable a launcher sets to the job's key, for every process
-ENV = "TWINRPC_AUTH_KEY"
 #: how an authenticated store value starts: lets a worker without a key recognise one
 MARK = b"twinrpc-mac1:"
 
@@ -60,26 +59,6 @@ _DIRECTION = struct.Struct("<iiQ")  # sender rank, receiver rank, sequence numbe
 _NAME_LEN = struct.Struct("<I")
 
 __all__ = ["AuthStore", "AuthenticationError", "FrameAuth", "JobAuth", "job_key", "refuse_marked"]
-
-
-def job_key(options: Any) -> bytes | None:
-    """The job's key: ``options.auth_key``, else ``TWINRPC_AUTH_KEY`` (UTF-8), else None.
-
-    Raises:
-        ValueError: ``TWINRPC_AUTH_KEY`` is set but empty (a launcher that meant to set a key).
-    """
-    key = getattr(options, "auth_key", None)  # a subclass may skip RpcBackendOptions.__init__
-    if key is not None:
-        return bytes(key)
-    text = os.environ.get(ENV)
-    if text is None:
-        return None
-    if not text:
-        raise ValueError(
-            f"{ENV} is set but empty: set it to the job's secret (the same on every worker) or unset it "
-            "to run without authentication"
-        )
-    return text.encode()
 
 
 class FrameAuth:

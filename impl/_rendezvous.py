@@ -29,7 +29,7 @@ from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 import torch.distributed as dist
 
-from twinrpc._errors import RPCError, RPCTimeoutError
+from twinrpc._errors import AUTH_KEY_HINT, RPCError, RPCTimeoutError
 from twinrpc._worker_info import WorkerInfo
 
 from ._auth import AuthenticationError, JobAuth, refuse_marked
@@ -297,9 +297,7 @@ def join(
 
 def _auth_failed(name: str, rank: int, init_method: str, exc: AuthenticationError) -> AuthenticationError:
     return AuthenticationError(
-        f"init_rpc as '{name}' (rank {rank}) at {init_method!r}: {exc}. Every worker of a job must be "
-        "started with the same key (RpcBackendOptions(auth_key=...) or the environment variable "
-        "TWINRPC_AUTH_KEY), or all without one"
+        f"init_rpc as '{name}' (rank {rank}) at {init_method!r}: {exc}. {AUTH_KEY_HINT}"
     )
 
 

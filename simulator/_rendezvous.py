@@ -6,7 +6,9 @@ The gloo world meets its peers through a ``torch.distributed`` store (``impl/_re
 dynamic groups (``init_rpc`` without ``world_size``: members join and leave one at a time under a
 membership token, ``simulator/_dynamic_group.py``), and records each joiner's heartbeat options: how
 long it lets a silent peer be before declaring it dead (``simulator/_faults/_engine.py``,
-``silence_bound``).
+``silence_bound``). There is no wire to authenticate, but each joiner's key (``auth_key`` or
+``TWINRPC_AUTH_KEY``) is compared with its group's, so workers started with different keys fail
+``init_rpc`` as they do in the gloo world (``AuthenticationError`` on every rank).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from twinrpc._errors import AUTH_KEY_HINT, AuthenticationError
 from twinrpc._future import Future
 from twinrpc._membership import MIXED_GROUP_ERROR
 from twinrpc._worker_info import Roster, WorkerInfo
-from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
+from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES, auth_key_of
 
 from ._dynamic_group import DynamicGroup, DynamicMember
 from ._world import SimWorld
@@ -64,6 +67,8 @@ class Rendezvous:
         self._rosters: dict[int, tuple[int, list[WorkerInfo], Roster | None, str | None]] = {}
         #: generation -> its dynamic group (init_rpc without world_size, LIFE-5)
         self._dynamic: dict[int, DynamicGroup] = {}
+        #: generation -> rank -> the job key its worker joined with (None: none), static and dynamic
+        self._keys: dict[int, dict[int, bytes | None]] = {}
         #: rank -> (heartbeat_interval, heartbeat_misses) of its latest init_rpc's options: how long it
         #: lets a silent peer be before declaring it dead (simulator/_faults/_engine.py, silence_bound)
         self.heartbeat_options: dict[int, tuple[float, int]] = {}
@@ -98,11 +103,14 @@ class Rendezvous:
         arrived = self._arrived.setdefault(generation, {})
         done = self._complete.setdefault(generation, Future())
         arrived[worker.rank] = name
+        keys = self._keys.setdefault(generation, {})
+        keys[worker.rank] = auth_key_of(options)
         self.trace.name_worker(worker.rank, name)
         self.trace.record(self.sched.now, worker.rank, "init", f"{name} generation {generation}")
         if len(arrived) == world_size:
             self.sched.call_later(RENDEZVOUS_DELAY, lambda: done.set_result(None))
         done.wait()
+        _check_keys(name, worker.rank, keys, arrived)
         infos, roster = self._roster(generation, arrived)
         world = SimWorld(worker, options.num_worker_threads)
         worker.world = world
@@ -146,7 +154,10 @@ class Rendezvous:
             self._store_round_trip()  # the store round trips of the token and the names
             if self._arrived.get(generation):
                 raise RuntimeError(MIXED_GROUP_ERROR)
+            keys = self._keys.setdefault(generation, {})
+            _check_keys(name, worker.rank, {**keys, worker.rank: auth_key_of(options)}, group.members)
             group.check_unique(name, worker.rank)
+            keys[worker.rank] = auth_key_of(options)
         except BaseException:
             group.unlock()
             raise
@@ -176,3 +187,15 @@ class Rendezvous:
             int(getattr(options, "heartbeat_misses", DEFAULT_HEARTBEAT_MISSES)),
         )
         self.joined(rank)
+
+
+def _check_keys(name: str, rank: int, keys: dict[int, bytes | None], group: dict[int, str]) -> None:
+    """Refuse to join ``group`` (rank -> name) if a member's key differs from this worker's."""
+    mine = keys[rank]
+    differ = sorted(r for r in group if r != rank and keys.get(r) != mine)
+    if differ:
+        raise AuthenticationError(
+            f"init_rpc as '{name}' (rank {rank}): authentication failed: rank(s) {differ} of its group "
+            f"were not started with the same key as this worker (which has {'one' if mine else 'none'}). "
+            f"{AUTH_KEY_HINT}"
+        )

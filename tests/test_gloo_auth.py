@@ -498,3 +498,36 @@ def test_a_frame_without_the_key_is_not_unpickled_and_fails_only_its_link(tmp_pa
     assert not marker.exists()
     assert "authentication failed" in got["error"] and "'worker0' (rank 0)" in got["error"], got["error"]
     assert got["other"] == 3 and got["bad"] == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# The simulator: no wire to authenticate, but the same init_rpc for mismatched keys
+# ---------------------------------------------------------------------------------------------------
+def test_the_simulator_fails_init_on_every_rank_for_mismatched_keys_as_the_gloo_world() -> None:
+    from twinrpc.simulator import Simulation
+
+    def program(keys: list[bytes | None], dynamic: bool) -> Any:
+        def worker(rank: int) -> str:
+            options = rpc.RpcBackendOptions(auth_key=keys[rank])
+            try:
+                rpc.init_rpc(
+                    f"worker{rank}", rank=rank, world_size=None if dynamic else 3, rpc_backend_options=options
+                )
+            except rpc.AuthenticationError as exc:
+                assert "authentication" in str(exc) and f"(rank {rank})" in str(exc), exc
+                return "refused"
+            if not dynamic:
+                assert rpc.rpc_sync(f"worker{(rank + 1) % 3}", operator.add, args=(rank, 1)) == rank + 1
+            rpc.shutdown()
+            return "joined"
+
+        return worker
+
+    assert Simulation(world_size=3, seed=0).run(program([b"a"] * 3, False)).values() == ["joined"] * 3
+    assert (
+        Simulation(world_size=3, seed=0).run(program([b"a", b"a", None], False)).values() == ["refused"] * 3
+    )
+    # a dynamic group: whoever joins with a key other than its members' is refused
+    keys: list[bytes | None] = [b"a", b"b", b"a"]
+    joins = Simulation(world_size=3, seed=0).run(program(keys, True)).values()
+    assert "refused" in joins and len({keys[r] for r, got in enumerate(joins) if got == "joined"}) == 1, joins

@@ -62,6 +62,13 @@ class AuthenticationError(RPCError):
     in what failed was used or unpickled; on a link, the link to that peer fails with it."""
 
 
+#: what an init_rpc that failed over the workers' keys tells the user to do (both worlds)
+AUTH_KEY_HINT = (
+    "Every worker of a job must be started with the same key (RpcBackendOptions(auth_key=...) or the "
+    "environment variable TWINRPC_AUTH_KEY), or all without one"
+)
+
+
 class ShutdownError(RPCError):
     """The local agent shut down while the call was still pending."""
 

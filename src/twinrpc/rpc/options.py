@@ -18,6 +18,31 @@ DEFAULT_SHUTDOWN_TIMEOUT = 0
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 #: a peer silent for this many intervals while we wait for its next frame is declared dead
 DEFAULT_HEARTBEAT_MISSES = 10
+#: the environment variable a launcher sets to the job's key, for every process (see ``auth_key``)
+AUTH_KEY_ENV = "TWINRPC_AUTH_KEY"
+
+
+def auth_key_of(options: Any) -> bytes | None:
+    """The job's key a worker runs with: ``options.auth_key``, else ``TWINRPC_AUTH_KEY`` (UTF-8), else
+    None (no key). Both worlds ask this, so they agree on which workers share a key.
+
+    Raises:
+        ValueError: ``TWINRPC_AUTH_KEY`` is set but empty (a launcher that meant to set a key).
+    """
+    import os
+
+    key = getattr(options, "auth_key", None)  # a subclass may skip RpcBackendOptions.__init__
+    if key is not None:
+        return bytes(key)
+    text = os.environ.get(AUTH_KEY_ENV)
+    if text is None:
+        return None
+    if not text:
+        raise ValueError(
+            f"{AUTH_KEY_ENV} is set but empty: set it to the job's secret (the same on every worker) or "
+            "unset it to run without authentication"
+        )
+    return text.encode()
 
 
 class BackendType(enum.Enum):
@@ -63,7 +88,9 @@ class RpcBackendOptions:
             one; None (the default) takes it from the environment variable ``TWINRPC_AUTH_KEY``
             (UTF-8), and without either, frames and rendezvous entries carry no authentication. With a
             key, the gloo world authenticates every frame and every rendezvous entry and drops what
-            fails the check before unpickling any of it. See docs/howto/authenticate-workers.md.
+            fails the check before unpickling any of it; in both worlds, workers started with
+            different keys fail ``init_rpc`` with :class:`~twinrpc.rpc.AuthenticationError` on every rank. See
+            docs/howto/authenticate-workers.md.
     """
 
     def __init__(
