@@ -41,6 +41,7 @@ from ._framing import (
     _FLAGS,
     _FLAGS_AT,
     _TRAILER,
+    FLAG_INLINE,
     FLAG_RIDERS,
     HEADER_BYTES,
     MAX_RIDER_BYTES,
@@ -95,11 +96,12 @@ class FrameAuth:
         h.update(payload)
         return h.digest()
 
-    def seal(self, view: memoryview, seq: int, used: int, payload: bytes | None) -> None:
+    def seal(self, view: memoryview, seq: int, used: int, payload: bytes) -> None:
         """Tag the header frame in ``view`` (its leading part ends at ``used``), our ``seq``-th on this
-        link; ``payload``: the payload sent as a frame of its own after it, if any."""
+        link; ``payload``: its first message's, tagged too unless the header carries it inline
+        (``FLAG_INLINE``), since then it travels apart from the header."""
         _USED.pack_into(view, USED_AT, used)
-        if payload is not None:
+        if not _FLAGS.unpack_from(view, _FLAGS_AT)[0] & FLAG_INLINE:
             view[PAYLOAD_TAG_AT:SIZES_AT] = self._payload_tag(payload)
         tag = self._header_tag(view, self._me, self._peer, seq, used)
         assert tag is not None  # our own encoder keeps the riders after the leading part

@@ -490,14 +490,14 @@ class Receiver:
                     payload = record.inline_payload
                     if payload is None:
                         payload = self._recv_data(record.payload_len, as_bytes=True)
-                        if self._auth is not None:  # before anything unpickles it
-                            self._auth.check_payload(payload, header.payload_tag, record.id, state.peer_name)
                     tensors = record.inline_tensors
                     if tensors is None:
                         tensors = [
                             self._recv_data(size) if size else torch.empty(0, dtype=torch.uint8)
                             for size in record.sizes
                         ]
+                    if self._auth is not None and record.inline_payload is None:  # before it is unpickled
+                        self._auth.check_payload(payload, header.payload_tag, record.id, state.peer_name)
                 except AuthenticationError as exc:
                     self._refuse(exc)
                     return False

@@ -254,7 +254,7 @@ class Sender:
             seq = self.headers_sent
             self.headers_sent = seq + 1
             if self._auth is not None:
-                self._auth.seal(self._view, seq, enc.used, None if inline else first.msg.payload)
+                self._auth.seal(self._view, seq, enc.used, first.msg.payload)
             try:
                 self._wait_sent(self._pg.send([self._header], self._dst, TAG), HEADER_BYTES)
                 if not inline or not inline_tensors:
@@ -452,7 +452,7 @@ class Sender:
         seq = self.headers_sent
         self.headers_sent = seq + 1
         if self._auth is not None:
-            self._auth.seal(self._view, seq, used, None)
+            self._auth.seal(self._view, seq, used, b"")
 
     def _closed_error(self) -> BaseException:
         return RuntimeError(

@@ -78,9 +78,9 @@ def test_the_key_comes_from_the_options_else_the_environment(monkeypatch: pytest
 def _sealed(auth: FrameAuth, seq: int, msg: Message, riders: list[Message] | None = None) -> memoryview:
     _, view = new_header_tensor()
     enc = FrameEncoder(view)
-    inline, _ = enc.first(msg, 0, riders)
+    enc.first(msg, 0, riders)
     enc.add(Message(Kind.CALL, 50, 0, 1, b"a further message"))
-    auth.seal(view, seq, enc.used, None if inline else msg.payload)
+    auth.seal(view, seq, enc.used, msg.payload)
     return view
 
 
