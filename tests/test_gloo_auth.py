@@ -318,6 +318,14 @@ WORLD_TIMEOUT = 90.0
 RENDEZVOUS = 30.0
 
 
+def _context() -> Any:
+    """Worker processes forked from a server that imported torch and twinrpc once (a new interpreter
+    importing torch takes seconds of CPU; each process still starts with no world and no threads)."""
+    mp = multiprocessing.get_context("forkserver")
+    mp.set_forkserver_preload(["torch", "twinrpc.rpc", "twinrpc.impl"])
+    return mp
+
+
 def _child(program: Any, rank: int, key: str | None, init_file: str, shared: dict[str, Any]) -> None:
     if key is None:
         os.environ.pop("TWINRPC_AUTH_KEY", None)
@@ -337,7 +345,7 @@ def _child(program: Any, rank: int, key: str | None, init_file: str, shared: dic
 def _run_world(program: Any, keys: list[str | None], tmp_path: Path, **extra: Any) -> dict[int, Any]:
     """Run ``program(rank, init_file, shared)`` on one fresh process per key (``TWINRPC_AUTH_KEY`` set
     to it, or unset for None); every rank's result. Every process is SIGKILLed at the end."""
-    mp = multiprocessing.get_context("spawn")
+    mp = _context()
     shared: dict[str, Any] = {"results": mp.Queue(), **extra}
     init_file = str(tmp_path / "rendezvous")
     procs = [
@@ -434,7 +442,7 @@ def _store_attack_program(rank: int, init_file: str, shared: dict[str, Any]) -> 
 
 
 def test_a_process_without_the_key_gets_nothing_through_the_store(tmp_path: Path) -> None:
-    mp = multiprocessing.get_context("spawn")
+    mp = _context()
     got = _run_world(
         _store_attack_program,
         ["key a", "key a", None],
@@ -484,7 +492,7 @@ def _link_attack_program(rank: int, init_file: str, shared: dict[str, Any]) -> A
 
 
 def test_a_frame_without_the_key_is_not_unpickled_and_fails_only_its_link(tmp_path: Path) -> None:
-    mp = multiprocessing.get_context("spawn")
+    mp = _context()
     marker = tmp_path / "unpickled"
     got = _run_world(
         _link_attack_program,
