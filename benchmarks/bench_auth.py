@@ -4,7 +4,9 @@ Two pairs of twinrpc workers are spawned and initialised once, one with a key (e
 checked, impl/_auth.py) and one without. The parent then runs rounds; in each round both pairs run the
 same measurements, in alternating order (the order flips each round), so both share whatever load the
 machine has at that moment: a tiny ``rpc_sync`` round trip (median latency) and 64 tiny calls in
-flight (calls/s). Reported: medians over all rounds and the keyed / unkeyed ratio.
+flight (calls/s). Each measurement also reads both processes' CPU time (``/proc/<pid>/stat``), which
+says what the key costs a call even when other programs share the machine and wall-clock rates
+wander. Reported: medians over all rounds and the keyed / unkeyed ratios.
 
 ``--mac`` first times the two MAC constructions the design chose between on header frames (keyed
 BLAKE2b and HMAC-SHA256): a typical header's used bytes and a full 4 KiB frame.
@@ -18,6 +20,7 @@ import argparse
 import hashlib
 import hmac
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -64,8 +67,6 @@ def _throughput(rpc: Any, n: int) -> float:
 
 
 def worker(keyed: bool, rank: int, init_method: str, conn: Any) -> None:
-    import os
-
     import torch
 
     import twinrpc.rpc as rpc
@@ -105,9 +106,21 @@ class Pair:
                 raise RuntimeError("the workers did not start within 120 s")
             assert c.recv() == "ready"
 
-    def run(self, what: str, n: int) -> float:
+    def run(self, what: str, n: int) -> tuple[float, float]:
+        """The measurement's result, and the CPU seconds both processes spent per call meanwhile."""
+        before = self.cpu()
         self.conns[0].send((what, n))
-        return float(self.conns[0].recv())
+        result = float(self.conns[0].recv())
+        return result, (self.cpu() - before) / n
+
+    def cpu(self) -> float:
+        """CPU seconds (user + system, every thread) both processes have used so far (Linux)."""
+        total = 0
+        for p in self.procs:
+            with open(f"/proc/{p.pid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)
+        return total / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         self.conns[0].send(None)
@@ -153,12 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         pairs = [Pair(ctx, False, tmp), Pair(ctx, True, tmp)]
         results: dict[tuple[bool, str], list[float]] = {}
+        cpu: dict[tuple[bool, str], list[float]] = {}
         try:
             for r in range(args.rounds):
                 order = pairs if r % 2 == 0 else pairs[::-1]
                 for what in ("latency", "throughput"):
                     for pair in order:
-                        results.setdefault((pair.keyed, what), []).append(pair.run(what, args.calls))
+                        value, per_call = pair.run(what, args.calls)
+                        results.setdefault((pair.keyed, what), []).append(value)
+                        cpu.setdefault((pair.keyed, what), []).append(per_call)
         finally:
             for pair in pairs:
                 pair.stop()
@@ -172,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         f"  {WINDOW} in flight: no key {thr[False]:.0f} calls/s, key {thr[True]:.0f} calls/s "
         f"({thr[True] / thr[False]:.3f}x)"
     )
+    for what in ("latency", "throughput"):
+        use = {k: statistics.median(cpu[(k, what)]) * 1e6 for k in (False, True)}
+        print(
+            f"  CPU per call ({what}), both processes: no key {use[False]:.0f} us, key {use[True]:.0f} us "
+            f"({use[True] - use[False]:+.0f} us, {use[True] / use[False]:.3f}x)"
+        )
     return 0
 
 
