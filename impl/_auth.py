@@ -11,8 +11,8 @@ believed:
 * **Frames.** Each link derives its own key from the job key and two random nonces the pair exchanges
   through the (authenticated) store, so frames recorded in one run mean nothing in another. Every header
   frame carries a tag over its meaningful bytes (the fixed fields, the messages and the riders), the
-  direction (sender and receiver ranks) and its sequence number on the link; the sequence number is not
-  sent: both sides count header frames, so a frame replayed, reordered or dropped fails the check. A
+  direction (sender and receiver ranks) and its sequence number on the link, which are hashed in the
+  tag's own place (one contiguous run of bytes to hash); the sequence number is not sent: both sides count header frames, so a frame replayed, reordered or dropped fails the check. A
   payload that travels as a frame of its own has its tag in the header. The receiver checks a header's
   tag before decoding it and a payload's tag before handing it on, so a frame that fails is dropped
   without unpickling a byte, and the link to its sender fails with :class:`AuthenticationError`.
@@ -56,7 +56,9 @@ from ._framing import (
 MARK = b"twinrpc-mac1:"
 
 _USED = struct.Struct("<H")
-_DIRECTION = struct.Struct("<iiQ")  # sender rank, receiver rank, sequence number
+#: sender rank, receiver rank, sequence number: hashed in the tag's place (both are TAG_BYTES long)
+_CONTEXT = struct.Struct("<iiQ")
+_FLAGS_USED = struct.Struct("<H2xH")  # from the flags' offset: flags, kind (skipped), used
 _NAME_LEN = struct.Struct("<I")
 
 __all__ = ["AuthStore", "AuthenticationError", "FrameAuth", "JobAuth", "job_key", "refuse_marked"]
@@ -73,16 +75,18 @@ class FrameAuth:
         self._me = me
         self._peer = peer
 
-    def _header_tag(self, view: memoryview, src: int, dst: int, seq: int, used: int) -> bytes | None:
-        """The tag of the header in ``view`` (None: its ``used`` or riders' fields are inconsistent,
-        which no keyed sender writes)."""
+    def _header_tag(
+        self, view: memoryview, src: int, dst: int, seq: int, flags: int, used: int
+    ) -> bytes | None:
+        """The tag of the header in ``view``: its bytes up to ``used`` (and its riders), with the
+        direction and sequence number standing in the tag's own place (which this overwrites). None:
+        its ``used`` or riders' fields are inconsistent, which no keyed sender writes."""
         if not SIZES_AT <= used <= HEADER_BYTES:
             return None
+        _CONTEXT.pack_into(view, TAG_AT, src, dst, seq)
         h = self._base.copy()
-        h.update(_DIRECTION.pack(src, dst, seq))
-        h.update(view[:TAG_AT])
-        h.update(view[PAYLOAD_TAG_AT:used])
-        if _FLAGS.unpack_from(view, _FLAGS_AT)[0] & FLAG_RIDERS:
+        h.update(view[:used])
+        if flags & FLAG_RIDERS:
             _, total = _TRAILER.unpack_from(view, HEADER_BYTES - _TRAILER.size)
             start = HEADER_BYTES - _TRAILER.size - total
             if total > MAX_RIDER_BYTES or start < used:
@@ -101,9 +105,10 @@ class FrameAuth:
         link; ``payload``: its first message's, tagged too unless the header carries it inline
         (``FLAG_INLINE``), since then it travels apart from the header."""
         _USED.pack_into(view, USED_AT, used)
-        if not _FLAGS.unpack_from(view, _FLAGS_AT)[0] & FLAG_INLINE:
+        (flags,) = _FLAGS.unpack_from(view, _FLAGS_AT)
+        if not flags & FLAG_INLINE:
             view[PAYLOAD_TAG_AT:SIZES_AT] = self._payload_tag(payload)
-        tag = self._header_tag(view, self._me, self._peer, seq, used)
+        tag = self._header_tag(view, self._me, self._peer, seq, flags, used)
         assert tag is not None  # our own encoder keeps the riders after the leading part
         view[TAG_AT:PAYLOAD_TAG_AT] = tag
 
@@ -114,9 +119,11 @@ class FrameAuth:
         Raises:
             AuthenticationError: naming the peer; nothing in the frame may be used.
         """
-        (used,) = _USED.unpack_from(view, USED_AT)
-        tag = self._header_tag(view, self._peer, self._me, seq, used)
-        if tag is None or not hmac.compare_digest(tag, view[TAG_AT:PAYLOAD_TAG_AT]):
+        flags, used = _FLAGS_USED.unpack_from(view, _FLAGS_AT)
+        sent = bytes(view[TAG_AT:PAYLOAD_TAG_AT])
+        tag = self._header_tag(view, self._peer, self._me, seq, flags, used)
+        view[TAG_AT:PAYLOAD_TAG_AT] = sent  # the frame as it arrived
+        if tag is None or not hmac.compare_digest(tag, sent):
             raise AuthenticationError(
                 f"authentication failed: frame {seq} from {peer_name} does not carry this job's MAC "
                 "(it was sent by a process without the job's key, or replayed, reordered or altered on "
