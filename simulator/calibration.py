@@ -151,12 +151,12 @@ class Residual:
 
 @dataclass(frozen=True, slots=True)
 class NetworkFit:
-    """The fitted model and how well it reproduces each measurement."""
+    """The fitted model and how well it reproduces each measurement; ``same_host`` and ``cross_host``
+    say which kinds of link the measurements covered, so which parameters were fitted (the
+    ``same_host_*`` ones, and ``latency``, ``jitter``, ``bandwidth``)."""
 
     model: NetworkModel
     residuals: tuple[Residual, ...]
-    #: which links the measurements covered: ``same_host`` (the ``same_host_*`` parameters were
-    #: fitted), ``cross_host`` (``latency``, ``jitter``, ``bandwidth`` were)
     same_host: bool = False
     cross_host: bool = True
 
