@@ -81,6 +81,33 @@ class RequestPool:
             return
         self._run_requests(fn, args)
 
+    def run_inline(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        """Run the request ``fn(*args)``, which is short and never blocks, on this thread (which keeps
+        its other role, e.g. a link's receiver) if a slot is free; else submit it as usual. Requests
+        queued meanwhile are not run here: the slot goes to a pool thread with the next of them."""
+        with self._lock:
+            free = self._busy < self._size and not self._stopped
+            if free:
+                self._busy += 1
+        if not free:
+            self.submit(fn, *args)
+            return
+        try:
+            self._run(fn, args)
+        finally:
+            with self._lock:
+                if self._pending:
+                    job: tuple[int, Callable[..., Any], tuple[Any, ...]] | None = (
+                        _TASK,
+                        *self._pending.popleft(),
+                    )
+                    worker = self._idle.pop() if self._idle else None
+                else:
+                    job = None
+                    self._busy -= 1
+            if job is not None:
+                self._give(worker, job)
+
     def run_job(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` on an idle pool thread (a new one if none is idle); not a request."""
         with self._lock:
