@@ -219,6 +219,8 @@ def _udf(x: Any) -> Any:
         (torch.nn.functional.relu, (torch.ones(1),), {}),  # a Python function of torch
         (torch.Tensor.add, (torch.ones(1), 1), {}),  # a method
         (torch.add, (torch.ones(1), "x"), {}),  # a string
+        (torch.add, (torch.ones(1),), {"not-an-identifier": 1}),  # a keyword only a dict can carry
+        (torch.add, (torch.ones(1),), {"é": 1}),  # a keyword outside ASCII
         (torch.add, (torch.ones(1),), {"out": {"a": 1}}),  # a dict
         (torch.sum, (torch.ones(2),), {"dtype": torch.float64}),  # a dtype
         (torch.zeros, (torch.Size([2]),), {}),  # a torch.Size

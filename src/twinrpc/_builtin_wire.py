@@ -217,7 +217,7 @@ def encode_call(
         return None
     out.append(len(kwargs))
     for key, v in kwargs.items():
-        if type(key) is not str or not key.isascii() or len(key) > 255:
+        if type(key) is not str or not key.isascii() or not key.isidentifier() or len(key) > 255:
             return None
         out.append(len(key))
         out += key.encode("ascii")
