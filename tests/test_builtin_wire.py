@@ -36,6 +36,14 @@ def _decode(payload: bytes, storages: list[torch.Tensor], allow: UnpickleAllowli
     return serialize.loads(payload, serialize.copy_storages(storages), request=True, allow=allow)[0]
 
 
+def _encoded(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+) -> tuple[bytes, list[torch.Tensor]]:
+    encoded = wire.encode_call(func, args, kwargs or {})
+    assert encoded is not None, "expected the compact encoding to apply"
+    return encoded
+
+
 def _both(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """The call as the compact encoding and as the pickle deliver it."""
     kwargs = kwargs or {}
@@ -92,7 +100,7 @@ def test_views_keep_their_geometry_and_share_their_storage() -> None:
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     view = base[1:, ::2]  # offset and strides
     _check_same_call(torch.add, (base, view.t(), base[2]))
-    compact = _decode(*wire.encode_call(torch.add, (base, base[1:]), {}))  # type: ignore[misc]
+    compact = _decode(*_encoded(torch.add, (base, base[1:])))
     x, y = compact[1]
     assert x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
     assert y.storage_offset() == 6
@@ -100,7 +108,7 @@ def test_views_keep_their_geometry_and_share_their_storage() -> None:
 
 def test_a_small_view_of_a_big_storage_travels_compact_as_with_the_pickle() -> None:
     big = torch.zeros(10_000)
-    _, storages = wire.encode_call(torch.neg, (big[5:10],), {})  # type: ignore[misc]
+    _, storages = _encoded(torch.neg, (big[5:10],))
     assert [s.numel() for s in storages] == [5 * 4]
     _check_same_call(torch.neg, (big[5:10],))
 
@@ -174,7 +182,7 @@ def test_any_plain_arguments_arrive_as_the_pickle_delivers_them(
 def test_every_truncation_of_a_payload_is_refused_with_a_clear_error(
     args: list[Any], data: st.DataObject
 ) -> None:
-    payload, storages = wire.encode_call(torch.add, tuple(args), {"k": 1})  # type: ignore[misc]
+    payload, storages = _encoded(torch.add, tuple(args), {"k": 1})
     cut = data.draw(st.integers(0, len(payload) - 1))
     with pytest.raises(SerializationError, match="malformed builtin call payload"):
         _decode(payload[:cut] if cut > 0 else bytes((wire.MAGIC,)), storages)
@@ -193,7 +201,9 @@ def test_a_reply_value_arrives_as_the_pickle_delivers_it(value: Any) -> None:
 def test_a_reply_of_another_kind_falls_back_and_a_truncated_one_is_refused() -> None:
     assert wire.encode_value(torch.max(torch.ones(2, 2), dim=0)) is None  # a named tuple keeps its type
     assert wire.encode_value({"a": torch.ones(1)}) is None
-    payload, storages = wire.encode_value([torch.ones(2), 3])  # type: ignore[misc]
+    encoded = wire.encode_value([torch.ones(2), 3])
+    assert encoded is not None
+    payload, storages = encoded
     with pytest.raises(SerializationError, match="ends inside a value"):
         _decode(payload[:-1], storages)
     with pytest.raises(SerializationError, match="1 bytes follow the value"):
@@ -257,7 +267,7 @@ def test_a_tensor_subclass_falls_back() -> None:
 
 # -- malformed input --------------------------------------------------------------------------------
 def _good() -> tuple[bytes, list[torch.Tensor]]:
-    return wire.encode_call(torch.add, (torch.ones(4), 2), {"alpha": 3})  # type: ignore[return-value]
+    return _encoded(torch.add, (torch.ones(4), 2), {"alpha": 3})
 
 
 def _patched(payload: bytes, at: int, new: bytes) -> bytes:
@@ -302,7 +312,7 @@ def test_a_malformed_payload_is_refused_naming_what_is_wrong(mutate: Any, match:
 
 
 def test_an_integer_tensor_cannot_arrive_requiring_grad() -> None:
-    payload, storages = wire.encode_call(torch.neg, (torch.ones(2, dtype=torch.int64),), {})  # type: ignore[misc]
+    payload, storages = _encoded(torch.neg, (torch.ones(2, dtype=torch.int64),))
     with pytest.raises(SerializationError, match=r"torch\.int64 tensor that requires grad"):
         _decode(_patched(payload, TENSOR_AT - len("add") + len("neg") + 5, b"\x01"), storages)
 
@@ -332,7 +342,8 @@ def test_an_allowlist_refuses_an_operator_it_does_not_name_as_it_refuses_the_pic
 
 @pytest.mark.parametrize("patterns", [["torch.add"], ["torch.*"], ["torch.a*"]])
 def test_an_allowlist_that_names_the_operator_lets_it_through(patterns: list[str]) -> None:
-    call = _decode(*wire.encode_call(torch.add, (torch.ones(2), 1), {}), UnpickleAllowlist(patterns))  # type: ignore[misc]
+    payload, storages = _encoded(torch.add, (torch.ones(2), 1))
+    call = _decode(payload, storages, UnpickleAllowlist(patterns))
     assert call[0] is torch.add
 
 
@@ -355,7 +366,7 @@ def test_a_big_call_another_operator_or_a_huge_expanded_view_is_not_brief() -> N
     assert not wire.is_brief((torch.ones, ((2, 2),), {}))  # allocates what a number says
     assert not wire.is_brief((torch.add, ([torch.ones(3000), torch.ones(3000)],), {}))
     huge = torch.ones(1).expand(1 << 20, 1 << 20)  # one element of storage, 2**40 of tensor
-    call = _decode(*wire.encode_call(torch.neg, (huge,), {}))  # type: ignore[misc]
+    call = _decode(*_encoded(torch.neg, (huge,)))
     assert call[1][0].shape == huge.shape
     assert not wire.is_brief(call)
 
@@ -367,6 +378,6 @@ def test_every_brief_operator_is_a_builtin_operator() -> None:
 @pytest.mark.parametrize("name", ["mm", "spmm", "dsmm"])
 def test_operators_equal_to_one_another_each_travel_under_their_own_name(name: str) -> None:
     op = getattr(torch, name)
-    call = _decode(*wire.encode_call(op, (torch.ones(1, 1), torch.ones(1, 1)), {}))  # type: ignore[misc]
+    call = _decode(*_encoded(op, (torch.ones(1, 1), torch.ones(1, 1))))
     assert call[0] is op
     assert wire.operator_name(op) == name == op.__reduce_ex__(5)[1][1]
