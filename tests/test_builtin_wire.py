@@ -66,6 +66,9 @@ def _same(a: Any, b: Any, tensors_a: list[torch.Tensor], tensors_b: list[torch.T
         tensors_b.append(b)
     elif isinstance(a, (tuple, list)):
         assert len(a) == len(b)
+        if a:  # () is one object in any case
+            tensors_a.append(a)  # type: ignore[arg-type]
+            tensors_b.append(b)  # type: ignore[arg-type]
         for x, y in zip(a, b, strict=True):
             _same(x, y, tensors_a, tensors_b)
     elif isinstance(a, float) and a != a:
@@ -81,7 +84,14 @@ def _check_same_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | 
     tb: list[torch.Tensor] = []
     _same(compact[1], pickled[1], ta, tb)
     _same(list(compact[2].items()), list(pickled[2].items()), ta, tb)
-    # storages shared between tensors of the call are shared the same way
+    _same_sharing(ta, tb)
+
+
+def _same_sharing(ta: list[Any], tb: list[Any]) -> None:
+    """Objects that are one object, and storages shared between tensors, are so in both."""
+    assert [[x is y for y in ta] for x in ta] == [[x is y for y in tb] for x in tb]
+    ta = [x for x in ta if isinstance(x, torch.Tensor)]
+    tb = [x for x in tb if isinstance(x, torch.Tensor)]
     share_a = [[x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for y in ta] for x in ta]
     share_b = [[x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for y in tb] for x in tb]
     assert share_a == share_b
@@ -111,6 +121,19 @@ def test_a_small_view_of_a_big_storage_travels_compact_as_with_the_pickle() -> N
     _, storages = _encoded(torch.neg, (big[5:10],))
     assert [s.numel() for s in storages] == [5 * 4]
     _check_same_call(torch.neg, (big[5:10],))
+
+
+def test_an_object_passed_twice_arrives_as_one_object() -> None:
+    t, shared = torch.ones(2), [1, 2]
+    _check_same_call(torch.add, (t, t, (shared, shared)), {"out": t})
+    call = _decode(*_encoded(torch.add, (t, t), {"out": t}))
+    assert call[1][0] is call[1][1] is call[2]["out"]
+
+
+def test_a_reference_to_an_object_not_yet_decoded_is_refused() -> None:
+    payload = bytes((wire.MAGIC, 1, 3)) + b"add" + b"(\x01\x00r\x00\x00\x00"
+    with pytest.raises(SerializationError, match="reference at byte 9 is to object 0, but 0 came before it"):
+        _decode(payload, [])
 
 
 def test_expanded_zero_stride_and_empty_tensors_round_trip() -> None:
@@ -175,6 +198,8 @@ def test_any_plain_arguments_arrive_as_the_pickle_delivers_them(
     args: list[Any], kwargs: dict[str, Any]
 ) -> None:
     _check_same_call(torch.add, tuple(args), kwargs)
+    if args:  # the same objects again: they arrive as the same objects, as from the pickle's memo
+        _check_same_call(torch.add, (*args, *args, args), {**kwargs, "again": args[0]})
 
 
 @settings(max_examples=100, deadline=None)
@@ -196,6 +221,7 @@ def test_a_reply_value_arrives_as_the_pickle_delivers_it(value: Any) -> None:
     ta: list[torch.Tensor] = []
     tb: list[torch.Tensor] = []
     _same(_decode(*encoded), _decode(*serialize.dumps(value)), ta, tb)
+    _same_sharing(ta, tb)
 
 
 def test_a_reply_of_another_kind_falls_back_and_a_truncated_one_is_refused() -> None:

@@ -25,7 +25,8 @@ name (a length byte, ASCII), the positional arguments as one tuple value, a coun
 (name, value) keyword arguments. A value is a tag byte and its body: ``N`` None, ``T``/``F`` a bool,
 ``i`` an int64, ``f`` a float64, ``(``/``[`` a tuple/list (a uint16 count, then the items), ``t`` a
 tensor record (uint16 storage index, dtype code, ndim, requires_grad, int64 storage offset, ndim int64
-sizes, ndim int64 strides).
+sizes, ndim int64 strides), ``r`` a reference (uint16) to the n-th tensor, tuple or list completed
+before it: an object that occurs twice arrives as one object, as the pickle's memo makes it.
 """
 
 from __future__ import annotations
@@ -126,20 +127,28 @@ BRIEF_MAX_ELEMENTS = 4096
 class _Encoder:
     """One call being encoded: its bytes and its out-of-band storages (deduplicated as the pickler does)."""
 
-    __slots__ = ("keepalive", "out", "storage_index", "storages")
+    __slots__ = ("keepalive", "memo", "out", "storage_index", "storages")
 
     def __init__(self, what: int) -> None:
         self.out = bytearray((MAGIC, what))
         self.storages: list[torch.Tensor] = []
         self.storage_index: dict[tuple[int, int], int] = {}
         self.keepalive: list[torch.Tensor] = []
+        #: id of each tensor, tuple and list written -> its number: an object met again is sent as a
+        #: reference to it, so it arrives as one object, as the pickle's memo makes it
+        self.memo: dict[int, int] = {}
 
     def value(self, v: Any, depth: int) -> bool:
         """Append ``v``; False: it cannot be encoded (the call is pickled instead)."""
         tp = type(v)
         out = self.out
         if tp is torch.Tensor or tp is torch.nn.Parameter:
-            return self.tensor(v)
+            ref = self.memo.get(id(v))
+            if ref is not None:
+                out += b"r"
+                out += _U16.pack(ref)
+                return True
+            return self.tensor(v) and self.remember(v)
         if tp is int:
             if not _INT64[0] <= v <= _INT64[1]:
                 return False
@@ -157,13 +166,26 @@ class _Encoder:
             out += b"T" if v else b"F"
             return True
         if tp is tuple or tp is list:
+            ref = self.memo.get(id(v))
+            if ref is not None:
+                out += b"r"
+                out += _U16.pack(ref)
+                return True
             if depth >= MAX_DEPTH or len(v) > _MAX_ITEMS:
                 return False
             out += b"(" if tp is tuple else b"["
             out += _U16.pack(len(v))
             depth += 1
-            return all(self.value(item, depth) for item in v)
+            return all(self.value(item, depth) for item in v) and self.remember(v)
         return False
+
+    def remember(self, v: Any) -> bool:
+        """``v`` (a tensor, tuple or list) is written whole: later occurrences refer to it."""
+        n = len(self.memo)
+        if n >= _MAX_ITEMS:
+            return False
+        self.memo[id(v)] = n
+        return True
 
     def tensor(self, t: torch.Tensor) -> bool:
         if t.layout is not _STRIDED or not t.is_cpu or t.is_conj() or t.is_neg():
@@ -241,13 +263,15 @@ def is_compact(payload: bytes) -> bool:
 
 
 def _value(
-    data: bytes, pos: int, storages: list[torch.Tensor], sizes: list[int], depth: int
+    data: bytes, pos: int, storages: list[torch.Tensor], sizes: list[int], memo: list[Any], depth: int
 ) -> tuple[Any, int]:
     """The value at ``pos`` and the position after it. Reads past the end raise IndexError or
     struct.error (turned into one error by decode)."""
     tag = data[pos]
     if tag == 0x74:  # t
-        return _tensor(data, pos, storages, sizes)
+        t, pos = _tensor(data, pos, storages, sizes)
+        memo.append(t)
+        return t, pos
     if tag == 0x69:  # i
         return _I64.unpack_from(data, pos + 1)[0], pos + 9
     if tag == 0x66:  # f
@@ -266,9 +290,18 @@ def _value(
         items = []
         depth += 1
         for _ in range(n):
-            item, pos = _value(data, pos, storages, sizes, depth)
+            item, pos = _value(data, pos, storages, sizes, memo, depth)
             items.append(item)
-        return (tuple(items) if tag == 0x28 else items), pos
+        value = tuple(items) if tag == 0x28 else items
+        memo.append(value)
+        return value, pos
+    if tag == 0x72:  # r
+        (ref,) = _U16.unpack_from(data, pos + 1)
+        if ref >= len(memo):
+            raise _malformed(
+                f"the reference at byte {pos} is to object {ref}, but {len(memo)} came before it"
+            )
+        return memo[ref], pos + 3
     raise _malformed(f"byte {pos} is not a value tag: {tag:#04x}")
 
 
@@ -361,7 +394,8 @@ def decode(payload: bytes, state: LoadState, allow: UnpickleAllowlist | None) ->
             raise _malformed("its arguments are not a tuple")
         storages = state.storages
         sizes = [-1] * len(storages)
-        args, pos = _value(payload, pos, storages, sizes, 0)
+        memo: list[Any] = []
+        args, pos = _value(payload, pos, storages, sizes, memo, 0)
         kwargs: dict[str, Any] = {}
         count = payload[pos]
         pos += 1
@@ -369,7 +403,7 @@ def decode(payload: bytes, state: LoadState, allow: UnpickleAllowlist | None) ->
             key, pos = _name(payload, pos, "keyword")
             if key in kwargs:
                 raise _malformed(f"keyword {key!r} appears twice")
-            kwargs[key], pos = _value(payload, pos, storages, sizes, 0)
+            kwargs[key], pos = _value(payload, pos, storages, sizes, memo, 0)
     except (IndexError, struct.error):
         raise _malformed(f"it ends inside a value ({len(payload)} bytes)") from None
     if pos != len(payload):
@@ -380,7 +414,7 @@ def decode(payload: bytes, state: LoadState, allow: UnpickleAllowlist | None) ->
 def _decode_value(payload: bytes, state: LoadState) -> Any:
     storages = state.storages
     try:
-        value, pos = _value(payload, 2, storages, [-1] * len(storages), 0)
+        value, pos = _value(payload, 2, storages, [-1] * len(storages), [], 0)
     except (IndexError, struct.error):
         raise _malformed(f"it ends inside a value ({len(payload)} bytes)") from None
     if pos != len(payload):
