@@ -530,7 +530,10 @@ def _report(
         f"twinrpc (gloo world) vs torch.distributed.rpc (TensorPipe) vs raw gloo; {rounds} interleaved "
         f"rounds in {wall:.0f} s; {os.cpu_count()} CPUs"
     )
-    print("ratio = twinrpc / TensorPipe (latency: lower is better; rates: higher is better)")
+    print(
+        "ratio = twinrpc / TensorPipe of the medians over all rounds (latency: lower is better; rates: "
+        "higher is better); the figures below take the median of the ratios within each round"
+    )
     extra = "".join(f"{s:>14}" for s in systems[3:])
     print(
         f"  {'measurement':<34}{'twinrpc':>12}{'TensorPipe':>12}{'raw gloo':>12}{'ratio':>8}  {'target':<18}"
