@@ -176,6 +176,7 @@ class RpcAgent:
             self._by_name = {w.name: w for w in by_id.values()}
             self.workers = sorted(by_id.values(), key=lambda w: w.id)
         if is_join:  # a new worker under a departed one's rank
+            self.rrefs.peer_joined(info.id)
             self.shutdown_protocol.peer_joined(info.id)
 
     def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
@@ -395,6 +396,9 @@ class RpcAgent:
         for _, p in dead:
             p.fut.set_exception(exc)
             self._call_ended()
+        died = not departure.shut_down
+        self.rrefs.peer_departed(peer, exc, died)  # owners drop the forks a dead worker held (RREF-D2)
+        self.autograd.peer_departed(peer, died)  # contexts a dead worker took part in are released (DAG-18)
         self.shutdown_protocol.peer_failed(peer, exc, departure.orderly)
 
     # -- incoming -------------------------------------------------------------------------------
