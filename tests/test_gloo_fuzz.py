@@ -10,7 +10,8 @@ injects them raw on the bad pair's process group, followed by the data frames th
 * the receiver decoded it as ``impl/_framing.Header`` says: a frame the decoder rejects is dropped and
   logged naming worker0, and the link keeps working (a valid message from worker0 still arrives); a
   frame that announces too much, or whose data cannot be taken, fails that link with an error reported
-  for worker0 (then the test makes a new pair); a valid frame delivers exactly its messages;
+  for worker0 (then the test makes a new pair); a valid frame delivers exactly its messages; while the
+  link is up, the receiver's own messages to worker0 still arrive (a frame's ``ack`` is its credit);
 * no exception escaped any thread, and no thread is left behind (links that failed have joined theirs);
 * the receiver and worker2 still exchange messages both ways.
 
@@ -512,6 +513,9 @@ def run_injection(trio: Trio, inj: Injection) -> str:
                 raise
             verdict = "ring refused"  # data that could not be taken from the ring fails the link
         else:
+            back = next(trio.ids)  # and the other way (the frame's ack is the receiver's credit)
+            bad.near.send(Message(Kind.RESPONSE, back, RECEIVER, BAD, b"back"))
+            bad.far_inbox.wait_for_id(back, "the receiver's message to the bad peer")
             delivered = [(m.kind, m.id, m.nbytes) for m in got[:-1]]
             if verdict == "rejected":
                 assert delivered == [] and bad.near.bad_frames == rejected_before + 1
