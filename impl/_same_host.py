@@ -235,11 +235,26 @@ class InRing:
         self._read = np.frombuffer(mm, dtype=np.uint64, count=1)
         self._data = torch.frombuffer(mm, dtype=torch.uint8)[_CONTROL_BYTES:]
         self._view = memoryview(mm)[_CONTROL_BYTES:]
+        #: where the sender's next piece starts: it places pieces in order (OutRing._plan) and we take
+        #: them in the same order, so any other position is a malformed header
+        self._next = 0
 
     def _where(self, pos: int, n: int) -> int:
-        off = pos % self.capacity
-        if off + n > self.capacity:
-            raise ValueError(f"{n} B at ring position {pos} overflow the {self.capacity} B ring")
+        """The offset of the ``n`` bytes at ``pos``, which must be where the sender put its next piece
+        (else a header with a made-up position could read anything, move the read position the sender
+        trusts past data not yet read, or beyond 2**64)."""
+        expected = self._next
+        step = _aligned(n)
+        off = expected % self.capacity
+        if off + step > self.capacity:  # the sender skipped to the start (OutRing._plan)
+            expected += self.capacity - off
+            off = 0
+        if pos != expected or off + n > self.capacity:
+            raise ValueError(
+                f"{n} B at ring position {pos} are out of order or overflow the {self.capacity} B ring "
+                f"(the sender's next piece starts at {expected})"
+            )
+        self._next = pos + step
         return off
 
     def take(self, pos: int, n: int, out: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,11 @@ def _ring_handles() -> tuple[int, int]:
     return maps, fds
 
 
+def _named_segments() -> set[str]:
+    """twinrpc's entries in /dev/shm (other programs' come and go meanwhile)."""
+    return {name for name in os.listdir("/dev/shm") if "twinrpc" in name}
+
+
 def _pair_of_rings(capacity: int = 1 << 20) -> tuple[OutRing, InRing]:
     out = OutRing(capacity)
     inbound = InRing(out.offer())
@@ -95,7 +100,17 @@ def test_a_full_ring_refuses_without_placing_and_takes_again_once_read() -> None
 def test_a_position_outside_the_ring_is_refused() -> None:
     _, inbound = _pair_of_rings(1 << 20)
     with pytest.raises(ValueError, match="overflow"):
-        inbound.take_bytes((1 << 20) - 10, 100)
+        inbound.take_bytes(0, (1 << 20) + 1)
+
+
+def test_a_position_other_than_where_the_sender_put_its_next_piece_is_refused() -> None:
+    out, inbound = _pair_of_rings(1 << 20)
+    first, second = out.place(b"a" * 100, [torch.ones(1000, dtype=torch.uint8)]) or []
+    with pytest.raises(ValueError, match="out of order"):
+        inbound.take_bytes(second, 1000)  # the payload at ``first`` comes first
+    with pytest.raises(ValueError, match="out of order"):
+        inbound.take_bytes(2**64 - 100, 100)  # where no sender puts anything
+    assert inbound.take_bytes(first, 100) == b"a" * 100
 
 
 def test_an_offer_from_another_host_is_not_mapped(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -295,7 +310,7 @@ def _world_child(rank: int, init_file: str, results: Any, kill_me: Any) -> None:
 def test_a_killed_peer_leaves_no_segment_and_shutdown_releases_every_ring(tmp_path: Path) -> None:
     mp = multiprocessing.get_context("spawn")
     results, kill_me = mp.Queue(), mp.Queue()
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = _named_segments()
     procs = [
         mp.Process(target=_world_child, args=(r, str(tmp_path / "rdv"), results, kill_me), daemon=True)
         for r in range(3)
@@ -328,4 +343,4 @@ def test_a_killed_peer_leaves_no_segment_and_shutdown_releases_every_ring(tmp_pa
     assert zero["maps_after_kill"] == (maps_live - 2, fds_live - 2)
     assert zero["maps_after_shutdown"] == (0, 0)
     assert out[1]["maps_after_shutdown"] == (0, 0)
-    assert set(os.listdir("/dev/shm")) == shm_before  # nothing named was ever created
+    assert _named_segments() == shm_before  # nothing named was ever created
