@@ -14,6 +14,10 @@ message decoders see the damage. Then:
 * worker1 is alive and still calls worker2, and has no thread more than before (its request pool
   keeps the threads it started, within its bound).
 
+Then the other way: worker1 calls worker0, which damages its replies the same way (a builtin call's
+result in the compact encoding, pickled values, an exception), and the same holds; an error saying the
+reply could not be decoded names worker0.
+
 tests/test_gloo_fuzz.py fuzzes the frames themselves. ``TWINRPC_FUZZ_EXAMPLES`` raises the number of
 examples (the default keeps the world to seconds, once started).
 """
@@ -52,6 +56,74 @@ def probe() -> tuple[int, int, int]:
     return threading.active_count() - pool, pool, answer
 
 
+def _replies() -> list[tuple[str, Any]]:
+    """Calls worker1 makes to worker0: their replies are what worker0 damages."""
+    import torch
+
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    return [
+        ("a builtin call's tensor, in the compact encoding", (torch.add, (t, t[:, :1]), {})),
+        ("a builtin call's tuple of tensors", (torch.split, (torch.arange(5), 2), {})),
+        ("a pickled int", (operator.add, (1, 2), {})),
+        ("a pickled dict of tensors and strings", (named, (t,), {"name": "x"})),
+        ("an exception", (operator.truediv, (1, 0), {})),
+    ]
+
+
+def named(t: Any, name: str) -> dict[str, Any]:
+    """On worker0: a value that is pickled (a dict: no compact encoding for it)."""
+    return {name: t, "rows": t.shape[0]}
+
+
+def call_back(which: int) -> str:
+    """On worker1: make reply case ``which``'s call to worker0; what it ended as."""
+    import twinrpc.rpc as rpc
+
+    func, args, kwargs = _replies()[which][1]
+    try:
+        rpc.rpc_sync("worker0", func, args=args, kwargs=kwargs, timeout=WAIT)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "value"
+
+
+def _damage(
+    payload: bytes, tensors: list[Any], edits: list[tuple[str, int, Any]], storages: str
+) -> tuple[bytes, list[Any]]:
+    """``payload`` and ``tensors`` with ``edits`` applied and the storages changed as ``storages`` says."""
+    import torch
+
+    data = bytearray(payload)
+    for what, at, arg in edits:
+        at = at % (len(data) + 1)
+        if what == "set" and at < len(data):
+            data[at] = arg
+        elif what == "insert":
+            data[at:at] = arg
+        elif what == "delete":
+            del data[at : at + arg]
+        elif what == "cut":
+            del data[at:]
+    tensors = list(tensors)
+    if storages == "drop last" and tensors:
+        tensors.pop()
+    elif storages == "cut first" and tensors and tensors[0].numel():
+        tensors[0] = tensors[0][: tensors[0].numel() - 1]
+    elif storages == "add one":
+        tensors.append(torch.zeros(8, dtype=torch.uint8))
+    return bytes(data), tensors
+
+
+def _classify(text: str, what: str) -> str:
+    """What a call that raised ``text`` ended as; it must not have timed out, and an error saying
+    that ``what`` could not be decoded must name worker0."""
+    assert "ran for more than" not in text, f"{what} was never answered: {text}"
+    if ("could not" in text and ("unpickle" in text or "decode" in text)) or "malformed" in text:
+        assert "worker0" in text, text
+        return "refused"
+    return "raised"
+
+
 def _requests() -> list[tuple[str, Any]]:
     """Real request objects: what worker0 would send for these calls."""
     import torch
@@ -84,14 +156,13 @@ def _fuzz(shared: dict[str, Any]) -> dict[str, Any]:
     """On worker0: the hypothesis run; returns what the examples ended as, or the failure."""
     from unittest import mock
 
-    import torch
     from hypothesis import HealthCheck, given, note, settings
     from hypothesis import strategies as st
 
     import twinrpc.rpc as rpc
     from twinrpc import _serialize
     from twinrpc._current import current_agent
-    from twinrpc._message import Kind
+    from twinrpc._message import Kind, Message
 
     agent = current_agent()
     requests = _requests()
@@ -115,58 +186,76 @@ def _fuzz(shared: dict[str, Any]) -> dict[str, Any]:
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(
-        which=st.integers(0, len(requests) - 1),
-        edits=st.lists(edit, max_size=4),
-        storages=storage_edit,
-    )
-    def one(which: int, edits: list[tuple[str, int, Any]], storages: str) -> None:
+    @given(which=st.integers(0, len(requests) - 1), edits=st.lists(edit, max_size=4), storages=storage_edit)
+    def one_request(which: int, edits: list[tuple[str, int, Any]], storages: str) -> None:
         payload, tensors = encoded[which]
-        data = bytearray(payload)
-        for what, at, arg in edits:
-            at = at % (len(data) + 1)
-            if what == "set" and at < len(data):
-                data[at] = arg
-            elif what == "insert":
-                data[at:at] = arg
-            elif what == "delete":
-                del data[at : at + arg]
-            elif what == "cut":
-                del data[at:]
-        tensors = list(tensors)
-        if storages == "drop last" and tensors:
-            tensors.pop()
-        elif storages == "cut first" and tensors and tensors[0].numel():
-            tensors[0] = tensors[0][: tensors[0].numel() - 1]
-        elif storages == "add one":
-            tensors.append(torch.zeros(8, dtype=torch.uint8))
-        note(f"{requests[which][0]}: {len(payload)} -> {len(data)} B {bytes(data)!r}, storages {storages}")
-        sent = (bytes(data), tensors)
+        sent = _damage(payload, tensors, edits, storages)
+        note(f"{requests[which][0]}: {len(payload)} -> {len(sent[0])} B {sent[0]!r}, storages {storages}")
         with mock.patch.object(_serialize, "dumps", lambda obj, fork=None, grads=None: sent):
             fut = agent.request(1, Kind.CALL, None, WAIT)
         try:
             fut.wait()
             outcome = "ran"
         except Exception as exc:
-            text = f"{type(exc).__name__}: {exc}"
-            note(text)
-            assert "ran for more than" not in text, "worker1 never answered the damaged request"
-            if "could not unpickle" in text or "malformed" in text:
-                assert "worker0" in text, text
-                outcome = "refused"
-            else:
-                outcome = "raised"
+            note(f"{type(exc).__name__}: {exc}")
+            outcome = _classify(f"{type(exc).__name__}: {exc}", "the damaged request")
+        check_worker1()
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+    replies = _replies()
+    damage: dict[str, Any] = {}
+    world = agent.world
+    send = world.send
+
+    def send_damaging(msg: Message) -> None:
+        """worker0's world.send, test-only: the next reply to worker1 goes out damaged."""
+        how = (
+            damage.pop("how", None) if msg.kind in (Kind.RESPONSE, Kind.EXCEPTION) and msg.dst == 1 else None
+        )
+        if how is not None:  # on a pool thread: what it did is noted by the example
+            payload, tensors = _damage(msg.payload, msg.tensors, *how)
+            damage["did"] = f"reply {msg.kind.name}: {len(msg.payload)} -> {len(payload)} B {payload!r}"
+            msg = Message(msg.kind, msg.id, msg.src, msg.dst, payload, tensors)
+        send(msg)
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(which=st.integers(0, len(replies) - 1), edits=st.lists(edit, max_size=4), storages=storage_edit)
+    def one_reply(which: int, edits: list[tuple[str, int, Any]], storages: str) -> None:
+        damage["how"] = (edits, storages)
+        note(replies[which][0])
+        text = rpc.rpc_sync("worker1", call_back, args=(which,), timeout=2 * WAIT)
+        note(f"{damage.pop('did', 'no reply damaged')}; worker1's call ended with {text}")
+        assert "how" not in damage, "worker0 sent no reply to damage"
+        outcome = "ran" if text == "value" else _classify(text, "the damaged reply")
+        check_worker1()
+        reply_outcomes[outcome] = reply_outcomes.get(outcome, 0) + 1
+
+    def check_worker1() -> None:
         threads, pool, answer = rpc.rpc_sync("worker1", probe, timeout=WAIT)
         assert answer == 42
         assert threads <= threads0 + 1, f"worker1 has {threads} threads outside its pool, {threads0} at first"
         assert pool <= POOL_BOUND, f"worker1's pool has {pool} threads"
-        outcomes[outcome] = outcomes.get(outcome, 0) + 1
 
+    reply_outcomes: dict[str, int] = {}
     try:
-        one()
+        one_request()
+        world.send = send_damaging  # type: ignore[method-assign]
+        one_reply()
     except BaseException as exc:
-        return {"failure": "".join(traceback.format_exception(exc)), "outcomes": outcomes}
-    return {"failure": None, "outcomes": outcomes}
+        return {
+            "failure": "".join(traceback.format_exception(exc)),
+            "outcomes": outcomes,
+            "replies": reply_outcomes,
+        }
+    finally:
+        world.send = send  # type: ignore[method-assign]
+    return {"failure": None, "outcomes": outcomes, "replies": reply_outcomes}
 
 
 def _program(rank: int, init_file: str, shared: dict[str, Any]) -> Any:
@@ -177,7 +266,7 @@ def _program(rank: int, init_file: str, shared: dict[str, Any]) -> Any:
     )
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=options)
     result = _fuzz(shared) if rank == 0 else "served"
-    rpc.shutdown()
+    rpc.shutdown(timeout=WAIT)
     return result
 
 
@@ -193,7 +282,9 @@ def _child(rank: int, init_file: str, shared: dict[str, Any]) -> None:
     os._exit(0)
 
 
-def test_damaged_payloads_in_valid_frames_are_answered_and_the_receiver_keeps_serving(tmp_path: Path) -> None:
+def test_damaged_requests_and_replies_in_valid_frames_end_and_the_receiver_keeps_serving(
+    tmp_path: Path,
+) -> None:
     mp = multiprocessing.get_context("spawn")
     shared: dict[str, Any] = {"results": mp.Queue()}
     init_file = str(tmp_path / "rendezvous")
@@ -216,7 +307,8 @@ def test_damaged_payloads_in_valid_frames_are_answered_and_the_receiver_keeps_se
                 os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
             p.join(5)
     result = got[0]
-    print(f"damaged requests by outcome: {result['outcomes']}")
+    print(f"damaged requests by outcome: {result['outcomes']}; damaged replies: {result['replies']}")
     assert result["failure"] is None, result["failure"]
     assert got[1] == got[2] == "served"
     assert set(result["outcomes"]) == {"ran", "refused", "raised"}, result["outcomes"]
+    assert set(result["replies"]) == {"ran", "refused", "raised"}, result["replies"]
