@@ -407,3 +407,24 @@ def test_operators_equal_to_one_another_each_travel_under_their_own_name(name: s
     call = _decode(*_encoded(op, (torch.ones(1, 1), torch.ones(1, 1))))
     assert call[0] is op
     assert wire.operator_name(op) == name == op.__reduce_ex__(5)[1][1]
+
+
+# -- the simulator keeps the pickle -----------------------------------------------------------------
+def _sim_add(rank: int) -> Any:
+    import twinrpc.rpc as rpc
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    value = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), torch.ones(2))) if rank == 0 else None
+    rpc.shutdown()
+    return value
+
+
+def test_the_simulator_sends_a_builtin_call_pickled_so_its_traces_keep_their_sizes() -> None:
+    from twinrpc.simulator import Simulation
+
+    result = Simulation(world_size=2, seed=0).run(_sim_add)
+    assert torch.equal(result.values()[0], torch.full((2,), 2.0))
+    sent = [ev.message for ev in result.trace.events() if ev.event == "send" and ev.message is not None]
+    calls = [m for m in sent if m.kind == "CALL"]
+    payload, storages = serialize.dumps((torch.add, (torch.ones(2), torch.ones(2)), {}))
+    assert [m.nbytes for m in calls] == [len(payload) + sum(s.numel() for s in storages)]
