@@ -137,25 +137,38 @@ def train(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks (~15 min on 2 cores): simulated round trips per wall-clock second; the gloo world vs
-    TensorPipe vs raw gloo side by side (ratios); the simulator's models fitted to gloo and the training
-    job's simulated vs real time; 256 simulated workers training (messages/s, virtual/wall);
-    distributed forward+backward+step and parameter-server training samples/s vs TensorPipe, and what
-    handing a reply from a receiver thread to its waiter costs there; what a job key costs a call; an RRef
-    soak on gloo.
+    """Benchmarks (~20 min on 2 cores), written to benchmarks/results/ and rendered as the docs' results
+    page: simulated round trips per wall-clock second; the gloo world vs TensorPipe vs raw gloo (ratios,
+    alternating rounds); what a job key costs a call; the simulator's models fitted to gloo on one host
+    and between two network namespaces, and the training job's simulated vs real time; 256 simulated
+    workers training; distributed autograd vs TensorPipe; twinrpc between two namespaces vs the raw
+    gloo floor there; parameter-server training vs TensorPipe and the reply hand-off; an RRef soak on
+    gloo.
 
     Posargs go to the simulator benchmark. The soak runs 100,000 create/to_here/delete cycles on gloo
     (about 5 minutes) and prints owner-side state before and after; set
     TWINRPC_SOAK_CYCLES for a quicker look.
     """
     _install(session, "test,train")
+    results = "benchmarks/results"
     session.run("python", "benchmarks/bench_simulator.py", *session.posargs)
-    session.run("python", "benchmarks/bench_gloo.py")
+    session.run("python", "benchmarks/bench_gloo.py", "--json", f"{results}/bench_gloo.json")
     session.run("python", "benchmarks/bench_auth.py", "--mac")
     network = "build/bench/network-calibrated.toml"
-    session.run("python", "benchmarks/bench_calibration.py", "--out", network)
+    session.run(
+        "python",
+        "benchmarks/bench_calibration.py",
+        "--out",
+        network,
+        "--json",
+        f"{results}/bench_calibration.json",
+    )
     session.run("python", "benchmarks/bench_sim_scale.py", "--network", network)
-    session.run("python", "benchmarks/bench_dist_autograd.py")
+    session.run(
+        "python", "benchmarks/bench_dist_autograd.py", "--json", f"{results}/bench_dist_autograd.json"
+    )
+    session.run("python", "benchmarks/bench_two_hosts.py", "--json", f"{results}/bench_two_hosts.json")
+    session.run("python", "benchmarks/render_results.py", "--results", results)
     session.run("python", "benchmarks/bench_reply_hop.py")
     session.run("python", "benchmarks/bench_ps.py")
     cycles = os.environ.get("TWINRPC_SOAK_CYCLES", "100000")

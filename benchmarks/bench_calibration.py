@@ -4,21 +4,30 @@ In one run:
 
 1. Two twinrpc workers over gloo (real processes) measure ``rpc_sync`` round trips of a small
    argument and of float32 tensors from 1 KiB to 16 MiB, and small calls with 64 in flight
-   (:func:`twinrpc.simulator.calibration.measure`); a raw gloo pair measures the transport's own
-   ping-pong floor for reference.
-2. :func:`~twinrpc.simulator.calibration.fit_network_model` fits ``latency``, ``jitter``,
-   ``bandwidth`` and ``message_cost`` by least squares; the parameters and the residuals are printed,
-   and the model is saved as TOML (``--out``; ``python -m twinrpc.simulator run --network FILE``).
+   (:func:`twinrpc.simulator.calibration.measure`), twice: on this host (the gloo world's
+   shared-memory path, unless ``TWINRPC_SHM=0``), and between two hosts: two network namespaces
+   joined by a veth pair (``benchmarks/_netns.py``, the setup of ``tests/test_two_hosts.py``; needs
+   root). Where namespaces cannot be made, the loopback gloo path with ``TWINRPC_SHM=0`` stands for
+   the link between hosts, and the output says so. A raw gloo pair measures the transport's own
+   ping-pong floor on this host for reference.
+2. :func:`~twinrpc.simulator.calibration.fit_network_model` fits ``latency``, ``jitter`` and
+   ``bandwidth`` (between hosts), ``same_host_latency``, ``same_host_jitter`` and
+   ``same_host_bandwidth`` (on one host) and ``message_cost`` (both) by least squares; the
+   parameters and the residuals are printed, and the model is saved as TOML (``--out``;
+   ``python -m twinrpc.simulator run --network FILE``; place workers on hosts with
+   ``NetworkModel.with_hosts`` for its same-host parameters to apply).
 3. The parameter-server job (examples/parameter_server.py, 1 server + 2 trainers, ``--batches``
-   batches each) runs on gloo for real and in the simulator with the default and the calibrated
-   model; the training phase's real wall time is compared with its simulated virtual time.
+   batches each) runs on gloo for real (all on this host) and in the simulator with the default
+   and the calibrated model, its workers placed on one host; the training phase's real wall time is
+   compared with its simulated virtual time.
 4. Computation: on its own the simulator charges nothing for it (forward and backward passes,
    optimizer steps). A :class:`~twinrpc.simulator.ComputeModel` (a cost per torch operator and per
    FLOP) is fitted to the job's computation timed alone in this process at three batch sizes, and
    the job is simulated again with it. For comparison, the computation's measured time is also
    simply added to the calibrated network row (arithmetic outside the simulator).
 
-Run: ``nox -s bench`` or ``python benchmarks/bench_calibration.py [--quick] [--out FILE] [--compute-out FILE]``.
+Run: ``nox -s bench`` or ``python benchmarks/bench_calibration.py [--quick] [--out FILE] [--compute-out FILE]
+[--json FILE]``.
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
+import _netns  # noqa: E402
+import _results  # noqa: E402
 import parameter_server as ps  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -78,14 +89,22 @@ class _Quiet:
 
 
 # -- what runs on the workers (either world) -------------------------------------------------------------
-def calibration_worker(rank: int, quick: bool, options: Any = None) -> Any:
+def calibration_worker(rank: int, how: tuple[bool, bool], options: Any = None) -> Any:
+    """Rank 0 measures its link to rank 1; ``how`` = (quick, the two run on one host)."""
+    quick, same_host = how
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
     out = None
     if rank == 0:
         if quick:
-            out = measure("worker1", calls=40, max_bytes_per_size=32 * 1024 * 1024, pipelined_calls=400)
+            out = measure(
+                "worker1",
+                calls=40,
+                max_bytes_per_size=32 * 1024 * 1024,
+                pipelined_calls=400,
+                same_host=same_host,
+            )
         else:
-            out = measure("worker1", calls=300, pipelined_calls=3000)
+            out = measure("worker1", calls=300, pipelined_calls=3000, same_host=same_host)
     rpc.shutdown()
     return out
 
@@ -124,7 +143,9 @@ def job_time(spans: list[tuple[float, float]]) -> float:
 
 
 # -- real processes ------------------------------------------------------------------------------------
-def _child(target: str, rank: int, init_method: str, conn: Any, args: Any) -> None:
+def _child(target: str, rank: int, init_method: str, conn: Any, args: Any, host: Any = None) -> None:
+    if host is not None:  # this rank stands on a host of its own: a network namespace
+        _netns.enter(host)
     torch.set_num_threads(1)
     logging.getLogger("twinrpc.impl").setLevel(logging.ERROR)
     try:
@@ -169,15 +190,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_processes(target: str, world_size: int, args: Any, timeout: float = 600.0) -> list[Any]:
-    """Run ``target`` as ``world_size`` real processes; returns each rank's result."""
+def run_processes(
+    target: str, world_size: int, args: Any, timeout: float = 600.0, hosts: Any = None
+) -> list[Any]:
+    """Run ``target`` as ``world_size`` real processes; returns each rank's result. With ``hosts``
+    (two :class:`_netns.Host`), rank r runs in ``hosts[r]``'s network namespace."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="bench_calibration-") as tmp:
-        init = f"tcp://127.0.0.1:{_free_port()}" if target == "raw" else f"file://{tmp}/rendezvous"
+        if hosts is not None:
+            init = f"tcp://{hosts[0].address}:29500"
+        elif target == "raw":
+            init = f"tcp://127.0.0.1:{_free_port()}"
+        else:
+            init = f"file://{tmp}/rendezvous"
         conns, procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_child, args=(target, rank, init, child, args), daemon=True)
+            host = None if hosts is None else hosts[rank]
+            p = ctx.Process(target=_child, args=(target, rank, init, child, args, host), daemon=True)
             p.start()
             conns.append(parent)
             procs.append(p)
@@ -271,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="build/bench/network-calibrated.toml")
     parser.add_argument("--compute-out", default="build/bench/compute-calibrated.toml")
+    parser.add_argument(
+        "--json", default="", help="write the fitted model to this file (the results page's input)"
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -278,19 +311,39 @@ def main(argv: list[str] | None = None) -> int:
         f"calibration: the simulator's network model fitted to the gloo world on this machine ({os.cpu_count()} CPUs)"
     )
 
-    # 1. measure
-    samples = run_processes("calibrate", 2, args.quick)[0]
+    # 1. measure: on this host, then between two hosts (namespaces), or loopback without shared memory
+    same = run_processes("calibrate", 2, (args.quick, True))[0]
+    reason = _netns.why_not()
+    if reason is None:
+        with _netns.two_hosts() as hosts:
+            cross = run_processes("calibrate", 2, (args.quick, False), hosts=hosts)[0]
+        between = "two network namespaces joined by a veth pair"
+    else:
+        previous = os.environ.get("TWINRPC_SHM")
+        os.environ["TWINRPC_SHM"] = "0"
+        try:
+            cross = run_processes("calibrate", 2, (args.quick, False))[0]
+        finally:
+            if previous is None:
+                os.environ.pop("TWINRPC_SHM")
+            else:
+                os.environ["TWINRPC_SHM"] = previous
+        between = f"no second host ({reason}): loopback gloo with TWINRPC_SHM=0 stands for it"
     floor = run_processes("raw", 2, 60 if args.quick else 300)[0]
+    samples = [*same, *cross]
     trips = [s for s in samples if isinstance(s, RoundTrip)]
     pipes = [s for s in samples if isinstance(s, Pipelined)]
-    print("  measured on gloo (two twinrpc processes; median of each size):")
-    for size, s in zip(DEFAULT_SIZES, trips, strict=True):
-        what = "small argument" if size == 0 else f"{size // 1024:,} KiB tensor"
-        print(f"    rpc_sync {what:<20} {_us(s.seconds):>14}  (10-90% spread {_us(s.spread)})")
-    for p in pipes:
-        print(f"    rpc_async, {p.in_flight} in flight    {_us(p.seconds_per_call):>14} per call")
+    for title, group in (("on this host", same), (f"between hosts ({between})", cross)):
+        print(f"  measured on gloo, {title} (two twinrpc processes; median of each size):")
+        for size, s in zip(DEFAULT_SIZES, [x for x in group if isinstance(x, RoundTrip)], strict=True):
+            what = "small argument" if size == 0 else f"{size // 1024:,} KiB tensor"
+            print(f"    rpc_sync {what:<20} {_us(s.seconds):>14}  (10-90% spread {_us(s.spread)})")
+        for p in group:
+            if isinstance(p, Pipelined):
+                print(f"    rpc_async, {p.in_flight} in flight    {_us(p.seconds_per_call):>14} per call")
     print(
-        f"    raw gloo ping-pong (reference): 4 B {_us(floor[4])}, 16 MiB {floor[16 * 1024 * 1024] * 1e3:.2f} ms"
+        f"    raw gloo ping-pong on this host (reference): 4 B {_us(floor[4])}, 16 MiB "
+        f"{floor[16 * 1024 * 1024] * 1e3:.2f} ms"
     )
 
     # 2. fit
@@ -301,21 +354,47 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     model.dump(out)
-    print(f"  saved: {out}  (python -m twinrpc.simulator run --network {out} ...)")
-    small_rtt = trips[0].seconds
-    if pipes and pipes[0].seconds_per_call > small_rtt / 2:
+    print(
+        f"  saved: {out}  (python -m twinrpc.simulator run --network {out} ...; its same-host parameters "
+        "apply to workers placed on one host: NetworkModel.with_hosts)"
+    )
+    small_rtt = min(s.seconds for s in trips if s.same_host)
+    same_pipes = [p for p in pipes if p.same_host]
+    if same_pipes and same_pipes[0].seconds_per_call > small_rtt / 2:
         print(
-            f"  note: with {pipes[0].in_flight} calls in flight a call took {_us(pipes[0].seconds_per_call)}, more "
-            f"than half a small round trip ({_us(small_rtt / 2)}), the most the model allows (a round trip "
-            "holds 4 message costs, a pipelined call 2 per worker): here concurrency costs more per "
-            "message than a lone call (cores shared with other load, thread hand-offs), which the model "
-            "does not have; the fit compromises (see the residuals)"
+            f"  note: with {same_pipes[0].in_flight} calls in flight a call took "
+            f"{_us(same_pipes[0].seconds_per_call)}, more than half a small round trip ({_us(small_rtt / 2)}), "
+            "the most the model allows (a round trip holds 4 message costs, a pipelined call 2 per worker): "
+            "here concurrency costs more per message than a lone call (cores shared with other load, thread "
+            "hand-offs), which the model does not have; the fit compromises (see the residuals)"
         )
     print(
-        f"  of a small round trip ({_us(small_rtt)}), the model puts {_us(4 * model.message_cost)} in message "
-        f"handling (4 x message_cost: pickling, framing, dispatch at both ends) and "
-        f"{_us(2 * model.latency + model.jitter)} on the links; raw gloo's round trip is {_us(floor[4])}"
+        f"  of a small round trip on this host ({_us(small_rtt)}), the model puts {_us(4 * model.message_cost)} "
+        f"in message handling (4 x message_cost: pickling, framing, dispatch at both ends) and "
+        f"{_us(2 * model.same_host_latency + model.same_host_jitter)} on the link; raw gloo's round trip is "
+        f"{_us(floor[4])}"
     )
+    if args.json:
+        doc = _results.document(
+            "bench_calibration",
+            "the simulator's network model fitted to the gloo world",
+            "python benchmarks/bench_calibration.py" + (" --quick" if args.quick else ""),
+            [],
+            rounds=1,
+            extra={
+                "model": (
+                    f"between hosts ({between}): latency {model.latency * 1e6:.1f} us, jitter "
+                    f"{model.jitter * 1e6:.1f} us, bandwidth {model.bandwidth / 1e9:.2f} GB/s; on one host: "
+                    f"latency {model.same_host_latency * 1e6:.1f} us, jitter {model.same_host_jitter * 1e6:.1f} us, "
+                    f"bandwidth {model.same_host_bandwidth / 1e9:.2f} GB/s; message_cost "
+                    f"{model.message_cost * 1e6:.1f} us; rms relative error {fit.rms_relative_error:.1%}"
+                )
+            },
+        )
+        _results.write(args.json, doc)
+        print(f"  written: {args.json}")
+    # the real job runs on this host: simulate it with its workers on one host
+    model = model.with_hosts(workers_per_host=args.trainers + 1)
 
     # 3. the training job
     jargs = job_args(args.trainers + 1, args.batches)

@@ -17,12 +17,14 @@ twinrpc's rate against it shows what the RPC layer itself costs.
 Each launch of a system (two fresh processes) runs one warm-up round and ``--rounds`` measured rounds
 of ``--iters`` iterations. Launches alternate between the systems (``--repeat`` of each), because one
 system's rate moves by up to 30% from one launch to the next on a small machine (TensorPipe's most);
-each system's median is over all its measured rounds. Each system's CPU time per iteration (user and
+each system's median is over all its measured rounds, and the ratio twinrpc / TensorPipe is the median
+over the repeats of the ratio of the two launches of a repeat (back to back, under the same load).
+``--json FILE`` writes the loops' figures for the results page (``benchmarks/render_results.py``). Each system's CPU time per iteration (user and
 system, every thread of each worker process) is printed too: TensorPipe's threads poll while they
 wait, so it buys latency with CPU that a busy machine does not have.
 
     python benchmarks/bench_dist_autograd.py [--loop step|iteration] [--iters 300] [--rounds 2]
-        [--repeat 3] [--only twinrpc]
+        [--repeat 3] [--only twinrpc] [--json FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import tempfile
 import time
 from typing import Any
 
+import _results  # benchmarks/_results.py (the script's directory is on sys.path)
 import torch
 import torch.multiprocessing as mp
 
@@ -191,18 +194,47 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="launches of each system, alternating")
     parser.add_argument("--only", choices=RUNS, help="run one system (e.g. under a profiler)")
     parser.add_argument("--loop", choices=LOOPS, action="append", help="the loops to run (default: both)")
+    parser.add_argument(
+        "--json", default="", help="write the loops' figures to this file (the results page's input)"
+    )
     args = parser.parse_args()
-    for loop in args.loop or LOOPS:
-        _measure(loop, args)
+    found = [f for loop in args.loop or LOOPS if (f := _measure(loop, args)) is not None]
+    if args.json and found:
+        loops = " ".join(f"--loop {loop}" for loop in args.loop or ())
+        doc = _results.document(
+            "bench_dist_autograd",
+            "distributed autograd, twinrpc against TensorPipe, two processes on this machine",
+            f"python benchmarks/bench_dist_autograd.py --iters {args.iters} --rounds {args.rounds} "
+            f"--repeat {args.repeat}" + (f" {loops}" if loops else ""),
+            found,
+            rounds=args.repeat,
+        )
+        _results.write(args.json, doc)
+        print(f"written: {args.json}")
 
 
-def _measure(loop: str, args: argparse.Namespace) -> None:
+_LABELS = {
+    "step": "distributed forward + backward + DistributedOptimizer step (256x256 matmul)",
+    "iteration": "distributed-autograd iteration (rpc_sync(torch.matmul), backward, get_gradients)",
+}
+
+
+def _measure(loop: str, args: argparse.Namespace) -> dict[str, object] | None:
     # the raw gloo floor is the step loop's messages and computation
     systems = [args.only] if args.only else [s for s in RUNS if loop == "step" or s != "raw gloo"]
     results: dict[str, Rounds] = {s: [] for s in systems}
+    #: per repeat, twinrpc's rate / TensorPipe's (medians of the two launches, back to back)
+    repeat_ratios: list[float] = []
     for r in range(args.repeat):
+        launched: dict[str, Rounds] = {}
         for system in systems if r % 2 == 0 else reversed(systems):
-            results[system] += _launch(system, loop, args.iters, args.rounds)
+            launched[system] = _launch(system, loop, args.iters, args.rounds)
+            results[system] += launched[system]
+        if "twinrpc" in launched and "torch" in launched:
+            repeat_ratios.append(
+                statistics.median(x for x, _, _ in launched["twinrpc"])
+                / statistics.median(x for x, _, _ in launched["torch"])
+            )
     if loop == "step":
         print("distributed forward+backward+step, 2 workers, 256x256 matmul across the boundary (it/s)")
     else:
@@ -221,17 +253,28 @@ def _measure(loop: str, args: argparse.Namespace) -> None:
             f"  CPU per iteration: worker0 {cpu0:.2f} ms, worker1 {cpu1:.2f} ms"
         )
     if args.only:
-        return
+        return None
     twinrpc = medians["twinrpc"]
-    ratio = twinrpc / medians["torch"]
-    print(f"  twinrpc / torch: {ratio:.2f}x (target >= {TARGETS[loop]}x)")
-    if "raw gloo" not in medians:
-        return
-    floor = 1 / medians["raw gloo"]
-    print(
-        f"  twinrpc's RPC layer: {(1 / twinrpc - floor) * 1e6:.0f} us per iteration above raw gloo "
-        f"({1 / twinrpc * 1e6:.0f} us against {floor * 1e6:.0f} us)"
+    found = _results.figure(
+        loop,
+        _LABELS[loop],
+        "it/s",
+        True,
+        {"twinrpc": twinrpc, "tensorpipe": medians["torch"]},
+        repeat_ratios,
+        (">=", TARGETS[loop]),
     )
+    print(
+        f"  twinrpc / torch: {found['ratio']:.2f}x, median over {len(repeat_ratios)} alternating repeats "
+        f"(target >= {TARGETS[loop]}x)"
+    )
+    if "raw gloo" in medians:
+        floor = 1 / medians["raw gloo"]
+        print(
+            f"  twinrpc's RPC layer: {(1 / twinrpc - floor) * 1e6:.0f} us per iteration above raw gloo "
+            f"({1 / twinrpc * 1e6:.0f} us against {floor * 1e6:.0f} us)"
+        )
+    return found
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ world), TensorPipe (``torch.distributed.rpc``) and raw gloo (``torch.distributed
 explicit source, the floor under twinrpc's transport). The parent then runs rounds; in each round every
 measurement runs on every system in turn (the order rotates each round), so all three share whatever
 load the machine has at that moment. Reported: medians (and p99 for latency) over all rounds, and
-twinrpc / TensorPipe ratios against the targets in ``_TARGETS``.
+each figure's ratio twinrpc / TensorPipe against its target in ``_TARGETS``: the median over rounds of
+the ratio within a round (both systems measured back to back, under the same load).
+``--json FILE`` also writes the figures for the results page (``benchmarks/render_results.py``).
 
 With 64 calls in flight, twinrpc's links also count the messages per header frame each way (requests,
 replies): several messages waiting for the same peer share a frame (``Sender`` in ``impl/_sender.py``).
@@ -13,7 +15,7 @@ replies): several messages waiting for the same peer share a frame (``Sender`` i
 Bandwidth is a round trip: a UDF that returns its argument; GB/s = 2 x size / round-trip time (bytes
 moved both ways). The raw gloo floor is the same ping-pong with reused receive buffers.
 
-Run: ``nox -s bench`` or ``python benchmarks/bench_gloo.py [--rounds R] [--quick]``.
+Run: ``nox -s bench`` or ``python benchmarks/bench_gloo.py [--rounds R] [--quick] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import tempfile
 import threading
 import time
 from typing import Any
+
+import _results
 
 KiB, MiB = 1024, 1024 * 1024
 SIZES = (KiB, MiB, 16 * MiB, 64 * MiB)
@@ -113,6 +117,16 @@ def link_frames(peer: int) -> tuple[int, int]:
     return sender.headers_sent, getattr(sender, "messages_sent", sender.headers_sent)
 
 
+def link_same_host(peer: int) -> list[bool] | None:
+    """Whether this twinrpc worker's link to ``peer`` moves data through shared memory, each way
+    ([ours to the peer, the peer's to us]); None: a tree without the same-host path."""
+    from twinrpc._current import current_agent
+
+    link = current_agent().world.links[peer]  # type: ignore[attr-defined]
+    same = getattr(link, "same_host", None)
+    return None if same is None else [bool(x) for x in same]
+
+
 def _messages_per_frame(rpc: Any, n: int, a: Any, b: Any) -> tuple[float, float]:
     """Messages per header frame (requests, replies) over ``n`` calls with WINDOW in flight."""
     mine, theirs = link_frames(1), rpc.rpc_sync("worker1", link_frames, args=(0,))
@@ -136,6 +150,8 @@ def _rpc_measure(rpc: Any, what: str, n: int, size: int) -> Any:
         return _throughput(rpc, n, a, b)
     if what == "frames":
         return _messages_per_frame(rpc, n, a, b)
+    if what == "shm":
+        return link_same_host(1)
     if what == "remote":
         return _timed_calls(n, lambda: rpc.remote("worker1", tiny_udf, args=(a, b)).to_here())
     if what == "bw":
@@ -167,7 +183,13 @@ def _gloo_measure(rank: int, what: str, n: int, size: int, bufs: dict[int, Any])
     return _timed_calls(n, ping)
 
 
-def worker(system: str, rank: int, init_method: str, conn: Any, path: str | None = None) -> None:
+def worker(
+    system: str, rank: int, init_method: str, conn: Any, path: str | None = None, host: Any = None
+) -> None:
+    if host is not None:  # bench_two_hosts.py: this rank runs in a network namespace of its own
+        import _netns
+
+        _netns.enter(host)
     if path:  # --baseline: twinrpc imported from another tree (a package directory containing twinrpc/)
         sys.path.insert(0, path)
     rpc = _init(system, rank, init_method)
@@ -203,25 +225,45 @@ def _free_port() -> int:
 
 
 class Pair:
-    def __init__(self, ctx: Any, system: str, tmp: str, path: str | None = None) -> None:
+    """Two worker processes of one system; with ``hosts`` (two :class:`_netns.Host`), rank r runs in
+    ``hosts[r]``'s namespace and they meet at ``port`` on rank 0's address."""
+
+    def __init__(
+        self,
+        ctx: Any,
+        system: str,
+        tmp: str,
+        path: str | None = None,
+        hosts: tuple[Any, Any] | None = None,
+        port: int = 29500,
+    ) -> None:
         self.system = system
-        if system.startswith("twinrpc"):
+        if hosts is not None:
+            init_method = f"tcp://{hosts[0].address}:{port}"
+        elif system.startswith("twinrpc"):
             init_method = f"file://{tmp}/{system}-rendezvous"
         else:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.conns, self.procs = [], []
         for rank in range(2):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=worker, args=(system, rank, init_method, child, path), daemon=True)
+            host = None if hosts is None else hosts[rank]
+            p = ctx.Process(target=worker, args=(system, rank, init_method, child, path, host), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
 
     def wait_ready(self, timeout: float) -> None:
-        for c in self.conns:
-            if not c.poll(timeout):
-                raise RuntimeError(f"{self.system} workers did not start within {timeout} s")
-            assert c.recv() == "ready"
+        for rank, c in enumerate(self.conns):
+            try:
+                if not c.poll(timeout):
+                    raise RuntimeError(f"{self.system} workers did not start within {timeout} s")
+                assert c.recv() == "ready"
+            except EOFError:
+                code = self.procs[rank].exitcode
+                raise RuntimeError(
+                    f"{self.system} rank {rank} died while starting (exit code {code})"
+                ) from None
 
     def pause(self, paused: bool) -> None:
         """SIGSTOP/SIGCONT the pair: TensorPipe's shm reactor busy-polls even when idle, which would
@@ -242,12 +284,19 @@ class Pair:
         return results[0]
 
     def stop(self) -> None:
+        """Stop the workers (a worker that already died, e.g. failing to start, is just reaped)."""
         self.pause(False)
         for c in self.conns:
-            c.send(("stop",))
+            try:
+                c.send(("stop",))
+            except OSError:  # it is gone
+                pass
         for c, p in zip(self.conns, self.procs, strict=True):
-            if c.poll(60):
-                c.recv()
+            try:
+                if c.poll(60):
+                    c.recv()
+            except (OSError, EOFError):
+                pass
             p.join(30)
             if p.is_alive():
                 p.kill()
@@ -273,6 +322,56 @@ def _fmt_size(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
 
+def make_plan(
+    wanted: set[str], calls: int, sizes: tuple[int, ...] = SIZES
+) -> list[tuple[str, str, int, int]]:
+    """The measurements of one round: (name, what, calls, size)."""
+    plan: list[tuple[str, str, int, int]] = []
+    if "builtin" in wanted:
+        plan.append(("builtin", "builtin", calls, 0))
+    if "udf" in wanted:
+        plan.append(("udf", "udf", calls, 0))
+    if "remote" in wanted:
+        plan.append(("remote", "remote", calls // 2, 0))
+    if "throughput" in wanted:
+        plan.append(("throughput", "throughput", calls * 4, 0))
+        plan.append(("frames", "frames", calls * 2, 0))
+    if "bw" in wanted:
+        for size in sizes:
+            reps = max(3, min(calls // 4, (256 * MiB) // size))
+            plan.append((f"bw {_fmt_size(size)}", "bw", reps, size))
+    return plan
+
+
+#: (measurement name, system) -> each round's result: a list of latency samples, or one value
+PerRound = dict[tuple[str, str], list[Any]]
+
+
+def run_rounds(
+    pairs: dict[str, Pair], plan: list[tuple[str, str, int, int]], rounds: int, measures: Any = None
+) -> tuple[PerRound, float]:
+    """A warm-up pass, then ``rounds`` rounds; in each, every measurement on every system in turn (the
+    order rotates each round). Returns each round's results and the rounds' wall time."""
+    measures = measures or _measures
+    systems = tuple(pairs)
+    for _name, what, n, size in plan:  # warm-up: one short pass of everything, not recorded
+        for s, p in pairs.items():
+            if measures(s, what):
+                _only(pairs, s)
+                p.run(what, max(2, n // 10), size)
+    per_round: PerRound = {}
+    t_start = time.perf_counter()
+    for rnd in range(rounds):
+        k = rnd % len(systems)
+        order = systems[k:] + systems[:k]
+        for name, what, n, size in plan:
+            for s in order:
+                if measures(s, what):
+                    _only(pairs, s)
+                    per_round.setdefault((name, s), []).append(pairs[s].run(what, n, size))
+    return per_round, time.perf_counter() - t_start
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -283,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline",
         default="",
         help="also run twinrpc from this directory (it holds a twinrpc/ package, e.g. an older tree)",
+    )
+    parser.add_argument(
+        "--json", default="", help="write the figures to this file (the results page's input)"
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -298,46 +400,104 @@ def main(argv: list[str] | None = None) -> int:
             pairs["twinrpc-base"] = Pair(ctx, "twinrpc-base", tmp, args.baseline)
         for p in pairs.values():
             p.wait_ready(120)
-        # name -> (what, n, size, gloo stands in with): the measurements of one round
-        plan: list[tuple[str, str, int, int]] = []
-        if "builtin" in wanted:
-            plan.append(("builtin", "builtin", args.calls, 0))
-        if "udf" in wanted:
-            plan.append(("udf", "udf", args.calls, 0))
-        if "remote" in wanted:
-            plan.append(("remote", "remote", args.calls // 2, 0))
-        if "throughput" in wanted:
-            plan.append(("throughput", "throughput", args.calls * 4, 0))
-            plan.append(("frames", "frames", args.calls * 2, 0))
-        if "bw" in wanted:
-            for size in SIZES:
-                reps = max(3, min(args.calls // 4, (256 * MiB) // size))
-                plan.append((f"bw {_fmt_size(size)}", "bw", reps, size))
-        samples: dict[tuple[str, str], list[float]] = {}
-        # warm-up: one short pass of everything, not recorded
-        for _name, what, n, size in plan:
-            for s, p in pairs.items():
-                if not _measures(s, what):
-                    continue
-                _only(pairs, s)
-                p.run(what, max(2, n // 10), size)
-        t_start = time.perf_counter()
-        for rnd in range(args.rounds):
-            k = rnd % len(systems)
-            order = systems[k:] + systems[:k]
-            for name, what, n, size in plan:
-                for s in order:
-                    if not _measures(s, what):
-                        continue
-                    _only(pairs, s)
-                    r = pairs[s].run(what, n, size)
-                    samples.setdefault((name, s), []).extend(r if isinstance(r, list) else [r])
-        wall = time.perf_counter() - t_start
+        plan = make_plan(wanted, args.calls)
+        shm = pairs["twinrpc"].run("shm", 1)
+        per_round, wall = run_rounds(pairs, plan, args.rounds)
         for p in pairs.values():
             p.stop()
 
+    samples = {
+        key: [x for r in rounds for x in (r if isinstance(r, list) else [r])]
+        for key, rounds in per_round.items()
+    }
     _report(samples, plan, args.rounds, wall, systems)
+    print(f"  twinrpc's link uses shared memory (to the peer, from it): {shm}")
+    found = figures(per_round, plan, "twinrpc", "tensorpipe", _TARGETS)
+    print("figures (ratio = median over rounds of twinrpc / TensorPipe within the round):")
+    for f in found:
+        print("  " + _results.describe(f))
+    if args.json:
+        doc = _results.document(
+            "bench_gloo",
+            "twinrpc against TensorPipe, two processes on this machine",
+            f"python benchmarks/bench_gloo.py --rounds {args.rounds} --calls {args.calls}",
+            found,
+            rounds=args.rounds,
+            extra={"frames": _frames_summary(samples), "shared_memory": shm},
+        )
+        _results.write(args.json, doc)
+        print(f"  written: {args.json}")
     return 0
+
+
+def _frames_summary(samples: dict[tuple[str, str], list[Any]]) -> dict[str, float] | None:
+    got = samples.get(("frames", "twinrpc"))
+    if not got:
+        return None
+    return {
+        "requests_per_frame": statistics.median(x[0] for x in got),
+        "replies_per_frame": statistics.median(x[1] for x in got),
+    }
+
+
+#: how each measurement becomes a figure: label, unit, whether higher is better
+_FIGURES = {
+    "builtin": ("rpc_sync of a builtin (torch.add), tiny tensors: latency", "us", False),
+    "udf": ("rpc_sync of a tiny UDF: latency", "us", False),
+    "remote": ("remote() + to_here(): latency", "us", False),
+    "throughput": (f"rpc_async with {WINDOW} calls in flight", "calls/s", True),
+}
+
+
+def round_value(what: str, size: int, result: Any) -> float:
+    """One round's figure: a latency's median (us), a rate, or a round trip's GB/s (2 x size / median)."""
+    if what in ("builtin", "udf", "remote"):
+        return float(statistics.median(result)) * 1e6
+    if what == "throughput":
+        return float(result)
+    if what == "bw":
+        return 2 * size / statistics.median(result) / 1e9
+    raise ValueError(what)
+
+
+def figures(
+    per_round: PerRound,
+    plan: list[tuple[str, str, int, int]],
+    system: str,
+    against: str,
+    targets: dict[str, tuple[str, float]],
+) -> list[dict[str, Any]]:
+    """Each measurement of ``plan`` as a figure of ``system`` against ``against``: both systems' values
+    (medians over rounds), and the median over rounds of their ratio within each round."""
+    out = []
+    for name, what, _n, size in plan:
+        if what == "frames":
+            continue
+        mine, theirs = per_round.get((name, system)), per_round.get((name, against))
+        if not mine or not theirs:
+            continue
+        a = [round_value(what, size, r) for r in mine]
+        b = [round_value(what, size, r) for r in theirs]
+        if what == "bw":
+            label, unit, higher = (
+                f"identity round trip of {_fmt_size(size)} (rpc_sync, bytes both ways)",
+                "GB/s",
+                True,
+            )
+        else:
+            label, unit, higher = _FIGURES[what]
+        out.append(
+            _results.figure(
+                name,
+                label,
+                unit,
+                higher,
+                {system: statistics.median(a), against: statistics.median(b)},
+                [x / y for x, y in zip(a, b, strict=False)],
+                targets.get(name),
+            )
+        )
+    return out
 
 
 def _measures(system: str, what: str) -> bool:
@@ -365,11 +525,15 @@ def _report(
     wall: float,
     systems: tuple[str, ...] = SYSTEMS,
 ) -> None:
+    """The table of medians over all rounds (ratio: of those medians)."""
     print(
         f"twinrpc (gloo world) vs torch.distributed.rpc (TensorPipe) vs raw gloo; {rounds} interleaved "
         f"rounds in {wall:.0f} s; {os.cpu_count()} CPUs"
     )
-    print("ratio = twinrpc / TensorPipe (latency: lower is better; rates: higher is better)")
+    print(
+        "ratio = twinrpc / TensorPipe of the medians over all rounds (latency: lower is better; rates: "
+        "higher is better); the figures below take the median of the ratios within each round"
+    )
     extra = "".join(f"{s:>14}" for s in systems[3:])
     print(
         f"  {'measurement':<34}{'twinrpc':>12}{'TensorPipe':>12}{'raw gloo':>12}{'ratio':>8}  {'target':<18}"

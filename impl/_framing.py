@@ -11,9 +11,10 @@ Header layout (little-endian): magic u32, version u16, flags u16, kind u16, used
 id i64, payload_len u64, n_tensors u32, ack u64, the frame's tag (16 bytes), the payload's tag (16
 bytes), then n_tensors u64 storage sizes, then the inline payload. ``used`` and the two tags are set
 only with a job key (``_auth``): ``used`` is where the frame's leading part ends (the tag covers that
-part and the riders), the payload's tag authenticates a payload sent as a frame of its own; without a
-key they stay zero and nothing reads them. ``ack`` counts the header frames the sender has taken from its receive ring (and posted a
-receive again for): the peer's credit for sends that cannot block (see Sender.try_send_now).
+part and the riders), the payload's tag authenticates a payload that travels apart from the header (as
+a frame of its own or in the same-host ring); without a key they stay zero and nothing reads them.
+``ack`` counts the header frames the sender has taken from its receive ring (and posted a receive again
+for): the peer's credit for sends that cannot block (see Sender.try_send_now).
 
 A header may also carry *riders* (``FLAG_RIDERS``): small payload-only messages that were sent
 earlier but allowed to wait for the next frame to the same peer (``Message.deferrable``), delivered
@@ -27,6 +28,11 @@ message: kind u16, flags u16 (``FLAG_INLINE``, ``FLAG_INLINE_TENSORS``), id i64,
 n_tensors u32, the n_tensors u64 storage sizes, the payload and the storages. Senders only add
 messages that fit whole (no data frame of their own); the receiver dispatches the riders, the first
 message, then the records, in that order.
+
+Between processes on one host the first message's data may travel through the sender's shared-memory
+ring instead of data frames (``FLAG_SHM``, see ``_same_host``): then u64 ring positions follow the
+storage sizes, one for the payload (unused when the payload is inline) and one for each storage; the
+storages are all in the ring, and no data frame follows the header.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ import torch
 from twinrpc._errors import RPCError
 from twinrpc._message import Kind, Message
 
+from ._same_host import OutRing
+
 HEADER_BYTES = 4096
 MAGIC = 0x54574E52  # "TWNR"
 VERSION = 5
@@ -48,6 +56,7 @@ FLAG_GRACEFUL = 4  # with FLAG_CLOSE: the sender completed graceful shutdown (an
 FLAG_INLINE_TENSORS = 8  # the storages follow the inline payload inside the header (small ones)
 FLAG_RIDERS = 16  # earlier small messages ride at the end of the header (delivered first)
 FLAG_MORE = 32  # further whole messages follow the first one's inline part (see the module docstring)
+FLAG_SHM = 64  # the first message's data is in the sender's shared-memory ring (see the module docstring)
 
 _FIXED = struct.Struct("<IHHHHiqQIQ")
 #: the ``used`` field's offset (see the module docstring)
@@ -137,18 +146,42 @@ def can_ride(msg: Message) -> bool:
 
 
 def encode_header(
-    buf: memoryview, msg: Message, ack: int = 0, riders: list[Message] | None = None
+    buf: memoryview,
+    msg: Message,
+    ack: int = 0,
+    riders: list[Message] | None = None,
+    ring: OutRing | None = None,
 ) -> tuple[bool, bool]:
     """Fill ``buf`` (a view of the header tensor) for ``msg``; returns whether the payload is inline
     and whether the storages are inline too (then the header is the whole message: one gloo send
     instead of one per storage, each of which would wait for the peer to post its receive).
-    ``riders`` (each :func:`can_ride`, together at most ``MAX_RIDER_BYTES``) travel at its end."""
-    inline, inline_tensors, _, _ = _encode_first(buf, msg, ack, riders)
+    ``riders`` (each :func:`can_ride`, together at most ``MAX_RIDER_BYTES``) travel at its end.
+    With ``ring``, data that would follow as frames goes into it if it fits (``FLAG_SHM``): then
+    nothing follows the header either, and both are returned True."""
+    inline, inline_tensors, _, _ = _encode_first(buf, msg, ack, riders, ring)
     return inline, inline_tensors
 
 
+def _ring_sizes(msg: Message, limit: int) -> tuple[bool, list[int]]:
+    """With ring positions in the header: whether ``msg``'s payload is still inline, and the sizes of
+    what goes into the ring (the payload unless inline, then every storage)."""
+    n = len(msg.tensors)
+    inline = SIZES_AT + (2 * n + 1) * _SIZE.size + len(msg.payload) <= limit
+    sizes = [] if inline else [len(msg.payload)]
+    return inline, sizes + [t.numel() for t in msg.tensors]
+
+
+def ring_fits(msg: Message, ring: OutRing) -> bool:
+    """Whether ``msg`` can go with its data in ``ring`` now, whatever riders share its frame (then it
+    needs no data frame: a send that cannot wait for the peer's receiver)."""
+    if 2 * len(msg.tensors) + 1 > MAX_TENSORS:
+        return False
+    _, sizes = _ring_sizes(msg, HEADER_BYTES - MAX_RIDER_BYTES - _TRAILER.size)
+    return ring.fits(sizes)
+
+
 def _encode_first(
-    buf: memoryview, msg: Message, ack: int, riders: list[Message] | None
+    buf: memoryview, msg: Message, ack: int, riders: list[Message] | None, ring: OutRing | None = None
 ) -> tuple[bool, bool, int, int]:
     """encode_header, also returning where the frame's used part ends and where the riders start."""
     tensors = msg.tensors
@@ -164,6 +197,16 @@ def _encode_first(
     inline = end <= limit
     sizes = [t.numel() for t in tensors]
     inline_tensors = inline and n > 0 and end + sum(sizes) <= limit
+    positions = None
+    if ring is not None and not (inline and (inline_tensors or n == 0)) and 2 * n + 1 <= MAX_TENSORS:
+        ring_inline, _ = _ring_sizes(msg, limit)
+        positions = ring.place(None if ring_inline else payload, tensors)
+        if positions is not None:
+            inline, inline_tensors = ring_inline, False
+            if inline:
+                positions.insert(0, 0)  # the payload's slot, unused
+            offset += (n + 1) * _SIZE.size
+            end = offset + len(payload)
     _FIXED.pack_into(
         buf,
         0,
@@ -171,7 +214,8 @@ def _encode_first(
         VERSION,
         (FLAG_INLINE if inline else 0)
         | (FLAG_INLINE_TENSORS if inline_tensors else 0)
-        | (FLAG_RIDERS if riders else 0),
+        | (FLAG_RIDERS if riders else 0)
+        | (FLAG_SHM if positions is not None else 0),
         int(msg.kind),
         0,
         msg.src,
@@ -180,14 +224,21 @@ def _encode_first(
         n,
         ack,
     )
-    for i, size in enumerate(sizes):
-        _SIZE.pack_into(buf, SIZES_AT + i * _SIZE.size, size)
+    at = SIZES_AT
+    for size in sizes:
+        _SIZE.pack_into(buf, at, size)
+        at += _SIZE.size
+    for pos in positions or ():
+        _SIZE.pack_into(buf, at, pos)
+        at += _SIZE.size
     if inline:
         buf[offset:end] = payload
     else:
         end = offset
     if inline_tensors:
         end = _put_storages(buf, end, tensors, sizes)
+    if positions is not None:
+        return True, True, end, limit
     return inline, inline_tensors, end, limit
 
 
@@ -228,9 +279,11 @@ class FrameEncoder:
         """Where the frame's leading part (the messages, not the riders) ends so far."""
         return self._pos
 
-    def first(self, msg: Message, ack: int, riders: list[Message] | None) -> tuple[bool, bool]:
+    def first(
+        self, msg: Message, ack: int, riders: list[Message] | None, ring: OutRing | None = None
+    ) -> tuple[bool, bool]:
         """Start the frame with ``msg`` (see encode_header); raises if ``msg`` cannot be framed."""
-        inline, inline_tensors, self._pos, self._limit = _encode_first(self._buf, msg, ack, riders)
+        inline, inline_tensors, self._pos, self._limit = _encode_first(self._buf, msg, ack, riders, ring)
         self.count = 0
         return inline, inline_tensors
 
@@ -287,9 +340,10 @@ def encode_close(buf: memoryview, src: int, graceful: bool = False) -> None:
 
 class Record:
     """One decoded message of a header frame: its kind, id, payload length and storage sizes, with
-    the payload and storages that travelled inside the frame (None: they follow as data frames)."""
+    the payload and storages that travelled inside the frame (None: they follow as data frames, or
+    are in the sender's ring at ``positions``: the payload's, then each storage's)."""
 
-    __slots__ = ("id", "inline_payload", "inline_tensors", "kind", "payload_len", "sizes")
+    __slots__ = ("id", "inline_payload", "inline_tensors", "kind", "payload_len", "positions", "sizes")
 
     kind: Kind
     id: int
@@ -297,6 +351,7 @@ class Record:
     sizes: list[int]
     inline_payload: bytes | None
     inline_tensors: list[torch.Tensor] | None
+    positions: list[int] | None
 
     def _decode_inline(
         self, buf: memoryview, pos: int, flags: int, limit: int, src: int, frame: torch.Tensor | None
@@ -368,6 +423,12 @@ class Header(Record):
         self.payload_len = payload_len
         offset = SIZES_AT + n * _SIZE.size
         self.sizes = [_SIZE.unpack_from(buf, SIZES_AT + i * _SIZE.size)[0] for i in range(n)]
+        self.positions = None
+        if flags & FLAG_SHM:
+            if flags & FLAG_INLINE_TENSORS or 2 * n + 1 > MAX_TENSORS:
+                raise FrameError(f"a shared-memory header from rank {src} is malformed (flags {flags:#x})")
+            self.positions = [_SIZE.unpack_from(buf, offset + i * _SIZE.size)[0] for i in range(n + 1)]
+            offset += (n + 1) * _SIZE.size
         limit = HEADER_BYTES
         #: (kind, id, payload) of each rider, in the order they were sent
         self.riders: list[tuple[Kind, int, bytes]] = []
@@ -401,6 +462,7 @@ class Header(Record):
             record.id = msg_id
             record.payload_len = payload_len
             record.sizes = [_SIZE.unpack_from(buf, pos + i * _SIZE.size)[0] for i in range(n)]
+            record.positions = None
             pos = record._decode_inline(buf, pos + n * _SIZE.size, flags, limit, src, frame)
             self.more.append(record)
 

@@ -48,7 +48,7 @@ from twinrpc._message import Message
 from ._auth import FrameAuth
 from ._link_state import LinkState, PeerShutDown
 from ._liveness import Liveness, PeerSilent
-from ._pair import Pair, make_pair_group
+from ._pair import Pair, PairGroup, make_pair_group
 from ._receiver import THREAD_ROLE, Receiver
 from ._riders import Riders, report_failed
 from ._sender import Sender
@@ -67,7 +67,7 @@ class PeerLink:
         self,
         me: int,
         peer: int,
-        pg: Any,
+        group: PairGroup,
         on_message: Callable[[Message], None],
         on_failure: Callable[[int, BaseException], None],
         send_timeout: float | None = None,
@@ -75,13 +75,14 @@ class PeerLink:
     ) -> None:
         """``send_timeout``: seconds (plus the size allowance) a send may wait in gloo before the link
         is failed; None: no bound of its own (the heartbeat tick judges stuck sends, see check_alive).
+        ``group``: what make_pair_group made for this peer (the pair's process group and rings).
         ``auth``: the link's frame MACs with a job key (impl/_auth.py); None: frames carry none."""
         self.me = me
         self.peer = peer
         self._on_failure = on_failure
         self._run_elsewhere: Callable[[Callable[[], None]], None] | None = None
         self.state = LinkState(me, peer)
-        self.pair = Pair(pg, me, peer)
+        self.pair = Pair(group, me, peer)
         self.liveness = Liveness(self.state, self.fail, send_timeout)
         self.riders = Riders(self.state, on_message)
         self.receiver = Receiver(
@@ -137,6 +138,13 @@ class PeerLink:
         """The pair's gloo process group."""
         return self.pair.pg
 
+    @property
+    def same_host(self) -> tuple[bool, bool]:
+        """Whether our data goes to the peer through shared memory, and whether the peer's comes to
+        us that way (see ``_same_host``)."""
+        rings = self.pair.rings
+        return rings.out is not None, rings.inbound is not None
+
     # -- life --------------------------------------------------------------------------------------
     def start(
         self,
@@ -163,6 +171,7 @@ class PeerLink:
             state.failed = exc = self.liveness.overdue_send() or exc
             self._on_failure(self.peer, exc)  # first: pending calls fail with this error, not gloo's
             self.pair.abandon()
+            self.pair.rings.release()
             report_failed(self.riders.take(), exc)
 
     def _peer_closed(self) -> None:
@@ -237,4 +246,5 @@ class PeerLink:
         for thread in threads:
             if thread.ident is not None:  # started
                 thread.join(max(0.0, deadline - time.monotonic()))
+        self.pair.rings.release()  # nothing sends or receives on the link any more
         return [t.name for t in threads if t.is_alive()]

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._same_host import Rings, connect
+
 _log = logging.getLogger("twinrpc.impl")
 
 TAG = 0  # header frames (and close frames)
@@ -22,12 +24,24 @@ KILL_TAG = 2  # a receive posted on it never completes: waiting on it with a tim
 LARGE_TAG = 3  # payload and tensor frames over the staging size (a receive of their exact size is posted)
 
 
-class Pair:
-    """One peer's end of the pair's process group: the group, the peer's rank in it, and the kill
-    switch that closes the pair's connection at once (see abandon)."""
+class PairGroup:
+    """What connecting to a peer made: the pair's gloo process group and the same-host rings (see
+    ``_same_host``; both None between hosts)."""
 
-    def __init__(self, pg: Any, me: int, peer: int) -> None:
+    __slots__ = ("pg", "rings")
+
+    def __init__(self, pg: Any, rings: Rings | None = None) -> None:
         self.pg = pg
+        self.rings = rings if rings is not None else Rings()
+
+
+class Pair:
+    """One peer's end of the pair's process group: the group, the peer's rank in it, the same-host
+    rings, and the kill switch that closes the pair's connection at once (see abandon)."""
+
+    def __init__(self, group: PairGroup, me: int, peer: int) -> None:
+        self.pg = group.pg
+        self.rings = group.rings
         #: the peer's rank in the 2-rank group (the lower global rank is 0)
         self.peer_rank = 1 if me < peer else 0
         #: the kill switch (see abandon): a receive nobody ever sends to
@@ -61,15 +75,16 @@ class Pair:
 _LINK_OP_TIMEOUT = timedelta(days=30)
 
 
-def make_pair_group(store: Any, me: int, peer: int) -> Any:
-    """The 2-rank gloo process group of the pair (me, peer), over its own key prefix; the event-loop
-    thread gloo starts for it runs at a lower priority (see LOOP_NICENESS)."""
+def make_pair_group(store: Any, me: int, peer: int) -> PairGroup:
+    """The 2-rank gloo process group of the pair (me, peer), over its own key prefix, and the
+    same-host rings when both run on one host (``_same_host.connect``); the event-loop thread gloo
+    starts for it runs at a lower priority (see LOOP_NICENESS)."""
     low, high = min(me, peer), max(me, peer)
     prefix = dist.PrefixStore(f"pair/{low}-{high}", store)  # type: ignore[attr-defined]
     before = _gloo_loop_threads()
     pg = dist.ProcessGroupGloo(prefix, 0 if me == low else 1, 2, _LINK_OP_TIMEOUT)
     _lower_priority(_gloo_loop_threads() - before)
-    return pg
+    return PairGroup(pg, connect(prefix, me, peer))
 
 
 #: How much nicer than the process the event-loop thread of each pair's gloo device runs. gloo's loop

@@ -4,8 +4,10 @@ Its threads also serve as a link's receivers (PeerLink: two per link): a receive
 while a request slot is free runs the request itself, at once, while the link's other receiver, already
 waiting in gloo, goes on receiving (an idle pool thread is started only if none is left). That saves the
 thread hop (and, under load, the scheduler wake-up latency) between receiving a request and running it,
-as the simulator's delivery task becoming the pool task does. Queued requests still wait their turn, in
-order, when every slot is busy.
+as the simulator's delivery task becoming the pool task does. A brief request (a builtin operator on a
+few plain arguments, ``Message.brief``) runs on the receiver without it handing its role off at all
+(``run_inline``): it cannot block, so the link is never left without a receiver. Either way it holds a
+slot while it runs, and queued requests still wait their turn, in order, when every slot is busy.
 """
 
 from __future__ import annotations
@@ -80,6 +82,33 @@ class RequestPool:
             self.submit(fn, *args)
             return
         self._run_requests(fn, args)
+
+    def run_inline(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        """Run the request ``fn(*args)``, which is short and never blocks, on this thread (which keeps
+        its other role, e.g. a link's receiver) if a slot is free; else submit it as usual. Requests
+        queued meanwhile are not run here: the slot goes to a pool thread with the next of them."""
+        with self._lock:
+            free = self._busy < self._size and not self._stopped
+            if free:
+                self._busy += 1
+        if not free:
+            self.submit(fn, *args)
+            return
+        try:
+            self._run(fn, args)
+        finally:
+            with self._lock:
+                if self._pending:
+                    job: tuple[int, Callable[..., Any], tuple[Any, ...]] | None = (
+                        _TASK,
+                        *self._pending.popleft(),
+                    )
+                    worker = self._idle.pop() if self._idle else None
+                else:
+                    job = None
+                    self._busy -= 1
+            if job is not None:
+                self._give(worker, job)
 
     def run_job(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` on an idle pool thread (a new one if none is idle); not a request."""

@@ -99,6 +99,8 @@ class Receiver:
         self._auth = auth
         self._pg = pair.pg
         self._src = pair.peer_rank
+        #: the same-host rings (``rings.inbound`` None: the peer's data comes in data frames)
+        self._rings = pair.rings
         self._live = liveness
         self._riders = riders
         self._on_message = on_message
@@ -240,6 +242,30 @@ class Receiver:
             live.data_wait = None
         live.heard = time.monotonic()
         return out
+
+    def _take_from_ring(self, record: Record) -> tuple[bytes, list[torch.Tensor]]:
+        """The payload and storages of a message whose data is in the peer's same-host ring, copied
+        out (which frees their room in it)."""
+        ring = self._rings.inbound
+        positions = record.positions
+        assert positions is not None
+        if ring is None:
+            if self._state.failed is not None or self._state.closing:
+                raise RuntimeError("the link has ended")
+            raise FrameError(
+                f"{self._state.peer_name} sent data through a shared-memory ring never mapped here"
+            )
+        try:
+            payload = record.inline_payload
+            if payload is None:
+                payload = ring.take_bytes(positions[0], record.payload_len)
+            tensors = [
+                ring.take(pos, size, torch.empty(size, dtype=torch.uint8))
+                for pos, size in zip(positions[1:], record.sizes, strict=True)
+            ]
+        except ValueError as exc:
+            raise FrameError(f"{self._state.peer_name} sent a bad shared-memory position: {exc}") from exc
+        return payload, tensors
 
     def _post_staging(self) -> Any:
         return self._pg.recv([self._staging], self._src, DATA_TAG)
@@ -487,19 +513,31 @@ class Receiver:
             for record in records:
                 left -= 1
                 try:
-                    payload = record.inline_payload
-                    if payload is None:
-                        payload = self._recv_data(record.payload_len, as_bytes=True)
-                    tensors = record.inline_tensors
-                    if tensors is None:
-                        tensors = [
-                            self._recv_data(size) if size else torch.empty(0, dtype=torch.uint8)
-                            for size in record.sizes
-                        ]
+                    if record.positions is not None:
+                        payload, tensors = self._take_from_ring(record)
+                    else:
+                        inline_payload, inline_tensors = record.inline_payload, record.inline_tensors
+                        payload = (
+                            inline_payload
+                            if inline_payload is not None
+                            else self._recv_data(record.payload_len, as_bytes=True)
+                        )
+                        if inline_tensors is not None:
+                            tensors = inline_tensors
+                        else:
+                            tensors = [
+                                self._recv_data(size) if size else torch.empty(0, dtype=torch.uint8)
+                                for size in record.sizes
+                            ]
                     if self._auth is not None and record.inline_payload is None:  # before it is unpickled
                         self._auth.check_payload(payload, header.payload_tag, record.id, state.peer_name)
                 except AuthenticationError as exc:
                     self._refuse(exc)
+                    return False
+                except FrameError as exc:  # a bad ring position: what follows cannot be trusted
+                    _log.error("twinrpc: %s", exc)
+                    self.bad_frames += 1
+                    self._fail(exc)
                     return False
                 except RuntimeError as exc:
                     if not state.closing:

@@ -27,7 +27,15 @@ from twinrpc._future import CALLBACK_ROLE
 from twinrpc._message import Kind, Message
 
 from ._auth import FrameAuth
-from ._framing import HEADER_BYTES, SIZES_AT, FrameEncoder, encode_close, fits_whole, new_header_tensor
+from ._framing import (
+    HEADER_BYTES,
+    SIZES_AT,
+    FrameEncoder,
+    encode_close,
+    fits_whole,
+    new_header_tensor,
+    ring_fits,
+)
 from ._link_state import LinkState, PeerShutDown
 from ._liveness import MIN_FRAME_RATE, Liveness
 from ._pair import DATA_TAG, LARGE_TAG, TAG, Pair
@@ -80,6 +88,8 @@ class Sender:
         self._auth = auth
         self._pg = pair.pg
         self._dst = pair.peer_rank
+        #: the same-host rings (``rings.out`` None: our data goes in data frames)
+        self._rings = pair.rings
         self._live = liveness
         self._send_timeout = liveness.send_timeout
         self._riders = riders
@@ -146,7 +156,7 @@ class Sender:
         block (receivers, the timer): replying this way saves handing the receiver role to another
         thread. Returns False (nothing sent or queued) otherwise; raises as send() does."""
         state, receiver = self._state, self._receiver
-        if state.failed is not None or state.closed_by_peer or not fits_whole(msg):
+        if state.failed is not None or state.closed_by_peer or not self._needs_no_data_frame(msg):
             return False  # the ordinary path reports a broken link
         lock = self.lock
         if not lock.acquire(blocking=False):
@@ -221,10 +231,18 @@ class Sender:
         q = self._queue
         return (
             bool(q)
-            and fits_whole(q[0].msg)
+            and self._needs_no_data_frame(q[0].msg)
             and self.headers_sent - self._receiver.peer_acked < RING - 1
             and self._state.failed is None
         )
+
+    def _needs_no_data_frame(self, msg: Message) -> bool:
+        """Whether ``msg`` goes in its header frame alone: whole inside it, or with its data in the
+        same-host ring (which has room for it now; only the send lock's holder takes room)."""
+        if fits_whole(msg):
+            return True
+        ring = self._rings.out
+        return ring is not None and ring_fits(msg, ring)
 
     def _send_queued(self, blocking: bool) -> list[tuple[_Queued, BaseException]]:
         """Send what is queued, a frame at a time (under the send lock); ``blocking`` False: only
@@ -243,7 +261,9 @@ class Sender:
             first = q[0]
             riders = self._riders.take()
             try:
-                inline, inline_tensors = enc.first(first.msg, receiver.consumed, messages(riders))
+                inline, inline_tensors = enc.first(
+                    first.msg, receiver.consumed, messages(riders), self._rings.out
+                )
             except Exception as exc:  # it cannot be framed (too many storages): it alone fails
                 self._riders.give_back(riders)
                 failed.append((q.popleft(), exc))

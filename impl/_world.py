@@ -43,6 +43,8 @@ class GlooWorld(World):
     """One process's world: links to every peer, a request pool, a timer. Thread-safe."""
 
     clock_name = "wall-clock"
+    #: builtin operator calls travel without pickle (twinrpc._builtin_wire)
+    builtin_wire = True
 
     def __init__(
         self,
@@ -220,8 +222,13 @@ class GlooWorld(World):
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         receiving = THREAD_ROLE.link
         if receiving is not None:
-            # On a receiver: run the request right here if a slot is free, handing receiving over.
-            self._pool.run_here(fn, args, receiving.hand_off)
+            if args and type(args[0]) is Message and args[0].brief:
+                # Short and never blocks (Message.brief): run it right here if a slot is free, and
+                # stay the receiver (no other thread is woken to receive meanwhile).
+                self._pool.run_inline(fn, args)
+            else:
+                # On a receiver: run the request right here if a slot is free, handing receiving over.
+                self._pool.run_here(fn, args, receiving.hand_off)
         else:
             self._pool.submit(fn, *args)
 

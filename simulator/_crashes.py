@@ -161,7 +161,8 @@ class Crashes:
             self._departed((target, rank, departure))
 
         network = self.network
-        if type(network).delay is not NetworkModel.delay:  # a model of the user's: its own delays
+        if type(network).delay is not NetworkModel.delay or network.placed:
+            # a model of the user's (its own delays), or workers on hosts (two kinds of link)
 
             def delay(target: SimWorld) -> float:
                 return max(delay_of(rank, target.rank, 0, rng), last_arrival.get(target.rank, 0.0) - now)

@@ -13,6 +13,11 @@ simulated time means something on that machine::
     fit.model.dump("network.toml")          # python -m twinrpc.simulator run --network network.toml
     print(fit.describe())                   # parameters and residuals
 
+Round trips measured between two processes of one host (``same_host=True``: the gloo world's
+shared-memory path) fit the model's ``same_host_*`` parameters, the others ``latency``, ``jitter`` and
+``bandwidth`` (between hosts); ``message_cost``, work in each process, is one for both. A model with
+both kinds is used with workers placed on hosts (:meth:`~twinrpc.simulator.NetworkModel.with_hosts`).
+
 The fit uses the simulator's own arithmetic for two workers and no other traffic (tested by fitting
 round trips the simulator itself produced, which gives the model back):
 
@@ -79,15 +84,20 @@ class RoundTrip:
         seconds: the round-trip time.
         spread: 90th minus 10th percentile of the round-trip times (0: unknown); the smallest round
             trip's spread sets ``jitter``.
+        same_host: measured between two workers of one host (it fits the ``same_host_*``
+            parameters); False: between hosts, or with no hosts in the picture.
     """
 
     request_bytes: int
     response_bytes: int
     seconds: float
     spread: float = 0.0
+    same_host: bool = False
 
     @classmethod
-    def from_samples(cls, request_bytes: int, response_bytes: int, samples: Sequence[float]) -> RoundTrip:
+    def from_samples(
+        cls, request_bytes: int, response_bytes: int, samples: Sequence[float], *, same_host: bool = False
+    ) -> RoundTrip:
         """The median and the 10-90 percentile spread of ``samples`` (seconds, one per call)."""
         if not samples:
             raise CalibrationError(f"RoundTrip.from_samples({request_bytes} B): no samples")
@@ -99,26 +109,30 @@ class RoundTrip:
             hi = min(lo + 1, len(xs) - 1)
             return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
-        return cls(request_bytes, response_bytes, pct(0.5), pct(0.9) - pct(0.1))
+        return cls(request_bytes, response_bytes, pct(0.5), pct(0.9) - pct(0.1), same_host)
 
     @property
     def nbytes(self) -> int:
         return self.request_bytes + self.response_bytes
 
     def label(self) -> str:
-        return f"round trip {self.request_bytes:,} B + {self.response_bytes:,} B"
+        where = "same host: " if self.same_host else ""
+        return f"{where}round trip {self.request_bytes:,} B + {self.response_bytes:,} B"
 
 
 @dataclass(frozen=True, slots=True)
 class Pipelined:
     """Measured calls with ``in_flight`` small calls outstanding at once (a sliding window):
-    ``seconds_per_call`` is the elapsed time divided by the number of calls."""
+    ``seconds_per_call`` is the elapsed time divided by the number of calls; ``same_host`` as for
+    :class:`RoundTrip`."""
 
     seconds_per_call: float
     in_flight: int = 64
+    same_host: bool = False
 
     def label(self) -> str:
-        return f"pipelined, {self.in_flight} in flight (per call)"
+        where = "same host: " if self.same_host else ""
+        return f"{where}pipelined, {self.in_flight} in flight (per call)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,10 +151,14 @@ class Residual:
 
 @dataclass(frozen=True, slots=True)
 class NetworkFit:
-    """The fitted model and how well it reproduces each measurement."""
+    """The fitted model and how well it reproduces each measurement; ``same_host`` and ``cross_host``
+    say which kinds of link the measurements covered, so which parameters were fitted (the
+    ``same_host_*`` ones, and ``latency``, ``jitter``, ``bandwidth``)."""
 
     model: NetworkModel
     residuals: tuple[Residual, ...]
+    same_host: bool = False
+    cross_host: bool = True
 
     @property
     def rms_relative_error(self) -> float:
@@ -150,25 +168,43 @@ class NetworkFit:
     def describe(self) -> str:
         """The parameters and a table of residuals, for people."""
         m = self.model
-        lines = [
-            f"latency {m.latency * 1e6:.1f} us, jitter {m.jitter * 1e6:.1f} us, "
-            f"bandwidth {m.bandwidth / 1e9:.3f} GB/s, message_cost {m.message_cost * 1e6:.1f} us",
-            f"  {'measurement':<44}{'measured':>12}{'model':>12}{'error':>9}",
-        ]
+        lines = []
+        if self.cross_host:
+            between = "between hosts: " if self.same_host else ""
+            lines.append(
+                f"{between}latency {m.latency * 1e6:.1f} us, jitter {m.jitter * 1e6:.1f} us, "
+                f"bandwidth {m.bandwidth / 1e9:.3f} GB/s"
+            )
+        if self.same_host:
+            lines.append(
+                f"same host: same_host_latency {m.same_host_latency * 1e6:.1f} us, same_host_jitter "
+                f"{m.same_host_jitter * 1e6:.1f} us, same_host_bandwidth {m.same_host_bandwidth / 1e9:.3f} GB/s"
+            )
+        lines[-1] += f", message_cost {m.message_cost * 1e6:.1f} us"
+        lines.append(f"  {'measurement':<54}{'measured':>12}{'model':>12}{'error':>9}")
         for r in self.residuals:
             lines.append(
-                f"  {r.label:<44}{r.measured * 1e6:>10.1f}us{r.predicted * 1e6:>10.1f}us{r.relative:>+9.1%}"
+                f"  {r.label:<54}{r.measured * 1e6:>10.1f}us{r.predicted * 1e6:>10.1f}us{r.relative:>+9.1%}"
             )
         lines.append(f"  rms relative error {self.rms_relative_error:.1%}")
         return "\n".join(lines)
 
 
 def predict(model: NetworkModel, sample: RoundTrip | Pipelined) -> float:
-    """What the simulator takes for ``sample`` under ``model`` (two workers, nothing else running)."""
+    """What the simulator takes for ``sample`` under ``model`` (two workers, nothing else running;
+    on one host when ``sample.same_host``, else on two)."""
     cost = model.message_cost
+    if sample.same_host:
+        latency, jitter, bandwidth = (
+            model.same_host_latency,
+            model.same_host_jitter,
+            model.same_host_bandwidth,
+        )
+    else:
+        latency, jitter, bandwidth = model.latency, model.jitter, model.bandwidth
     if isinstance(sample, RoundTrip):
-        return 2 * model.latency + model.jitter + sample.nbytes / model.bandwidth + 4 * cost
-    round_trip = 2 * model.latency + model.jitter + 4 * cost
+        return 2 * latency + jitter + sample.nbytes / bandwidth + 4 * cost
+    round_trip = 2 * latency + jitter + 4 * cost
     return max(2 * cost, round_trip / sample.in_flight)
 
 
@@ -178,19 +214,25 @@ def fit_network_model(
     *,
     base: NetworkModel | None = None,
 ) -> NetworkFit:
-    """Fit ``latency``, ``jitter``, ``bandwidth`` and ``message_cost`` to measurements.
+    """Fit ``latency``, ``jitter``, ``bandwidth`` and ``message_cost`` to measurements; with
+    measurements between two workers of one host (``same_host=True``) also, or instead,
+    ``same_host_latency``, ``same_host_jitter`` and ``same_host_bandwidth``.
 
     Args:
-        round_trips: synchronous calls of at least two different sizes (the sizes set the bandwidth).
+        round_trips: synchronous calls of at least two different sizes on each kind of link measured
+            (the sizes set the bandwidth).
         pipelined: calls with many in flight; they set ``message_cost`` (without them it stays 0 and
-            all per-call overhead is latency: a busy worker would not slow down).
-        base: the other fields (``loopback_latency``, ``failure_detection``, ``heartbeat_timeout``)
-            are taken from it (default: :class:`~twinrpc.simulator.NetworkModel`'s defaults, where
+            all per-call overhead is latency: a busy worker would not slow down). Handling a message
+            is work in a process, whichever link it takes, so one ``message_cost`` fits both kinds.
+        base: the other fields (``loopback_latency``, ``failure_detection``, ``heartbeat_timeout``,
+            the placement on hosts, and the parameters of a kind of link not measured) are taken
+            from it (default: :class:`~twinrpc.simulator.NetworkModel`'s defaults, where
             ``heartbeat_timeout=None`` leaves silence detection to each worker's heartbeat options:
             the measurements say nothing about it).
 
     Raises:
-        CalibrationError: fewer than two distinct round-trip sizes, or a time that is not positive.
+        CalibrationError: fewer than two distinct round-trip sizes on a kind of link measured, or a
+            time that is not positive.
     """
     base = base or NetworkModel()
     round_trips = list(round_trips)
@@ -200,36 +242,56 @@ def fit_network_model(
         t = s.seconds if isinstance(s, RoundTrip) else s.seconds_per_call
         if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
             raise CalibrationError(f"{s.label()}: the time must be a positive number of seconds, got {t!r}")
-    if len({s.nbytes for s in round_trips}) < 2:
+    kinds = sorted({s.same_host for s in measured})
+    if not round_trips:
         raise CalibrationError(
-            "fit_network_model needs round trips of at least two different sizes to tell latency from "
-            f"bandwidth; got sizes {sorted({s.nbytes for s in round_trips})}"
+            "fit_network_model needs round trips of at least two different sizes; got none"
         )
-    smallest = min(round_trips, key=lambda s: (s.nbytes, s.seconds))
-    jitter = max(0.0, smallest.spread) / SPREAD_PER_JITTER
+    for same in kinds:
+        trips = [s for s in round_trips if s.same_host == same]
+        if len({s.nbytes for s in trips}) < 2:
+            where = "between two workers of one host" if same else "between hosts"
+            raise CalibrationError(
+                f"fit_network_model needs round trips of at least two different sizes {where} to tell "
+                f"latency from bandwidth; got sizes {sorted({s.nbytes for s in trips})}"
+            )
 
-    # Unknowns x = (fixed = 2 * latency + jitter, 1 / bandwidth, message_cost), all >= 0.
-    rows: list[tuple[list[float], float]] = [([1.0, float(s.nbytes), 4.0], s.seconds) for s in round_trips]
-    rows += [([0.0, 0.0, 2.0], s.seconds_per_call) for s in pipelined]
-    free = [0, 1, 2] if pipelined else [0, 1]
-    fixed, inv_bw, cost = _nonnegative_least_squares(rows, free)
-    if inv_bw <= 0:
-        raise CalibrationError(
-            "the round trips do not grow with their size (fitted bandwidth is infinite): measure larger "
-            "messages, e.g. 1 MiB and 16 MiB tensors"
-        )
-    jitter = min(jitter, fixed)  # the spread cannot exceed the fixed part: the rest is latency
-    model = replace(
-        base,
-        latency=(fixed - jitter) / 2,
-        jitter=jitter,
-        bandwidth=1.0 / inv_bw,
-        message_cost=cost,
-    )
+    # Unknowns x = (fixed = 2 * latency + jitter, 1 / bandwidth) between hosts, the same on one host,
+    # then message_cost; all >= 0. A row's link kind picks its pair of columns.
+    def link(same: bool, fixed: float, per_byte: float) -> list[float]:
+        return [0.0, 0.0, fixed, per_byte] if same else [fixed, per_byte, 0.0, 0.0]
+
+    rows: list[tuple[list[float], float]] = [
+        ([*link(s.same_host, 1.0, float(s.nbytes)), 4.0], s.seconds) for s in round_trips
+    ]
+    rows += [([0.0, 0.0, 0.0, 0.0, 2.0], s.seconds_per_call) for s in pipelined]
+    free = [c for same in kinds for c in ((2, 3) if same else (0, 1))] + ([4] if pipelined else [])
+    x = _nonnegative_least_squares(rows, free)
+    model = replace(base, message_cost=x[4])
+    for same in kinds:
+        fixed, inv_bw = (x[2], x[3]) if same else (x[0], x[1])
+        if inv_bw <= 0:
+            where = "between two workers of one host" if same else "between hosts"
+            raise CalibrationError(
+                f"the round trips {where} do not grow with their size (fitted bandwidth is infinite): "
+                "measure larger messages, e.g. 1 MiB and 16 MiB tensors"
+            )
+        smallest = min((s for s in round_trips if s.same_host == same), key=lambda s: (s.nbytes, s.seconds))
+        # the spread cannot exceed the fixed part: the rest is latency
+        jitter = min(max(0.0, smallest.spread) / SPREAD_PER_JITTER, fixed)
+        if same:
+            model = replace(
+                model,
+                same_host_latency=(fixed - jitter) / 2,
+                same_host_jitter=jitter,
+                same_host_bandwidth=1.0 / inv_bw,
+            )
+        else:
+            model = replace(model, latency=(fixed - jitter) / 2, jitter=jitter, bandwidth=1.0 / inv_bw)
     residuals = tuple(Residual(s.label(), s.seconds, predict(model, s)) for s in round_trips) + tuple(
         Residual(s.label(), s.seconds_per_call, predict(model, s)) for s in pipelined
     )
-    return NetworkFit(model, residuals)
+    return NetworkFit(model, residuals, same_host=True in kinds, cross_host=False in kinds)
 
 
 def _nonnegative_least_squares(rows: list[tuple[list[float], float]], free: list[int]) -> list[float]:
@@ -368,6 +430,7 @@ def measure(
     max_bytes_per_size: int = 256 * MiB,
     in_flight: int = 64,
     pipelined_calls: int = 2000,
+    same_host: bool = False,
 ) -> list[RoundTrip | Pipelined]:
     """Measure round trips to ``peer`` from the calling worker (after ``init_rpc``), in whatever world
     it runs: wall-clock time in the real world, virtual time in a simulation.
@@ -376,7 +439,8 @@ def measure(
     bytes; size 0: a small integer), up to ``calls`` times and at most ``max_bytes_per_size`` bytes
     each way (at least 5 calls), after two unrecorded warm-up calls; then ``pipelined_calls`` small
     ``rpc_async`` calls with ``in_flight`` outstanding. Byte counts are what the simulator would
-    charge for these messages.
+    charge for these messages. ``same_host`` tags the results as measured between two workers of one
+    host (:class:`RoundTrip`): say whether ``peer`` runs on the caller's host.
 
     Returns:
         One :class:`RoundTrip` per size, then one :class:`Pipelined`: the input of
@@ -401,7 +465,7 @@ def measure(
             t0 = now()
             rpc.rpc_sync(peer, _echo, args=(arg,))
             samples.append(now() - t0)
-        out.append(RoundTrip.from_samples(request, response, samples))
+        out.append(RoundTrip.from_samples(request, response, samples, same_host=same_host))
     window: collections.deque[Any] = collections.deque()
     t0 = now()
     for _ in range(pipelined_calls):
@@ -410,5 +474,5 @@ def measure(
         window.append(rpc.rpc_async(peer, _echo, args=(1,)))
     for fut in window:
         fut.wait()
-    out.append(Pipelined((now() - t0) / pipelined_calls, in_flight))
+    out.append(Pipelined((now() - t0) / pipelined_calls, in_flight, same_host))
     return out

@@ -9,6 +9,7 @@ time, and a process without the key gets nothing unpickled through the store or 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import operator
 import os
@@ -206,6 +207,7 @@ def _end(*links: PeerLink) -> None:
         link.abandon()
     for link in links:
         link.join(WAIT)
+        link.join_threads(WAIT)  # also gives back the same-host rings (the process has a budget)
 
 
 def _inject_unsealed(link: PeerLink, payload: bytes) -> None:
@@ -368,7 +370,8 @@ def _run_world(program: Any, keys: list[str | None], tmp_path: Path, **extra: An
     finally:
         for p in procs:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                with contextlib.suppress(ProcessLookupError):  # it may exit meanwhile
+                    os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
             p.join(5)
     return out
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import _serialize
+from . import _builtin_wire, _serialize
 from ._call_deadlines import CallDeadlines
 from ._control_channel import ControlChannel
 from ._departure import Departure, departure_error
@@ -46,6 +46,8 @@ from ._world import World
 _log = logging.getLogger("twinrpc")
 
 UNSET_RPC_TIMEOUT = -1.0
+#: the first byte of a payload in twinrpc._builtin_wire's encoding
+_COMPACT = bytes((_builtin_wire.MAGIC,))
 #: requests served on the request pool (they run user code, which may block)
 _POOL_KINDS = frozenset({Kind.CALL, Kind.REMOTE_CALL})
 
@@ -174,6 +176,7 @@ class RpcAgent:
             self._by_name = {w.name: w for w in by_id.values()}
             self.workers = sorted(by_id.values(), key=lambda w: w.id)
         if is_join:  # a new worker under a departed one's rank
+            self.rrefs.peer_joined(info.id)
             self.shutdown_protocol.peer_joined(info.id)
 
     def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
@@ -218,6 +221,19 @@ class RpcAgent:
         forks = fork.forks
         # forks that the reply will accept (RREF-F1)
         by_reply = [d.fork_id for d in forks if rrefs.accepted_by_reply(d, dst)] if forks else None
+        return self._send_request(dst, kind, payload, tensors, timeout, deferrable, by_reply)
+
+    def _send_request(
+        self,
+        dst: int,
+        kind: Kind,
+        payload: bytes,
+        tensors: list[torch.Tensor],
+        timeout: float,
+        deferrable: bool = False,
+        by_reply: list[GloballyUniqueId] | None = None,
+    ) -> Future[Any]:
+        """Send an encoded request: its pending entry, deadline and message (see :meth:`request`)."""
         fut: Future[Any] = Future()
         pending = _Pending(fut, dst, kind)
         timeout = self.rpc_timeout if timeout is None or timeout < 0 else float(timeout)
@@ -245,7 +261,14 @@ class RpcAgent:
         dst = self._by_name.get(to) if type(to) is str else None
         if dst is None:
             dst = self.resolve(to)
-        return self.request(dst.id, Kind.CALL, (func, tuple(args or ()), dict(kwargs or {})), timeout)
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        if self.world.builtin_wire and self.running and CURRENT_CONTEXT.get() is None:
+            # A builtin operator on plain arguments travels without pickle (twinrpc._builtin_wire);
+            # inside a distributed autograd context the call is pickled with its envelope (DAG-4).
+            encoded = _builtin_wire.encode_call(func, args, kwargs)
+            if encoded is not None:
+                return self._send_request(dst.id, Kind.CALL, encoded[0], encoded[1], timeout)
+        return self.request(dst.id, Kind.CALL, (func, args, kwargs), timeout)
 
     def remote(self, to: Any, func: Any, args: Any, kwargs: Any, timeout: float) -> RRef[Any]:
         """``rpc.remote``: run ``func`` on ``to``, which becomes the owner of the result."""
@@ -373,6 +396,9 @@ class RpcAgent:
         for _, p in dead:
             p.fut.set_exception(exc)
             self._call_ended()
+        died = not departure.shut_down
+        self.rrefs.peer_departed(peer, exc, died)  # owners drop the forks a dead worker held (RREF-D2)
+        self.autograd.peer_departed(peer, died)  # contexts a dead worker took part in are released (DAG-18)
         self.shutdown_protocol.peer_failed(peer, exc, departure.orderly)
 
     # -- incoming -------------------------------------------------------------------------------
@@ -382,7 +408,10 @@ class RpcAgent:
         if kind is Kind.RESPONSE or kind is Kind.EXCEPTION:
             self._on_reply(msg)
         elif kind in _POOL_KINDS:
-            self.world.submit(self._serve, msg)
+            if kind is Kind.CALL and _builtin_wire.is_compact(msg.payload):
+                self._submit_builtin(msg)
+            else:
+                self.world.submit(self._serve, msg)
         elif kind in REQUEST_KINDS:
             self._serve(msg)
         elif kind is Kind.GATHER or kind is Kind.SCATTER:
@@ -441,6 +470,26 @@ class RpcAgent:
             )
 
     # -- serving --------------------------------------------------------------------------------
+    def _submit_builtin(self, msg: Message) -> None:
+        """A builtin operator call in the compact encoding: decoded here (it runs no user code and
+        never blocks), then served on the request pool, or on this very thread if the world can and
+        the call is brief (``Message.brief``). One that cannot be decoded is served as any request,
+        whose decoding fails again and replies with the error."""
+        try:
+            call, load = _serialize.loads(msg.payload, msg.tensors, msg.src, None, True, self.unpickle_allow)
+        except BaseException:
+            self.world.submit(self._serve, msg)
+            return
+        msg.brief = _builtin_wire.is_brief(call)
+        self.world.submit(self._serve_loaded, msg, call, load)
+
+    def _serve_loaded(self, msg: Message, obj: Any, load: _serialize.LoadState) -> None:
+        try:
+            self._handle(msg, obj, load)
+        finally:
+            if load.after_handling:
+                load.handled()
+
     def _serve(self, msg: Message) -> None:
         """Run one request and reply (now, or when the value it waits for is ready)."""
         try:
@@ -574,6 +623,8 @@ class RpcAgent:
         try:
             # hook: the reply to a request served inside an autograd context joins it (DAG-4)
             linked = self.autograd.dumps_reply(msg, value, fork) if self.autograd.replies else None
+            if linked is None and msg.payload[:1] == _COMPACT:  # a builtin call's result, without pickle
+                linked = _builtin_wire.encode_value(value)
             payload, tensors = linked if linked is not None else _serialize.dumps(value, fork)
         except BaseException as exc:
             self.rrefs.unfork(fork.forks)  # this reply is not sent: an error reply goes instead

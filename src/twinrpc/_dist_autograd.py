@@ -372,27 +372,31 @@ class DistAutogradContainer:
             self.observer.autograd_event(self.rank, "context-released", context_id, "released here")
         self._propagate_cleanup(ctx, exclude=-1)
 
-    def _propagate_cleanup(self, ctx: DistAutogradContext, exclude: int) -> None:
+    def _propagate_cleanup(self, ctx: DistAutogradContext, exclude: int, departed: int = -1) -> None:
+        """Ask every known worker but ``exclude`` to release ``ctx``; for a release caused by the
+        death of rank ``departed`` (DAG-18), not its creator either, whose block is still running."""
         with ctx.lock:
             known = sorted(ctx.known_workers)
+        if departed < 0:
+            for dst in known:
+                if dst != exclude and dst != self.rank:
+                    self._send_cleanup(dst, ctx.context_id)
+            return
+        creator = ctx.context_id >> _ID_BITS
         for dst in known:
-            if dst != exclude and dst != self.rank:
-                self._send_cleanup(dst, ctx.context_id)
+            if dst != exclude and dst != self.rank and dst != creator and dst != departed:
+                self._send_cleanup(dst, (ctx.context_id, departed))
 
-    def _send_cleanup(self, dst: int, context_id: int) -> None:
+    def _send_cleanup(self, dst: int, body: int | tuple[int, int]) -> None:
         # Best effort, as PyTorch: resent per CLEANUP_RETRY on the RRef control channel (so the receiver
         # handles it once however often it arrives); a final failure is only logged.
         try:
             # Deferrable: nothing waits on a release, and in a training loop the next iteration's
             # first call to ``dst`` carries it (the gloo world), instead of a frame and a wake-up of
             # its own on the critical path of both workers.
-            fut = self.agent.control.send(
-                dst, Kind.CONTEXT_CLEANUP, context_id, CLEANUP_RETRY, deferrable=True
-            )
+            fut = self.agent.control.send(dst, Kind.CONTEXT_CLEANUP, body, CLEANUP_RETRY, deferrable=True)
         except Exception as exc:  # the agent is shutting down
-            _log.debug(
-                "twinrpc: could not send the release of context %d to rank %d: %s", context_id, dst, exc
-            )
+            _log.debug("twinrpc: could not send the release of context %s to rank %d: %s", body, dst, exc)
             return
         add_internal_callback(fut, lambda f: self._cleanup_done(f, dst))
 
@@ -404,20 +408,62 @@ class DistAutogradContainer:
         except Exception as exc:
             _log.error("Could not release Dist Autograd Context on node %d: %s", dst, exc)
 
-    def on_cleanup(self, src: int, context_id: int) -> None:
+    def on_cleanup(self, src: int, body: int | tuple[int, int]) -> None:
         """A CONTEXT_CLEANUP request: release the context if present and forward it (transitive).
+
+        ``body`` is the context id, or ``(context id, dead rank)`` for a release caused by a death
+        (DAG-18), which never releases a context created here: its ``context()`` block is still
+        running and releases it on exit.
 
         Idempotent: a context already released (a resend, or a cleanup that reached this worker by two
         paths) is not found and nothing happens, as PyTorch's ``releaseContextIfPresent``.
         """
+        if isinstance(body, tuple):
+            context_id, departed = body
+            if context_id >> _ID_BITS == self.rank:
+                return
+            why = f"cleanup from rank {src} (rank {departed} died)"
+        else:
+            context_id, departed = body, -1
+            why = f"cleanup from rank {src}"
         with self._lock:
             ctx = self._contexts.pop(context_id, None)
         if ctx is not None:
             if self.observer is not None:
+                self.observer.autograd_event(self.rank, "context-released", context_id, why)
+            self._propagate_cleanup(ctx, exclude=src, departed=departed)
+
+    def peer_departed(self, peer: int, died: bool) -> None:
+        """``peer`` departed; if it ``died`` (crashed, or declared dead), release every context here
+        that it created or took part in (it sent or received a message of it), except those created
+        here, whose ``context()`` block releases them (DAG-18). Each release is forwarded to the
+        context's other known workers (never back to its creator), which release it too: a context
+        whose cleanup would have come through ``peer`` is not left behind. Requests it was served for
+        and not answered yet are forgotten. (A worker that shut down RPC sent its releases when its
+        blocks ended, as in PyTorch: nothing to do.)"""
+        if not died:
+            return
+        with self._lock:
+            doomed = sorted(
+                (
+                    ctx
+                    for context_id, ctx in self._contexts.items()
+                    if context_id >> _ID_BITS != self.rank
+                    and (context_id >> _ID_BITS == peer or peer in ctx.known_workers)
+                ),
+                key=lambda c: c.context_id,
+            )
+            for ctx in doomed:
+                del self._contexts[ctx.context_id]
+            if self.replies:
+                for key in [k for k in self.replies if k[0] == peer]:
+                    del self.replies[key]
+        for ctx in doomed:
+            if self.observer is not None:
                 self.observer.autograd_event(
-                    self.rank, "context-released", context_id, f"cleanup from rank {src}"
+                    self.rank, "context-released", ctx.context_id, f"rank {peer} died"
                 )
-            self._propagate_cleanup(ctx, exclude=src)
+            self._propagate_cleanup(ctx, exclude=peer, departed=peer)
 
     def clear(self) -> None:
         with self._lock:

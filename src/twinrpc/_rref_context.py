@@ -10,6 +10,13 @@ Bookkeeping (all guarded by one lock):
 - ``pending_children``: forks this worker (a user) sent whose owner confirmation has not reached us;
   the parent is kept alive until then (G2).
 
+A departed worker never sends another message (``peer_departed``), so its users stop waiting for the
+children they forked to it or to its values. A worker that died (crashed, or declared dead) will not
+delete its forks either (RREF-D2): its owners drop them and free values no one else holds,
+remembering which, so a fork of such a value that reaches them later (forwarded by the dead worker
+before it died) fails with an error instead of waiting for a value that is gone. The forks of a worker
+that shut down RPC stay until the owner's shutdown reports them as leaked, as in PyTorch (SHUT-4).
+
 Control messages (user delete, fork request, child accept) travel on the agent's reliable control
 channel (twinrpc._control_channel): resent until acked, handled once however often they arrive.
 
@@ -28,7 +35,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._errors import RPCError, RPCTimeoutError
+from ._errors import RPCError, RPCTimeoutError, WorkerUnavailableError
 from ._future import Future, add_internal_callback, then_internal, wait_bounded
 from ._message import Kind
 from ._rref import (
@@ -116,13 +123,25 @@ class RRefContext:
         self.users: weakref.WeakValueDictionary[GloballyUniqueId, UserState] = weakref.WeakValueDictionary()
         #: deletes of dead users not sent yet: fork id -> (owner rank, rref id)
         self._deferred_deletes: dict[GloballyUniqueId, tuple[int, GloballyUniqueId]] = {}
+        #: owner side: fork id -> (rank of the worker holding it, rref id), for every fork in ``forks``
+        #: held by another worker (RREF-D2: dropped when that worker dies)
+        self._held_by: dict[GloballyUniqueId, tuple[int, GloballyUniqueId]] = {}
+        #: user side: child fork id (in ``pending_children``) -> the rank it was sent to
+        self._child_sent_to: dict[GloballyUniqueId, int] = {}
+        #: ranks of workers that died (a new worker joining under one removes it: ``peer_joined``)
+        self._dead: set[int] = set()
+        #: values freed because every worker holding them died: rref id -> why (RREF-D2); one entry
+        #: per such value for the worker's lifetime, so a late fork of it fails instead of waiting
+        self._lost: dict[GloballyUniqueId, str] = {}
         self._owners_empty: Future[None] | None = None
         self._pending_empty: Future[None] | None = None
         self.closed = False
         self.observer: RRefObserver | None = None
         control = agent.control
         control.register(Kind.RREF_USER_DELETE, lambda _src, body: self.on_user_delete(*body))
-        control.register(Kind.RREF_FORK_REQUEST, lambda _src, body: self.on_fork_request(*body))
+        control.register(
+            Kind.RREF_FORK_REQUEST, lambda src, body: self.on_fork_request(body[0], body[1], src)
+        )
         control.register(Kind.RREF_CHILD_ACCEPT, lambda _src, fork_id: self.on_child_accept(fork_id))
 
     def new_id(self) -> GloballyUniqueId:
@@ -141,7 +160,10 @@ class RRefContext:
         with self._lock:
             state = self.owners.get(rref_id)
             if state is None:
-                state = self.owners[rref_id] = OwnerState(rref_id, created=False)
+                lost = self._lost.get(rref_id)
+                state = self.owners[rref_id] = OwnerState(rref_id, created=lost is not None)
+                if lost is not None:  # RREF-D2: its value was freed; whoever reaches it hears why
+                    state.value.set_exception(WorkerUnavailableError(lost))
                 self.forks.setdefault(rref_id, set())
                 new = True
             else:
@@ -155,12 +177,23 @@ class RRefContext:
         state = self.get_or_create_owner(rref_id)
         state.created = True
         if fork_id != rref_id:
-            self._add_fork(rref_id, fork_id)
+            # the caller made both ids: the fork's creator holds it
+            self._add_fork(rref_id, fork_id, fork_id.created_on)
         return state
 
-    def _add_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+    def _add_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, holder: int) -> None:
         with self._lock:
-            self.forks.setdefault(rref_id, set()).add(fork_id)
+            if holder in self._dead:
+                # Sent before its holder died, handled after (RREF-D2): no one will delete it.
+                gone = True
+            else:
+                gone = False
+                self.forks.setdefault(rref_id, set()).add(fork_id)
+                if holder != self.rank:
+                    self._held_by[fork_id] = (holder, rref_id)
+        if gone:
+            self._maybe_drop_owner(rref_id)
+            return
         if self.observer is not None:
             self.observer.fork_known(self.rank, rref_id, fork_id)
 
@@ -170,6 +203,7 @@ class RRefContext:
             if forks is None:
                 return
             forks.discard(fork_id)
+            self._held_by.pop(fork_id, None)
         self._maybe_drop_owner(rref_id)
 
     def _maybe_drop_owner(self, rref_id: GloballyUniqueId) -> None:
@@ -260,9 +294,13 @@ class RRefContext:
         if isinstance(state, OwnerState):
             fork_id = self.new_id()
             with self._lock:
+                if dst in self._dead:  # the message cannot reach it: keep nothing for it (RREF-D2)
+                    return ForkData(self.rank, state.rref_id, fork_id, self.rank)
                 new = state.rref_id not in self.owners
                 self.owners.setdefault(state.rref_id, state)
                 self.forks.setdefault(state.rref_id, set()).add(fork_id)
+                if dst != self.rank:
+                    self._held_by[fork_id] = (dst, state.rref_id)
             if self.observer is not None:
                 if new:
                     self.observer.owner_registered(self.rank, state)
@@ -276,6 +314,7 @@ class RRefContext:
         if not _testing_disable_g2:
             with self._lock:
                 self.pending_children[fork_id] = state  # G2: the parent lives until the child is accepted
+                self._child_sent_to[fork_id] = dst
         if self.observer is not None:
             self.observer.child_forked(self.rank, state, fork_id)
         return ForkData(state.owner, state.rref_id, fork_id, self.rank)
@@ -352,13 +391,14 @@ class RRefContext:
             self.observer.delete_heard(self.rank, rref_id, fork_id)
         self.drop_fork(rref_id, fork_id)
 
-    def on_fork_request(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+    def on_fork_request(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, holder: int) -> None:
         self.get_or_create_owner(rref_id)
-        self._add_fork(rref_id, fork_id)
+        self._add_fork(rref_id, fork_id, holder)
 
     def on_child_accept(self, fork_id: GloballyUniqueId) -> None:
         with self._lock:
             self.pending_children.pop(fork_id, None)
+            self._child_sent_to.pop(fork_id, None)
             done = self._check_pending_empty()
         if done is not None:
             done.set_result(None)
@@ -414,6 +454,64 @@ class RRefContext:
             pending, self._deferred_deletes = self._deferred_deletes, {}
         for fork_id, (owner, rref_id) in sorted(pending.items()):
             self.agent.control.send_quietly(owner, Kind.RREF_USER_DELETE, (rref_id, fork_id))
+
+    # -- departed workers (RREF-D2) -------------------------------------------------------------
+    def peer_departed(self, peer: int, exc: BaseException, died: bool) -> None:
+        """``peer`` departed (``exc``: the error calls to it fail with) and never sends again;
+        ``died``: it crashed or was declared dead, rather than shutting down RPC.
+
+        As a user, stop keeping a parent alive for a child sent to ``peer`` or to a value it owned
+        (its accept will never come), and forget the deletes still deferred for its values. If it
+        died, also, as an owner, drop every fork it held (its delete will never come) and free each
+        value no one else holds, remembering why, so that a fork of it forwarded by ``peer`` before
+        it died fails when it arrives instead of waiting for a value that is gone; the dropped forks
+        are reported to the observer as abandoned. (A worker that shut down RPC left its forks on
+        purpose: the owner's shutdown reports them as leaked, SHUT-4.) Idempotent."""
+        with self._lock:
+            if died:
+                self._dead.add(peer)
+                dropped = sorted(
+                    (rref_id, fork_id)
+                    for fork_id, (holder, rref_id) in self._held_by.items()
+                    if holder == peer
+                )
+            else:
+                dropped = []
+            for rref_id, fork_id in dropped:
+                del self._held_by[fork_id]
+                forks = self.forks.get(rref_id)
+                if forks is not None:
+                    forks.discard(fork_id)
+            emptied = sorted({rref_id for rref_id, _ in dropped if not self.forks.get(rref_id)})
+            for rref_id in emptied:
+                self._lost[rref_id] = (
+                    f"the value of RRef {rref_id} owned by {self.agent.info} was freed because "
+                    f"every worker holding it died: {exc}"
+                )
+            orphans = [
+                fork_id
+                for fork_id, parent in self.pending_children.items()
+                if parent.owner == peer or self._child_sent_to.get(fork_id) == peer
+            ]
+            for fork_id in orphans:
+                del self.pending_children[fork_id]
+                self._child_sent_to.pop(fork_id, None)
+            for fork_id in [f for f, (owner, _) in self._deferred_deletes.items() if owner == peer]:
+                del self._deferred_deletes[fork_id]
+            done = self._check_pending_empty() if orphans else None
+        if self.observer is not None:
+            for rref_id, fork_id in dropped:
+                self.observer.fork_abandoned(self.rank, rref_id, fork_id)
+        for rref_id in emptied:
+            self._maybe_drop_owner(rref_id)
+        if done is not None:
+            done.set_result(None)
+
+    def peer_joined(self, rank: int) -> None:
+        """A new worker joined under ``rank`` (a dynamic group): it holds no fork yet, and forks sent
+        to it from now on are kept for it."""
+        with self._lock:
+            self._dead.discard(rank)
 
     def release_for_shutdown(self, timeout: float) -> None:
         """Graceful shutdown, SHUT-1 step 2: wait (bounded, only logged) until pending users and

@@ -27,7 +27,10 @@ from ._unpickle_allow import UnpickleAllowlist
 
 # A view whose storage is at least this big and at least twice the view's bytes is cloned compact
 # before sending, as PyTorch's cloneSparseTensors does (RPC-9).
-_COMPACT_MIN_STORAGE_BYTES = 8192
+COMPACT_MIN_STORAGE_BYTES = _COMPACT_MIN_STORAGE_BYTES = 8192
+#: the first byte of a payload in twinrpc._builtin_wire's encoding; a pickle starts with PROTO (0x80)
+BUILTIN_MAGIC = 0xB7
+_COMPACT = bytes((BUILTIN_MAGIC,))
 
 
 class LoadState:
@@ -96,6 +99,14 @@ def _empty_of(dtype: torch.dtype) -> torch.Tensor:
     if proto is None:
         proto = _EMPTY[dtype] = torch.empty(0, dtype=dtype)
     return proto.new()
+
+
+empty_of = _empty_of
+
+
+def storage_bytes(storage: torch.Tensor) -> int:
+    """The bytes of an out-of-band storage as it arrived (the flat ``uint8`` tensor over it)."""
+    return storage.untyped_storage().nbytes()
 
 
 class _LoadSlot(threading.local):
@@ -334,14 +345,22 @@ def loads(
     request: bool = False,
     allow: UnpickleAllowlist | None = None,
 ) -> tuple[Any, LoadState]:
-    """Unpickle a payload made by :func:`dumps`; returns the object and the load state. ``request``:
+    """Unpickle a payload made by :func:`dumps` (or decode a builtin call or its reply made by
+    ``twinrpc._builtin_wire``); returns the object and the load state. ``request``:
     the payload is a request that this worker will answer (see LoadState.request). ``allow``: load
     only the globals it allows (twinrpc._unpickle_allow); None: any, as PyTorch does.
 
     Raises:
         UnpickleRefused: the payload names a global that ``allow`` does not allow.
+        SerializationError: a builtin call's (or its reply's) payload is malformed.
     """
     state = LoadState(storages, src, rebuild_rref, request)
+    if payload[:1] == _COMPACT:  # a builtin operator call without pickle (twinrpc._builtin_wire)
+        try:
+            return _builtin_wire.decode(payload, state, allow), state
+        except BaseException:
+            state.handled()
+            raise
     slot = _LOAD
     outer = slot.state
     slot.state = state
@@ -357,3 +376,7 @@ def loads(
 def copy_storages(storages: list[torch.Tensor]) -> list[torch.Tensor]:
     """The simulator's wire: the receiver gets its own copy of every storage."""
     return [s.clone() for s in storages]
+
+
+# Last: twinrpc._builtin_wire builds on this module's tensor records.
+from . import _builtin_wire  # noqa: E402

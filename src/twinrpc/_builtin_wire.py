@@ -1,0 +1,446 @@
+"""The compact encoding of a builtin operator call: ``rpc_sync(to, torch.add, args=(t1, t2))`` without pickle.
+
+A call of one of torch's builtin operators (an attribute of ``torch._C._VariableFunctionsClass``, as
+``torch.add`` and ``torch.matmul`` are) whose arguments are all CPU tensors, numbers (``int`` within 64
+bits, ``float``), bools, None, and tuples or lists of those, travels as the operator's name and a few
+tagged values. Tensors go as records (storage index, dtype, size, stride, storage offset, requires_grad)
+over the storages that travel out of band, exactly as the pickler sends them (twinrpc._serialize):
+views, strides and storages shared within the call survive, and an oversized view is cloned compact
+first, as there (RPC-9). Anything else returns None from :func:`encode_call` and is pickled as before.
+
+The reply to such a call travels in the same encoding when its value is of those kinds (a tensor,
+usually); otherwise it is pickled. A world uses this encoding only if it says so
+(``World.builtin_wire``): the gloo world does, the simulator keeps the pickle, whose size its network
+model and traces count. Both decode it (``twinrpc._serialize.loads`` tells the two apart by the first
+byte).
+
+Decoding checks each part before it builds anything from it: a malformed payload raises
+:class:`~twinrpc._errors.SerializationError` naming what is wrong (the call is not run; the caller
+gets the error), and a worker with an ``unpickle_allow`` allowlist accepts the operator only if a
+pattern allows its name (``torch.add``), refusing it with the same
+:class:`~twinrpc._unpickle_allow.UnpickleRefused` a pickle naming it gets.
+
+Layout (little-endian): ``MAGIC``, then ``1`` for a call or ``2`` for a value. A call: the operator's
+name (a length byte, ASCII), the positional arguments as one tuple value, a count byte and that many
+(name, value) keyword arguments. A value is a tag byte and its body: ``N`` None, ``T``/``F`` a bool,
+``i`` an int64, ``f`` a float64, ``(``/``[`` a tuple/list (a uint16 count, then the items), ``t`` a
+tensor record (uint16 storage index, dtype code, ndim, requires_grad, int64 storage offset, ndim int64
+sizes, ndim int64 strides), ``r`` a reference (uint16) to the n-th tensor, tuple or list completed
+before it: an object that occurs twice arrives as one object, as the pickle's memo makes it.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import torch
+
+from ._errors import SerializationError
+from ._serialize import BUILTIN_MAGIC, COMPACT_MIN_STORAGE_BYTES, LoadState, empty_of, storage_bytes
+from ._unpickle_allow import UnpickleAllowlist
+
+#: the first byte of a compact payload; a pickle starts with PROTO (0x80), so the two never meet
+MAGIC = BUILTIN_MAGIC
+#: the second byte: what the payload holds
+_CALL = 1  # a call: (op, args, kwargs)
+_VALUE = 2  # a value: the reply to a call sent in this encoding
+#: the class torch's builtin operators are attributes of (how a pickle names ``torch.add``'s owner)
+_OPERATORS = torch._C._VariableFunctionsClass  # type: ignore[attr-defined]
+#: nesting of tuples and lists: deeper calls are pickled (and a deeper payload is refused)
+MAX_DEPTH = 16
+#: items of one tuple or list (the count is a uint16)
+_MAX_ITEMS = 0xFFFF
+#: storages of one call (the index is a uint16)
+_MAX_STORAGES = 0xFFFF
+#: dimensions of one tensor (torch allows at most 64)
+_MAX_NDIM = 64
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+#: the dtypes a tensor record may name, by code; tensors of any other dtype (quantized, float8, ...)
+#: make the call fall back to the pickle
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+_U16 = struct.Struct("<H")
+_I64 = struct.Struct("<q")
+_F64 = struct.Struct("<d")
+_GEOMETRY_1 = struct.Struct("<qq")
+_RECORD = struct.Struct("<HBBBq")  # storage index, dtype code, ndim, requires_grad, storage offset
+_STRIDED = torch.strided
+_BYTES = torch.empty(0, dtype=torch.uint8)
+
+
+def _operators() -> dict[str, Any]:
+    ops: dict[str, Any] = {}
+    for name in dir(_OPERATORS):
+        op = getattr(_OPERATORS, name, None)
+        if not name.startswith("_") and type(op) is type(torch.add) and name.isascii() and len(name) < 256:
+            ops[name] = op
+    return ops
+
+
+#: torch's builtin operators by name
+OPERATORS: dict[str, Any] = _operators()
+#: their names by the operator's id: a few are equal to one another (``torch.mm`` == ``torch.spmm``,
+#: the same C function) but are distinct objects, each sent under its own name as the pickle does.
+#: They live as long as torch, so an id is never reused.
+_NAME_OF_ID: dict[int, str] = {id(op): name for name, op in OPERATORS.items()}
+
+
+def operator_name(func: Any) -> str | None:
+    """The name ``func`` travels under if it is one of torch's builtin operators, else None."""
+    return _NAME_OF_ID.get(id(func))
+
+
+#: operators that may run on the thread that received their call (``is_brief``): each computes a
+#: result no larger than a polynomial of its tensor arguments, from them alone, and never waits for
+#: anything (no allocation sized by a number argument, no randomness, no in-place update of an argument)
+BRIEF_OPERATORS = frozenset(
+    {
+        "abs", "add", "addmm", "all", "any", "argmax", "argmin", "bmm", "cat", "ceil", "clamp", "clone",
+        "cos", "cumsum", "div", "dot", "eq", "exp", "flatten", "floor", "ge", "gt", "le", "log",
+        "logical_and", "logical_not", "logical_or", "lt", "matmul", "max", "maximum", "mean", "min",
+        "minimum", "mm", "mul", "mv", "ne", "neg", "pow", "prod", "reciprocal", "relu", "remainder",
+        "reshape", "round", "rsqrt", "sigmoid", "sign", "sin", "sqrt", "square", "squeeze", "stack",
+        "sub", "sum", "t", "tanh", "transpose", "true_divide", "unsqueeze", "where",
+    }
+)  # fmt: skip
+#: at most this many tensor elements in a brief call's arguments (their broadcast is then bounded too)
+BRIEF_MAX_ELEMENTS = 4096
+
+
+class _Encoder:
+    """One call being encoded: its bytes and its out-of-band storages (deduplicated as the pickler does)."""
+
+    __slots__ = ("keepalive", "memo", "out", "storage_index", "storages")
+
+    def __init__(self, what: int) -> None:
+        self.out = bytearray((MAGIC, what))
+        self.storages: list[torch.Tensor] = []
+        self.storage_index: dict[tuple[int, int], int] = {}
+        self.keepalive: list[torch.Tensor] = []
+        #: id of each tensor, tuple and list written -> its number: an object met again is sent as a
+        #: reference to it, so it arrives as one object, as the pickle's memo makes it
+        self.memo: dict[int, int] = {}
+
+    def value(self, v: Any, depth: int) -> bool:
+        """Append ``v``; False: it cannot be encoded (the call is pickled instead)."""
+        tp = type(v)
+        out = self.out
+        if tp is torch.Tensor or tp is torch.nn.Parameter:
+            ref = self.memo.get(id(v))
+            if ref is not None:
+                out += b"r"
+                out += _U16.pack(ref)
+                return True
+            return self.tensor(v) and self.remember(v)
+        if tp is int:
+            if not _INT64[0] <= v <= _INT64[1]:
+                return False
+            out += b"i"
+            out += _I64.pack(v)
+            return True
+        if tp is float:
+            out += b"f"
+            out += _F64.pack(v)
+            return True
+        if v is None:
+            out += b"N"
+            return True
+        if tp is bool:
+            out += b"T" if v else b"F"
+            return True
+        if tp is tuple or tp is list:
+            ref = self.memo.get(id(v))
+            if ref is not None:
+                out += b"r"
+                out += _U16.pack(ref)
+                return True
+            if depth >= MAX_DEPTH or len(v) > _MAX_ITEMS:
+                return False
+            out += b"(" if tp is tuple else b"["
+            out += _U16.pack(len(v))
+            depth += 1
+            return all(self.value(item, depth) for item in v) and self.remember(v)
+        return False
+
+    def remember(self, v: Any) -> bool:
+        """``v`` (a tensor, tuple or list) is written whole: later occurrences refer to it."""
+        n = len(self.memo)
+        if n >= _MAX_ITEMS:
+            return False
+        self.memo[id(v)] = n
+        return True
+
+    def tensor(self, t: torch.Tensor) -> bool:
+        if t.layout is not _STRIDED or not t.is_cpu or t.is_conj() or t.is_neg():
+            return False  # sparse, CUDA, lazy conjugate/negative views: the pickler's to handle
+        code = _DTYPE_CODE.get(t.dtype)
+        if code is None:
+            return False
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes >= COMPACT_MIN_STORAGE_BYTES and nbytes >= 2 * t.numel() * t.element_size():
+            # as the pickler: a small view of a big storage travels as a compact clone (RPC-9)
+            requires_grad = t.requires_grad
+            t = t.detach().clone()
+            self.keepalive.append(t)
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+        else:
+            requires_grad = t.requires_grad
+        key = (storage.data_ptr(), nbytes)
+        index = self.storage_index.get(key) if nbytes else None
+        if index is None:
+            index = len(self.storages)
+            if index >= _MAX_STORAGES:
+                return False
+            self.storages.append(_BYTES.new(storage))
+            if nbytes:
+                self.storage_index[key] = index
+        size = t.size()
+        ndim = len(size)
+        out = self.out
+        out += b"t"
+        out += _RECORD.pack(index, code, ndim, requires_grad, t.storage_offset())
+        if ndim:
+            out += struct.pack(f"<{ndim}q{ndim}q", *size, *t.stride())
+        return True
+
+
+def encode_call(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[bytes, list[torch.Tensor]] | None:
+    """``(func, args, kwargs)`` in the compact encoding (payload, storages), or None when it does not
+    apply (``func`` is not one of torch's builtin operators, or an argument is of another kind)."""
+    name = _NAME_OF_ID.get(id(func))
+    if name is None or len(kwargs) > 255:
+        return None
+    enc = _Encoder(_CALL)
+    out = enc.out
+    out.append(len(name))
+    out += name.encode("ascii")
+    if not enc.value(args, 0):
+        return None
+    out.append(len(kwargs))
+    for key, v in kwargs.items():
+        if type(key) is not str or not key.isascii() or not key.isidentifier() or len(key) > 255:
+            return None
+        out.append(len(key))
+        out += key.encode("ascii")
+        if not enc.value(v, 0):
+            return None
+    return bytes(out), enc.storages
+
+
+def encode_value(value: Any) -> tuple[bytes, list[torch.Tensor]] | None:
+    """A call's result in this encoding (for the reply to a call that came in it), or None when it
+    holds anything else (a named tuple, say, which the pickle keeps as its type)."""
+    enc = _Encoder(_VALUE)
+    if not enc.value(value, 0):
+        return None
+    return bytes(enc.out), enc.storages
+
+
+def is_compact(payload: bytes) -> bool:
+    """Whether ``payload`` is in this encoding (rather than a pickle)."""
+    return len(payload) > 0 and payload[0] == MAGIC
+
+
+def _value(
+    data: bytes, pos: int, storages: list[torch.Tensor], sizes: list[int], memo: list[Any], depth: int
+) -> tuple[Any, int]:
+    """The value at ``pos`` and the position after it. Reads past the end raise IndexError or
+    struct.error (turned into one error by decode)."""
+    tag = data[pos]
+    if tag == 0x74:  # t
+        t, pos = _tensor(data, pos, storages, sizes)
+        memo.append(t)
+        return t, pos
+    if tag == 0x69:  # i
+        return _I64.unpack_from(data, pos + 1)[0], pos + 9
+    if tag == 0x66:  # f
+        return _F64.unpack_from(data, pos + 1)[0], pos + 9
+    if tag == 0x4E:  # N
+        return None, pos + 1
+    if tag == 0x54:  # T
+        return True, pos + 1
+    if tag == 0x46:  # F
+        return False, pos + 1
+    if tag == 0x28 or tag == 0x5B:  # ( [
+        if depth >= MAX_DEPTH:
+            raise _malformed(f"its tuples and lists nest deeper than {MAX_DEPTH} (at byte {pos})")
+        (n,) = _U16.unpack_from(data, pos + 1)
+        pos += 3
+        items = []
+        depth += 1
+        for _ in range(n):
+            item, pos = _value(data, pos, storages, sizes, memo, depth)
+            items.append(item)
+        value = tuple(items) if tag == 0x28 else items
+        memo.append(value)
+        return value, pos
+    if tag == 0x72:  # r
+        (ref,) = _U16.unpack_from(data, pos + 1)
+        if ref >= len(memo):
+            raise _malformed(
+                f"the reference at byte {pos} is to object {ref}, but {len(memo)} came before it"
+            )
+        return memo[ref], pos + 3
+    raise _malformed(f"byte {pos} is not a value tag: {tag:#04x}")
+
+
+def _tensor(data: bytes, at: int, storages: list[torch.Tensor], sizes: list[int]) -> tuple[torch.Tensor, int]:
+    """A tensor record at ``at``: checked whole before the tensor is made."""
+    index, code, ndim, requires_grad, offset = _RECORD.unpack_from(data, at + 1)
+    pos = at + 1 + _RECORD.size
+    if index >= len(storages):
+        raise _malformed(
+            f"the tensor at byte {at} names storage {index}, but the message has {len(storages)}"
+        )
+    if code >= len(_DTYPES):
+        raise _malformed(f"the tensor at byte {at} has an unknown dtype code {code}")
+    if ndim > _MAX_NDIM or requires_grad > 1:
+        raise _malformed(f"the tensor at byte {at} has {ndim} dimensions, requires_grad {requires_grad}")
+    dtype = _DTYPES[code]
+    nbytes = sizes[index]
+    if nbytes < 0:  # not read yet: once per storage
+        nbytes = sizes[index] = storage_bytes(storages[index])
+    if ndim == 1:
+        size, stride = _GEOMETRY_1.unpack_from(data, pos)
+        pos += 16
+        if size < 0 or stride < 0 or offset < 0:
+            raise _malformed(f"the tensor at byte {at} has a negative offset, size or stride")
+        # the last element it reaches lies inside its storage (no element: it reaches nothing)
+        if size and (offset + (size - 1) * stride + 1) * dtype.itemsize > nbytes:
+            raise _out_of_bounds(at, [size], [stride], offset, dtype, nbytes)
+        t = empty_of(dtype).set_(storages[index].untyped_storage(), offset, (size,), (stride,))
+    else:
+        geometry = struct.unpack_from(f"<{2 * ndim}q", data, pos) if ndim else ()
+        pos += 16 * ndim
+        sizes_, strides = geometry[:ndim], geometry[ndim:]
+        if offset < 0 or min(geometry, default=0) < 0:
+            raise _malformed(f"the tensor at byte {at} has a negative offset, size or stride")
+        if math.prod(sizes_) and (
+            (offset + sum((n - 1) * s for n, s in zip(sizes_, strides, strict=True)) + 1) * dtype.itemsize
+            > nbytes
+        ):
+            raise _out_of_bounds(at, list(sizes_), list(strides), offset, dtype, nbytes)
+        t = empty_of(dtype).set_(storages[index].untyped_storage(), offset, sizes_, strides)
+    if requires_grad:
+        if not (dtype.is_floating_point or dtype.is_complex):
+            raise _malformed(f"the tensor at byte {at} is a {dtype} tensor that requires grad")
+        t.requires_grad_(True)
+    return t, pos
+
+
+def _out_of_bounds(
+    at: int, size: list[int], stride: list[int], offset: int, dtype: torch.dtype, nbytes: int
+) -> SerializationError:
+    return _malformed(
+        f"the tensor at byte {at} (size {size}, stride {stride}, offset {offset}, {dtype}) reaches past "
+        f"its storage of {nbytes} bytes"
+    )
+
+
+def _name(data: bytes, pos: int, what: str) -> tuple[str, int]:
+    n = data[pos]
+    raw = data[pos + 1 : pos + 1 + n]
+    if len(raw) < n:
+        raise IndexError
+    text = raw.decode("ascii", "replace")
+    if not text.isidentifier() or not text.isascii():
+        raise _malformed(f"its {what} {raw!r} is not an identifier")
+    return text, pos + 1 + n
+
+
+def decode(payload: bytes, state: LoadState, allow: UnpickleAllowlist | None) -> Any:
+    """``(op, args, kwargs)`` from a payload made by :func:`encode_call`, or the value from one made by
+    :func:`encode_value`, its tensors over ``state.storages``.
+
+    Raises:
+        SerializationError: the payload is malformed (what is wrong is named); nothing was run.
+        UnpickleRefused: ``allow`` does not allow the operator.
+    """
+    what = payload[1] if len(payload) > 1 else None
+    if what == _VALUE:
+        return _decode_value(payload, state)
+    if what != _CALL:
+        raise _malformed(f"its kind {what} is neither a call ({_CALL}) nor a value ({_VALUE})")
+    try:
+        name, pos = _name(payload, 2, "operator name")
+        dotted = f"torch.{name}"
+        if allow is not None and not allow.allows_name(dotted):
+            raise allow.refused(dotted)  # what the pickle naming it gets (twinrpc._unpickle_allow)
+        op = OPERATORS.get(name)
+        if op is None:
+            raise _malformed(f"{dotted} is not one of torch's builtin operators")
+        if payload[pos] != 0x28:
+            raise _malformed("its arguments are not a tuple")
+        storages = state.storages
+        sizes = [-1] * len(storages)
+        memo: list[Any] = []
+        args, pos = _value(payload, pos, storages, sizes, memo, 0)
+        kwargs: dict[str, Any] = {}
+        count = payload[pos]
+        pos += 1
+        for _ in range(count):
+            key, pos = _name(payload, pos, "keyword")
+            if key in kwargs:
+                raise _malformed(f"keyword {key!r} appears twice")
+            kwargs[key], pos = _value(payload, pos, storages, sizes, memo, 0)
+    except (IndexError, struct.error):
+        raise _malformed(f"it ends inside a value ({len(payload)} bytes)") from None
+    if pos != len(payload):
+        raise _malformed(f"{len(payload) - pos} bytes follow the call")
+    return op, args, kwargs
+
+
+def _decode_value(payload: bytes, state: LoadState) -> Any:
+    storages = state.storages
+    try:
+        value, pos = _value(payload, 2, storages, [-1] * len(storages), [], 0)
+    except (IndexError, struct.error):
+        raise _malformed(f"it ends inside a value ({len(payload)} bytes)") from None
+    if pos != len(payload):
+        raise _malformed(f"{len(payload) - pos} bytes follow the value")
+    return value
+
+
+def is_brief(call: Any) -> bool:
+    """Whether a decoded call may run on the thread that received it: a brief operator
+    (``BRIEF_OPERATORS``) on at most ``BRIEF_MAX_ELEMENTS`` tensor elements."""
+    op, args, kwargs = call
+    if _NAME_OF_ID.get(id(op)) not in BRIEF_OPERATORS:
+        return False
+    budget = [BRIEF_MAX_ELEMENTS]
+    return _within(args, budget) and all(_within(v, budget) for v in kwargs.values())
+
+
+def _within(v: Any, budget: list[int]) -> bool:
+    tp = type(v)
+    if tp is torch.Tensor:
+        budget[0] -= v.numel()
+        return budget[0] >= 0
+    if tp is tuple or tp is list:
+        return all(_within(item, budget) for item in v)
+    return True
+
+
+def _malformed(what: str) -> SerializationError:
+    return SerializationError(f"malformed builtin call payload: {what}")

@@ -1,0 +1,346 @@
+"""The gloo world's same-host data path (impl/_same_host.py): data through a shared-memory ring per
+direction, discovered per link, falling back to gloo data frames, and nothing left behind.
+
+Unit tests of the rings and the header format, a live pair of links in one process, and worlds of
+spawned processes for shutdown and for a peer's kill -9.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import queue
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _gloo_pair import Inbox, close_links, make_links, started_links
+from twinrpc.impl import _same_host
+from twinrpc.impl._framing import (
+    FLAG_INLINE_TENSORS,
+    FLAG_SHM,
+    HEADER_BYTES,
+    FrameError,
+    Header,
+    encode_header,
+)
+from twinrpc.impl._same_host import InRing, OutRing, Rings
+
+from twinrpc._message import Kind, Message
+
+RING_NAME = "twinrpc-ring"
+WORLD_TIMEOUT = 120.0
+
+
+def _ring_handles() -> tuple[int, int]:
+    """This process's mappings of ring files and open descriptors of them (after collecting garbage:
+    rings of earlier links that nothing references any more)."""
+    gc.collect()
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+        maps = sum(RING_NAME in line for line in f)
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += RING_NAME in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+    return maps, fds
+
+
+def _named_segments() -> set[str]:
+    """twinrpc's entries in /dev/shm (other programs' come and go meanwhile)."""
+    return {name for name in os.listdir("/dev/shm") if "twinrpc" in name}
+
+
+def _pair_of_rings(capacity: int = 1 << 20) -> tuple[OutRing, InRing]:
+    out = OutRing(capacity)
+    inbound = InRing(out.offer())
+    out.close_fd()
+    return out, inbound
+
+
+def _message(payload: bytes, *sizes: int) -> Message:
+    tensors = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
+    return Message(Kind.CALL, 7, 0, 1, payload, tensors)
+
+
+# -- the rings ---------------------------------------------------------------------------------------
+def test_a_ring_gives_back_exactly_what_was_placed_across_wrap_arounds() -> None:
+    out, inbound = _pair_of_rings(1 << 20)
+    for round_ in range(12):  # 12 x ~300 KB through a 1 MiB ring: wraps several times
+        payload = bytes([round_]) * 1000
+        tensors = [
+            torch.full((300_000 + round_,), round_, dtype=torch.uint8),
+            torch.arange(17, dtype=torch.uint8),
+        ]
+        positions = out.place(payload, tensors)
+        assert positions is not None
+        assert inbound.take_bytes(positions[0], len(payload)) == payload
+        for pos, t in zip(positions[1:], tensors, strict=True):
+            got = inbound.take(pos, t.numel(), torch.empty(t.numel(), dtype=torch.uint8))
+            assert torch.equal(got, t)
+
+
+def test_a_full_ring_refuses_without_placing_and_takes_again_once_read() -> None:
+    out, inbound = _pair_of_rings(1 << 20)
+    first = out.place(None, [torch.ones(700_000, dtype=torch.uint8)])
+    assert first is not None
+    big = [torch.ones(700_000, dtype=torch.uint8)]
+    assert not out.fits([700_000])
+    assert out.place(None, big) is None  # the sender never waits for room: the caller uses gloo
+    inbound.take(first[0], 700_000, torch.empty(700_000, dtype=torch.uint8))
+    assert out.place(None, big) is not None
+    assert out.place(None, [torch.ones(2 << 20, dtype=torch.uint8)]) is None  # larger than the ring
+
+
+def test_a_position_outside_the_ring_is_refused() -> None:
+    _, inbound = _pair_of_rings(1 << 20)
+    with pytest.raises(ValueError, match="overflow"):
+        inbound.take_bytes(0, (1 << 20) + 1)
+
+
+def test_a_position_other_than_where_the_sender_put_its_next_piece_is_refused() -> None:
+    out, inbound = _pair_of_rings(1 << 20)
+    first, second = out.place(b"a" * 100, [torch.ones(1000, dtype=torch.uint8)]) or []
+    with pytest.raises(ValueError, match="out of order"):
+        inbound.take_bytes(second, 1000)  # the payload at ``first`` comes first
+    with pytest.raises(ValueError, match="out of order"):
+        inbound.take_bytes(2**64 - 100, 100)  # where no sender puts anything
+    assert inbound.take_bytes(first, 100) == b"a" * 100
+
+
+def test_an_offer_from_another_host_is_not_mapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    out = OutRing(1 << 20)
+    try:
+        offer = out.offer()
+        assert _same_host._same_host_offer(offer)
+        monkeypatch.setattr(_same_host, "host_identity", lambda: b"another-boot|1|2|0")
+        assert not _same_host._same_host_offer(offer)
+        monkeypatch.setenv("TWINRPC_SHM", "0")
+        assert not _same_host._same_host_offer(offer)
+    finally:
+        out.release()
+
+
+# -- the header ----------------------------------------------------------------------------------------
+def _header_with_ring(msg: Message, ring: OutRing) -> tuple[memoryview, Header]:
+    t = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    view = memoryview(t.numpy())
+    assert encode_header(view, msg, ring=ring) == (True, True)  # nothing follows the header
+    return view, Header(view, 0, 1, t)
+
+
+def test_a_header_carries_ring_positions_for_payload_and_storages() -> None:
+    out, inbound = _pair_of_rings()
+    msg = _message(b"p" * 9000, 5000, 0, 70_000)
+    _, header = _header_with_ring(msg, out)
+    assert header.positions is not None and header.inline_payload is None
+    assert header.sizes == [5000, 0, 70_000]
+    assert inbound.take_bytes(header.positions[0], header.payload_len) == msg.payload
+    for pos, t in zip(header.positions[1:], msg.tensors, strict=True):
+        assert torch.equal(inbound.take(pos, t.numel(), torch.empty(t.numel(), dtype=torch.uint8)), t)
+
+
+def test_a_small_payload_stays_inline_beside_ring_storages() -> None:
+    out, _ = _pair_of_rings()
+    _, header = _header_with_ring(_message(b"small", 100_000), out)
+    assert header.inline_payload == b"small"
+    assert header.positions is not None and len(header.positions) == 2
+
+
+def test_a_whole_message_does_not_use_the_ring() -> None:
+    out, _ = _pair_of_rings()
+    t = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    encode_header(memoryview(t.numpy()), _message(b"tiny", 10), ring=out)
+    assert Header(memoryview(t.numpy()), 0, 1, t).positions is None
+
+
+def test_a_ring_header_that_also_claims_inline_storages_is_malformed() -> None:
+    out, _ = _pair_of_rings()
+    view, _ = _header_with_ring(_message(b"", 100_000), out)
+    flags = int.from_bytes(view[6:8], "little")
+    view[6:8] = (flags | FLAG_SHM | FLAG_INLINE_TENSORS).to_bytes(2, "little")
+    with pytest.raises(FrameError, match="shared-memory header"):
+        Header(view, 0, 1)
+
+
+# -- a live pair of links --------------------------------------------------------------------------------
+SIZES = [0, 1, 3000, 5000, 300_000, 1 << 20, (1 << 20) + 1, 5 << 20]
+
+
+def _exchange(sender: Any, inbox: Inbox) -> None:
+    for i, n in enumerate(SIZES):
+        msg = Message(
+            Kind.CALL,
+            i,
+            0,
+            1,
+            bytes([i % 256]) * (i * 2500),
+            [torch.randint(0, 255, (n,), dtype=torch.uint8)],
+        )
+        sender.send(msg)
+        got = inbox.wait_for(i + 1)[-1]
+        assert got.id == i and got.payload == msg.payload
+        assert torch.equal(got.tensors[0], msg.tensors[0])
+
+
+def test_a_link_on_one_host_moves_data_through_its_rings() -> None:
+    with started_links() as (sender, listener, inbox):
+        assert sender.same_host == (True, True) and listener.same_host == (True, True)
+        _exchange(sender, inbox)
+        assert sender.sender.headers_sent >= len(SIZES)
+
+
+def test_with_the_path_off_the_same_messages_arrive_over_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TWINRPC_SHM", "0")
+    with started_links() as (sender, _, inbox):
+        assert sender.same_host == (False, False)
+        _exchange(sender, inbox)
+
+
+def test_data_larger_than_the_ring_falls_back_to_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TWINRPC_SHM_RING_BYTES", str(1 << 20))
+    with started_links() as (sender, _, inbox):
+        assert sender.same_host == (True, True)
+        _exchange(sender, inbox)  # 5 MiB goes in data frames, the rest through the ring
+
+
+def test_rings_beyond_the_process_budget_stay_on_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TWINRPC_SHM_MAX_BYTES", str(_same_host.BUDGET.used + (1 << 19)))
+    with started_links() as (sender, _, inbox):
+        assert sender.same_host == (False, False)
+        _exchange(sender, inbox)
+
+
+def test_a_closed_link_leaves_no_mapping_and_no_descriptor() -> None:
+    before = _ring_handles()
+    failures: list[BaseException] = []
+    inbox = Inbox()
+    sender, listener = make_links(inbox, failures)
+    maps, _ = _ring_handles()
+    assert maps == before[0] + 4  # each side maps its ring and the peer's
+    sender.start()
+    listener.start()
+    sender.send(_message(b"x", 200_000))
+    inbox.wait_for(1)
+    close_links(sender, listener)
+    sender.join_threads(5.0)
+    listener.join_threads(5.0)
+    del sender, listener, inbox
+    assert _ring_handles() == before
+    assert not failures
+
+
+def test_rings_of_a_failed_link_are_released() -> None:
+    before = _ring_handles()
+    failures: list[BaseException] = []
+    inbox = Inbox()
+    sender, listener = make_links(inbox, failures)
+    sender.start()
+    listener.start()
+    sender.send(_message(b"x", 200_000))
+    inbox.wait_for(1)
+    sender.fail(RuntimeError("test: the link broke"))  # closes the pair: the listener fails too
+    assert sender.same_host == (False, False)
+    deadline = time.monotonic() + 10
+    while listener.failed is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert listener.same_host == (False, False)
+    for link in (sender, listener):
+        link.join(5.0)
+        link.join_threads(5.0)
+    del sender, listener, inbox
+    assert _ring_handles() == before
+    assert len(failures) == 2
+
+
+def test_rings_hold_together() -> None:
+    rings = Rings(OutRing(1 << 20))
+    rings.release()
+    rings.release()  # idempotent
+    assert rings.out is None and rings.inbound is None
+
+
+# -- worlds of processes ---------------------------------------------------------------------------------
+def _world_child(rank: int, init_file: str, results: Any, kill_me: Any) -> None:
+    try:
+        import twinrpc.rpc as rpc
+        from twinrpc._current import current_agent
+
+        options = rpc.RpcBackendOptions(
+            init_method=f"file://{init_file}", heartbeat_interval=0.2, heartbeat_misses=5
+        )
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=options)
+        links = current_agent().world.links
+        report: dict[str, Any] = {"same_host": {peer: link.same_host for peer, link in links.items()}}
+        if rank == 0:
+            t = torch.arange(1 << 18, dtype=torch.float32)
+            for peer in ("worker1", "worker2"):
+                assert torch.equal(rpc.rpc_sync(peer, torch.neg, args=(t,)), -t)
+            report["maps_live"] = _ring_handles()
+            kill_me.put(2)  # the operator kill -9s rank 2
+            deadline = time.monotonic() + 30
+            while links[2].failed is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            report["rank2_failed"] = links[2].failed is not None
+            report["maps_after_kill"] = _ring_handles()
+            assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(t,)), -t)  # the other link works
+        elif rank == 1:  # serves rank 0 until it leaves
+            deadline = time.monotonic() + WORLD_TIMEOUT
+            while not links[0].state.closed_by_peer and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:
+            time.sleep(WORLD_TIMEOUT)  # until killed
+        rpc.shutdown(graceful=False)
+        report["maps_after_shutdown"] = _ring_handles()
+        results.put((rank, "ok", report))
+    except BaseException as exc:
+        import traceback
+
+        results.put((rank, "raised", f"{exc!r}\n{traceback.format_exc()}"))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def test_a_killed_peer_leaves_no_segment_and_shutdown_releases_every_ring(tmp_path: Path) -> None:
+    mp = multiprocessing.get_context("spawn")
+    results, kill_me = mp.Queue(), mp.Queue()
+    shm_before = _named_segments()
+    procs = [
+        mp.Process(target=_world_child, args=(r, str(tmp_path / "rdv"), results, kill_me), daemon=True)
+        for r in range(3)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        victim = kill_me.get(timeout=WORLD_TIMEOUT)
+        os.kill(procs[victim].pid, signal.SIGKILL)  # type: ignore[arg-type]
+        deadline = time.monotonic() + WORLD_TIMEOUT
+        while {0, 1} - set(out):
+            try:
+                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"the world did not finish; results so far: {out!r}")
+            assert status == "ok", value
+            out[rank] = value
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            p.join(5)
+    zero = out[0]
+    assert zero["same_host"] == {1: (True, True), 2: (True, True)}
+    maps_live, fds_live = zero["maps_live"]
+    assert maps_live == 4  # two rings for each of the two links
+    assert zero["rank2_failed"]
+    # the dead peer's link let go of both rings (and of the descriptors the mappings hold)
+    assert zero["maps_after_kill"] == (maps_live - 2, fds_live - 2)
+    assert zero["maps_after_shutdown"] == (0, 0)
+    assert out[1]["maps_after_shutdown"] == (0, 0)
+    assert _named_segments() == shm_before  # nothing named was ever created
