@@ -41,6 +41,7 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from twinrpc.impl._framing import (
     HEADER_BYTES,
+    SIZES_AT,
     FrameEncoder,
     FrameError,
     FrameTooLarge,
@@ -220,7 +221,7 @@ FIELDS = [
     ("payload_len", 24, "<Q"),
     ("n_tensors", 32, "<I"),
     ("ack", 36, "<Q"),
-    *[(f"word{k}", 44 + 8 * k, "<Q") for k in range(8)],  # sizes, then ring positions or payload
+    *[(f"word{k}", SIZES_AT + 8 * k, "<Q") for k in range(8)],  # sizes, then ring positions or payload
     ("rider trailer", HEADER_BYTES - 4, "<I"),
 ]
 
@@ -303,11 +304,11 @@ def _mutate(view: memoryview, what: str, offset: int, fmt: str, value: int) -> N
         struct.pack_into(fmt, view, offset, struct.unpack_from(fmt, view, offset)[0] ^ value)
     elif what == "position":  # the k-th ring position: after the fixed part and the storage sizes
         n = min(struct.unpack_from("<I", view, 32)[0], 500)
-        at = 44 + 8 * (n + offset)
+        at = SIZES_AT + 8 * (n + offset)
         if at + 8 > HEADER_BYTES:
             return
         if value == -1:  # the position where the piece would end exactly at 2**64
-            size = struct.unpack_from("<Q", view, 24 if offset == 0 else 44 + 8 * (offset - 1))[0]
+            size = struct.unpack_from("<Q", view, 24 if offset == 0 else SIZES_AT + 8 * (offset - 1))[0]
             struct.pack_into(fmt, view, at, -size % (1 << 64))
         else:
             struct.pack_into(fmt, view, at, (struct.unpack_from(fmt, view, at)[0] + value) % (1 << 64))
