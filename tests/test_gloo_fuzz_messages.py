@@ -11,8 +11,8 @@ message decoders see the damage. Then:
 * the call ends within its timeout, never by it: the receiver answers every request, with the result
   of whatever the damaged payload still decodes to, or with an error; an error that says the request
   could not be decoded names worker0;
-* worker1 is alive and still calls worker2, and has no thread more than before (its request pool
-  keeps the threads it started, within its bound).
+* worker1 is alive and still calls worker2, and has no thread more than before but the outbox each
+  link starts on first use (its request pool keeps the threads it started, within its bound).
 
 Then the other way: worker1 calls worker0, which damages its replies the same way (a builtin call's
 result in the compact encoding, pickled values, an exception), and the same holds; an error saying the
@@ -268,7 +268,8 @@ def _fuzz(shared: dict[str, Any]) -> dict[str, Any]:
     def check_worker1() -> None:
         threads, pool, answer = rpc.rpc_sync("worker1", probe, timeout=WAIT)
         assert answer == 42
-        assert threads <= threads0 + 1, f"worker1 has {threads} threads outside its pool, {threads0} at first"
+        # each of its two links may start its outbox thread on first use (impl/_sender.py), and only that
+        assert threads <= threads0 + 2, f"worker1 has {threads} threads outside its pool, {threads0} at first"
         assert pool <= POOL_BOUND, f"worker1's pool has {pool} threads"
 
     reply_outcomes: dict[str, int] = {}
