@@ -33,6 +33,15 @@ from twinrpc.impl._same_host import InRing, OutRing, Rings
 from twinrpc._message import Kind, Message
 
 RING_NAME = "twinrpc-ring"
+
+
+@pytest.fixture(autouse=True)
+def _path_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the path: on, whatever the run's TWINRPC_SHM (CI also runs the gloo tests
+    with it off); a test that wants it off sets it again."""
+    monkeypatch.setenv("TWINRPC_SHM", "1")
+
+
 WORLD_TIMEOUT = 120.0
 
 
