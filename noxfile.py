@@ -137,15 +137,18 @@ def train(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks (~20 min on 2 cores), written to benchmarks/results/ and rendered as the docs' results
+    """Benchmarks (~45 min on 2 cores), written to benchmarks/results/ and rendered as the docs' results
     page: simulated round trips per wall-clock second; the gloo world vs TensorPipe vs raw gloo (ratios,
     alternating rounds); what a job key costs a call; the simulator's models fitted to gloo on one host
     and between two network namespaces, and the training job's simulated vs real time; 256 simulated
     workers training; distributed autograd vs TensorPipe; twinrpc between two namespaces vs the raw
-    gloo floor there; parameter-server training vs TensorPipe and the reply hand-off; an RRef soak on
-    gloo.
+    gloo floor there; parameter-server training vs TensorPipe and the reply hand-off; an RRef soak and a
+    soak of calls, RRefs and autograd contexts on gloo.
 
-    Posargs go to the simulator benchmark. The soak runs 100,000 create/to_here/delete cycles on gloo
+    Posargs go to the simulator benchmark. The gloo soak (benchmarks/bench_soak.py, ~20 min) runs
+    TWINRPC_SOAK_CALLS tiny calls (1,000,000), TWINRPC_SOAK_CYCLES RRef cycles and TWINRPC_SOAK_CONTEXTS
+    autograd contexts (10,000) and checks memory, threads and descriptors stay flat. The RRef soak runs
+    100,000 create/to_here/delete cycles on gloo
     (about 5 minutes) and prints owner-side state before and after; set
     TWINRPC_SOAK_CYCLES for a quicker look.
     """
@@ -173,6 +176,11 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_ps.py")
     cycles = os.environ.get("TWINRPC_SOAK_CYCLES", "100000")
     session.run("python", "benchmarks/bench_rref_soak.py", "--world", "gloo", "--cycles", cycles)
+    calls = os.environ.get("TWINRPC_SOAK_CALLS", "1000000")
+    contexts = os.environ.get("TWINRPC_SOAK_CONTEXTS", "10000")
+    session.run(
+        "python", "benchmarks/bench_soak.py", "--calls", calls, "--rrefs", cycles, "--contexts", contexts
+    )
 
 
 @nox.session

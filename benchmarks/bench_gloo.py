@@ -510,11 +510,11 @@ def _measures(system: str, what: str) -> bool:
 
 _TARGETS = {
     "builtin": ("<=", 1.5),
-    "udf": ("<=", 1.5),
+    "udf": ("<=", 1.0),
     "remote": ("<=", 1.5),
-    "throughput": (">=", 0.8),
-    "bw 16 MiB": (">=", 0.9),
-    "bw 64 MiB": (">=", 1.0),
+    "throughput": (">=", 1.0),
+    "bw 16 MiB": (">=", 2.0),
+    "bw 64 MiB": (">=", 2.0),
 }
 
 

@@ -11,12 +11,17 @@ message decoders see the damage. Then:
 * the call ends within its timeout, never by it: the receiver answers every request, with the result
   of whatever the damaged payload still decodes to, or with an error; an error that says the request
   could not be decoded names worker0;
-* worker1 is alive and still calls worker2, and has no thread more than before (its request pool
-  keeps the threads it started, within its bound).
+* worker1 is alive and still calls worker2, and has no thread more than before but the outbox each
+  link starts on first use (its request pool keeps the threads it started, within its bound).
 
 Then the other way: worker1 calls worker0, which damages its replies the same way (a builtin call's
 result in the compact encoding, pickled values, an exception), and the same holds; an error saying the
 reply could not be decoded names worker0.
+
+Out of scope: a damaged pickle that stores into its memo at an index far beyond its own length. CPython's
+C unpickler (3.11) then grows its memo array to twice that index and zeroes it, holding the GIL: 9 bytes
+storing at 2**30 take 16 GiB and most of a minute, the receiver's heartbeats stop and its peers declare
+it dead. Such payloads are not sent here (``_memo_bomb``); PyTorch's RPC unpickles the same way.
 
 tests/test_gloo_fuzz.py fuzzes the frames themselves. ``TWINRPC_FUZZ_EXAMPLES`` raises the number of
 examples (the default keeps the world to seconds, once started).
@@ -40,7 +45,8 @@ import pytest
 EXAMPLES = int(os.environ.get("TWINRPC_FUZZ_EXAMPLES", "300"))
 #: every wait's bound (a reply that takes longer is a hang: the receiver never answered)
 WAIT = 10.0
-WORLD_TIMEOUT = 180.0
+#: the world's bound, start and shutdown included (an example takes ~20 ms each way on 2 cores)
+WORLD_TIMEOUT = 120.0 + 0.2 * EXAMPLES
 #: what worker1 may unpickle: the operators the payloads call, and this module (its probe)
 ALLOW = ["operator.add", "operator.mul", "torch.add", "torch.mul", "torch.cat", "test_gloo_fuzz_messages.*"]
 #: worker1's request pool: num_worker_threads (16) plus the receive loops of its two links
@@ -114,6 +120,24 @@ def _damage(
     return bytes(data), tensors
 
 
+def _memo_bomb(payload: bytes) -> bool:
+    """Whether this pickle stores into its memo at an index beyond its own length (then CPython's C
+    unpickler grows its memo array to twice that index and zeroes it: 9 bytes storing at 2**30 take
+    16 GiB and most of a minute, holding the GIL). No damage may make one here (see the module
+    docstring); the other opcodes are fair game."""
+    import pickletools
+
+    if payload[:1] != b"\x80":
+        return False  # the compact encoding, not a pickle
+    try:
+        for op, arg, _ in pickletools.genops(payload):
+            if op.name in ("PUT", "BINPUT", "LONG_BINPUT") and isinstance(arg, int) and arg > len(payload):
+                return True
+    except Exception:
+        pass  # malformed further on: the unpickler stops there too
+    return False
+
+
 def _classify(text: str, what: str) -> str:
     """What a call that raised ``text`` ended as; it must not have timed out, and an error saying
     that ``what`` could not be decoded must name worker0."""
@@ -156,7 +180,7 @@ def _fuzz(shared: dict[str, Any]) -> dict[str, Any]:
     """On worker0: the hypothesis run; returns what the examples ended as, or the failure."""
     from unittest import mock
 
-    from hypothesis import HealthCheck, given, note, settings
+    from hypothesis import HealthCheck, assume, given, note, settings
     from hypothesis import strategies as st
 
     import twinrpc.rpc as rpc
@@ -190,6 +214,7 @@ def _fuzz(shared: dict[str, Any]) -> dict[str, Any]:
     def one_request(which: int, edits: list[tuple[str, int, Any]], storages: str) -> None:
         payload, tensors = encoded[which]
         sent = _damage(payload, tensors, edits, storages)
+        assume(not _memo_bomb(sent[0]))
         note(f"{requests[which][0]}: {len(payload)} -> {len(sent[0])} B {sent[0]!r}, storages {storages}")
         with mock.patch.object(_serialize, "dumps", lambda obj, fork=None, grads=None: sent):
             fut = agent.request(1, Kind.CALL, None, WAIT)
@@ -214,6 +239,9 @@ def _fuzz(shared: dict[str, Any]) -> dict[str, Any]:
         )
         if how is not None:  # on a pool thread: what it did is noted by the example
             payload, tensors = _damage(msg.payload, msg.tensors, *how)
+            if _memo_bomb(payload):
+                payload, tensors = msg.payload, msg.tensors  # out of scope (see _memo_bomb)
+                damage["bomb"] = True
             damage["did"] = f"reply {msg.kind.name}: {len(msg.payload)} -> {len(payload)} B {payload!r}"
             msg = Message(msg.kind, msg.id, msg.src, msg.dst, payload, tensors)
         send(msg)
@@ -232,6 +260,7 @@ def _fuzz(shared: dict[str, Any]) -> dict[str, Any]:
         text = rpc.rpc_sync("worker1", call_back, args=(which,), timeout=2 * WAIT)
         note(f"{damage.pop('did', 'no reply damaged')}; worker1's call ended with {text}")
         assert "how" not in damage, "worker0 sent no reply to damage"
+        assume(not damage.pop("bomb", False))
         outcome = "ran" if text == "value" else _classify(text, "the damaged reply")
         check_worker1()
         reply_outcomes[outcome] = reply_outcomes.get(outcome, 0) + 1
@@ -239,7 +268,8 @@ def _fuzz(shared: dict[str, Any]) -> dict[str, Any]:
     def check_worker1() -> None:
         threads, pool, answer = rpc.rpc_sync("worker1", probe, timeout=WAIT)
         assert answer == 42
-        assert threads <= threads0 + 1, f"worker1 has {threads} threads outside its pool, {threads0} at first"
+        # each of its two links may start its outbox thread on first use (impl/_sender.py), and only that
+        assert threads <= threads0 + 2, f"worker1 has {threads} threads outside its pool, {threads0} at first"
         assert pool <= POOL_BOUND, f"worker1's pool has {pool} threads"
 
     reply_outcomes: dict[str, int] = {}
@@ -266,7 +296,7 @@ def _program(rank: int, init_file: str, shared: dict[str, Any]) -> Any:
     )
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=options)
     result = _fuzz(shared) if rank == 0 else "served"
-    rpc.shutdown(timeout=WAIT)
+    rpc.shutdown(timeout=WORLD_TIMEOUT)  # worker1 and worker2 wait here while worker0 fuzzes
     return result
 
 
@@ -299,16 +329,16 @@ def test_damaged_requests_and_replies_in_valid_frames_end_and_the_receiver_keeps
                 rank, status, value = shared["results"].get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
                 pytest.fail(f"the world did not finish within {WORLD_TIMEOUT} s; results so far: {got!r}")
-            assert status == "ok", f"worker{rank} raised:\n{value}"
-            got[rank] = value
+            got[rank] = value if status == "ok" else f"worker{rank} raised:\n{value}"
     finally:
         for p in procs:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
             p.join(5)
     result = got[0]
+    assert isinstance(result, dict), result
     print(f"damaged requests by outcome: {result['outcomes']}; damaged replies: {result['replies']}")
     assert result["failure"] is None, result["failure"]
-    assert got[1] == got[2] == "served"
+    assert got[1] == got[2] == "served", (got[1], got[2])
     assert set(result["outcomes"]) == {"ran", "refused", "raised"}, result["outcomes"]
     assert set(result["replies"]) == {"ran", "refused", "raised"}, result["replies"]
