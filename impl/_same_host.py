@@ -32,6 +32,7 @@ import os
 import struct
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -137,7 +138,8 @@ class OutRing:
     only ever advances the read position.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, reserved: int = 0) -> None:
+        """``reserved``: bytes of ``BUDGET`` taken for this ring, given back when it goes."""
         self.capacity = capacity
         self.fd: int | None = os.memfd_create("twinrpc-ring", os.MFD_CLOEXEC)
         try:
@@ -150,7 +152,9 @@ class OutRing:
         self._view = memoryview(mm)[_CONTROL_BYTES:]
         #: bytes placed so far (a position: the data at ``p`` lives at ``p % capacity``)
         self._head = 0
-        self._budget = capacity
+        #: gives the ring's bytes back to the budget once: at release, or when the ring is collected
+        #: (a link dropped without being released must not keep the process's budget for ever)
+        self._give_back = weakref.finalize(self, BUDGET.give_back, reserved)
 
     def offer(self) -> bytes:
         assert self.fd is not None
@@ -166,8 +170,7 @@ class OutRing:
         """The link has ended: give the ring's bytes back to the budget (the mapping goes with the
         last reference to it)."""
         self.close_fd()
-        BUDGET.give_back(self._budget)
-        self._budget = 0
+        self._give_back()
 
     def fits(self, sizes: list[int]) -> bool:
         """Whether data of these sizes would fit now (the same test ``place`` makes)."""
@@ -311,7 +314,7 @@ def connect(store: Any, me: int, peer: int) -> Rings:
         size = BUDGET.take(_env_bytes(ENV_RING_BYTES, _DEFAULT_RING_BYTES))
         if size:
             try:
-                out = OutRing(size)
+                out = OutRing(size, reserved=size)
             except OSError as exc:
                 BUDGET.give_back(size)
                 _log.debug("twinrpc: no shared-memory ring to rank %d: %s", peer, exc)

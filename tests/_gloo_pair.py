@@ -39,13 +39,16 @@ def make_links(
 
 def close_links(*links: PeerLink) -> None:
     """Close both sides (all marked closing first: a close frame reaching a link that is not closing
-    is reported as a failure) and wait for their receivers."""
+    is reported as a failure), wait for their receivers, and let their threads and same-host rings go
+    as the world's stop does."""
     for link in links:
         link.closing = True
     for link in links:
         link.send_close(deadline=0.0)
     for link in links:
         link.join(WAIT)
+    for link in links:
+        link.join_threads(WAIT)
 
 
 class Inbox:

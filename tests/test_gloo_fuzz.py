@@ -564,6 +564,9 @@ EXAMPLES_BY_OUTCOME = {
     "closes": _example(_plain(10), [("flag", 6, "<H", 2)]),  # FLAG_CLOSE set on a message's header
     "peer died": _example(_plain(9000, [5000, 300]), [], cut=1),  # dies after the payload's frame
     "ring refused": _example(_plain(5000), [("position", 0, "<Q", (128 << 20) - 64)], ring=True),
+    "delivered": _example(_plain(10), []),
+    "rejected": _example(_plain(10), [("magic", 0, "<I", 0)]),
+    "too large": _example(_plain(10, [5000]), [("word0", SIZES_AT, "<Q", LIMIT + 1)]),
 }
 
 
@@ -578,6 +581,9 @@ EXAMPLES_BY_OUTCOME = {
 @example(inj=EXAMPLES_BY_OUTCOME["closes"])
 @example(inj=EXAMPLES_BY_OUTCOME["peer died"])
 @example(inj=EXAMPLES_BY_OUTCOME["ring refused"])
+@example(inj=EXAMPLES_BY_OUTCOME["delivered"])
+@example(inj=EXAMPLES_BY_OUTCOME["rejected"])
+@example(inj=EXAMPLES_BY_OUTCOME["too large"])
 def _fuzz_frames(trio: Trio, verdicts: dict[str, int], inj: Injection) -> None:
     verdict = run_injection(trio, inj)
     verdicts[verdict] = verdicts.get(verdict, 0) + 1

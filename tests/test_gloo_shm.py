@@ -219,7 +219,7 @@ def test_data_larger_than_the_ring_falls_back_to_gloo(monkeypatch: pytest.Monkey
 
 
 def test_rings_beyond_the_process_budget_stay_on_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TWINRPC_SHM_MAX_BYTES", str(_same_host.BUDGET.used + (1 << 19)))
+    monkeypatch.setenv("TWINRPC_SHM_MAX_BYTES", str(1 << 19))  # less than the smallest ring
     with started_links() as (sender, _, inbox):
         assert sender.same_host == (False, False)
         _exchange(sender, inbox)
@@ -265,6 +265,22 @@ def test_rings_of_a_failed_link_are_released() -> None:
     del sender, listener, inbox
     assert _ring_handles() == before
     assert len(failures) == 2
+
+
+def test_a_ring_gives_its_budget_back_once_whether_released_or_dropped() -> None:
+    used = _same_host.BUDGET.used
+    reserved = _same_host.BUDGET.take(1 << 20)
+    ring = OutRing(1 << 20, reserved=reserved)
+    assert _same_host.BUDGET.used == used + reserved
+    ring.release()
+    ring.release()
+    assert _same_host.BUDGET.used == used
+    dropped = OutRing(1 << 20, reserved=_same_host.BUDGET.take(1 << 20))
+    del dropped
+    gc.collect()
+    assert _same_host.BUDGET.used == used
+    OutRing(1 << 20).release()  # a ring made without the budget gives nothing back
+    assert _same_host.BUDGET.used == used
 
 
 def test_rings_hold_together() -> None:

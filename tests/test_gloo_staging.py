@@ -5,6 +5,8 @@ Without it a gloo send of a payload or tensor frame waits until the receiving pr
 decoded the message's header and posted a receive for that frame. With it the sender writes the frame
 right behind its header, even while the receiver is still busy with an earlier message; only frames
 over ``STAGED_BYTES`` still wait for their own receive. Contents and order are unchanged either way.
+These are data frames over gloo, as between hosts: the same-host path (which needs no data frame) is
+off here.
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ from twinrpc.impl._link import PeerLink
 from twinrpc.impl._receiver import RING, STAGED_BYTES
 
 from twinrpc._message import Kind, Message
+
+
+@pytest.fixture(autouse=True)
+def _between_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TWINRPC_SHM", "0")
 
 
 class _Receiver:
