@@ -10,6 +10,13 @@ import nox
 
 ROOT = Path(__file__).parent
 nox.options.sessions = ["tests"]
+#: the unit tests of the gloo world's transport and failures, run again with the same-host path off
+GLOO_TESTS = (
+    "tests/test_gloo_*.py",
+    "tests/test_failure_gloo.py",
+    "tests/test_builtin_gloo.py",
+    "tests/test_soak_gloo.py",
+)
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
 
@@ -57,8 +64,13 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "tests", "-q", "-n", _workers(), *session.posargs)
     for backend in BACKENDS:
         _conformance(session, backend)
-    # The gloo world once more with a job key: every frame and rendezvous entry authenticated.
-    _conformance(session, "gloo", env={"TWINRPC_AUTH_KEY": "nox tests job key"}, matrix=False)
+    # The gloo world once more as between hosts (every byte over gloo, no same-host rings): its own
+    # tests, then the conformance suite, there with a job key too (every frame and rendezvous entry
+    # authenticated). Together with the runs above, each switch is tested on and off.
+    off = {"TWINRPC_SHM": "0"}
+    gloo_tests = sorted(str(p.relative_to(ROOT)) for pattern in GLOO_TESTS for p in ROOT.glob(pattern))
+    session.run("pytest", *gloo_tests, "-q", "-n", _workers(), env=off)
+    _conformance(session, "gloo", env={**off, "TWINRPC_AUTH_KEY": "nox tests job key"}, matrix=False)
     # The conformance matrix in the docs comes from the three runs above: all must be there.
     _build_docs(session, require_matrix=True)
 

@@ -199,11 +199,19 @@ def trio() -> Iterator[Trio]:
     old_hook = threading.excepthook
     threading.excepthook = escaped
     logger.addHandler(errors)
-    made = Trio(errors)
+    # the links (and those made again later) have their same-host rings whatever the run's
+    # TWINRPC_SHM: examples choose per frame whether its data goes through the ring or in data frames
+    switch = os.environ.get("TWINRPC_SHM")
+    os.environ["TWINRPC_SHM"] = "1"
     try:
+        made = Trio(errors)
         yield made
         made.close()
     finally:
+        if switch is None:
+            os.environ.pop("TWINRPC_SHM", None)
+        else:
+            os.environ["TWINRPC_SHM"] = switch
         logger.removeHandler(errors)
         threading.excepthook = old_hook
 
