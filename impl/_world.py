@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from twinrpc._departure import Departure
+from twinrpc._errors import AuthenticationError
 from twinrpc._membership import GroupMembership
 from twinrpc._message import Message
 from twinrpc._serialize import copy_storages
@@ -390,4 +391,6 @@ def _departure_of(exc: BaseException) -> tuple[Departure, str]:
         return (Departure.LEFT if exc.graceful else Departure.SHUT_DOWN), ""
     if isinstance(exc, PeerSilent):
         return Departure.SILENT, str(exc)
+    if isinstance(exc, AuthenticationError):
+        return Departure.REFUSED, str(exc)
     return Departure.CRASHED, str(exc)

@@ -32,6 +32,9 @@ class Departure(enum.Enum):
     CRASHED = "crashed"
     #: nothing came from it for longer than the heartbeat bound (stopped, hung or cut off)
     SILENT = "silent"
+    #: a frame on its link failed the job key's check (the gloo world with a key): nothing more from
+    #: that link can be trusted, whoever sent it
+    REFUSED = "refused"
 
     @property
     def orderly(self) -> bool:
@@ -58,8 +61,8 @@ def departure_error(
 
     The text names the peer in quotes with its rank and "is unavailable" (ERR-7), says why (``detail``,
     the world's transport words for a crash or silence; for a shutdown the core's own words),
-    then "It has shut down RPC" for a shutdown or "Its process has probably died" for a crash or
-    silence, and what follows for the caller.
+    then "It has shut down RPC" for a shutdown, what failed for a link refused by authentication, or
+    "Its process has probably died" for a crash or silence, and what follows for the caller.
 
     Args:
         peer: the departed worker (its rank when this worker never knew its name).
@@ -70,7 +73,12 @@ def departure_error(
     """
     who = f"'{peer.name}' (rank {peer.id})" if isinstance(peer, WorkerInfo) else f"of rank {peer}"
     cause = detail or _SHUTDOWN_CAUSE.get(departure) or departure.value
-    verdict = "It has shut down RPC" if departure.shut_down else "Its process has probably died"
+    if departure.shut_down:
+        verdict = "It has shut down RPC"
+    elif departure is Departure.REFUSED:
+        verdict = "Its link failed this job's authentication (a peer without the job's key, or tampering)"
+    else:
+        verdict = "Its process has probably died"
     err = WorkerUnavailableError(
         f"worker {who} is unavailable to {me}: {cause}. {verdict}; calls to it fail from now on, other "
         "workers keep working"

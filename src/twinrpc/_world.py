@@ -134,7 +134,8 @@ class World(Protocol):
         worker shut down RPC, after what was sent to it before (gloo: a close frame on each link; the
         simulator: an announcement with the network's delay). Each peer's world then reports
         ``agent.on_peer_failed(rank, Departure.LEFT if graceful else Departure.SHUT_DOWN)``; a crash
-        or silence is reported as ``Departure.CRASHED`` / ``Departure.SILENT`` with the transport's
+        or silence is reported as ``Departure.CRASHED`` / ``Departure.SILENT`` (a link refused by the job
+        key's check as ``Departure.REFUSED``) with the transport's
         words. ``graceful``: the graceful shutdown protocol completed, so the departure is orderly."""
 
     # -- optional hooks: the defaults are what the real world does ------------------------------------
