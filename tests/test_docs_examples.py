@@ -429,7 +429,7 @@ def test_ps_race_is_found_shrunk_replayed_and_drawn_and_the_pinned_bug_still_fai
     _check_the_step_lands_between_forward_and_backward(trace)
     html = tmp_path / "race.html"
     export = _simulator("trace", "export", "--format", "html", str(trace), "-o", str(html))
-    assert export.returncode == 0 and "380 events" in html.read_text(encoding="utf-8")
+    assert export.returncode == 0 and "384 events" in html.read_text(encoding="utf-8")
     # the tutorial's figure, made the same way (headless Chromium; exit status 1 on a console error)
     png = tmp_path / "race.png"
     out = _run("docs/examples/trace_screenshot.py", str(html), str(png), "--window", "145", "245",
