@@ -66,14 +66,18 @@ class RequestPool:
             worker = self._idle.pop() if self._idle else None
         self._give(worker, (_TASK, fn, args))
 
-    def run_here(self, fn: Callable[..., Any], args: tuple[Any, ...], before: Callable[[], bool]) -> None:
-        """Run the request ``fn(*args)`` on this thread if a slot is free and ``before()`` (which frees
-        this thread from its other role) agrees; else submit it as usual."""
+    def _take_slot(self) -> bool:
+        """Count this thread as running a request, if a slot is free (and the pool runs)."""
         with self._lock:
             free = self._busy < self._size and not self._stopped
             if free:
                 self._busy += 1
-        if not free:
+        return free
+
+    def run_here(self, fn: Callable[..., Any], args: tuple[Any, ...], before: Callable[[], bool]) -> None:
+        """Run the request ``fn(*args)`` on this thread if a slot is free and ``before()`` (which frees
+        this thread from its other role) agrees; else submit it as usual."""
+        if not self._take_slot():
             self.submit(fn, *args)
             return
         if not before():
@@ -87,11 +91,7 @@ class RequestPool:
         """Run the request ``fn(*args)``, which is short and never blocks, on this thread (which keeps
         its other role, e.g. a link's receiver) if a slot is free; else submit it as usual. Requests
         queued meanwhile are not run here: the slot goes to a pool thread with the next of them."""
-        with self._lock:
-            free = self._busy < self._size and not self._stopped
-            if free:
-                self._busy += 1
-        if not free:
+        if not self._take_slot():
             self.submit(fn, *args)
             return
         try:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import _gloo_pair
 import pytest
 import torch
 import torch.distributed as dist
@@ -82,17 +83,9 @@ class _Escaped:
 ESCAPED = _Escaped()
 
 
-class Inbox:
-    """What one link delivered, in order."""
-
-    def __init__(self) -> None:
-        self.got: list[Message] = []
-        self.changed = threading.Condition()
-
-    def __call__(self, msg: Message) -> None:
-        with self.changed:
-            self.got.append(msg)
-            self.changed.notify_all()
+class Inbox(_gloo_pair.Inbox):
+    """What one link delivered, in order; waits that give up as soon as a thread died or the link
+    failed."""
 
     def wait_for_id(self, msg_id: int, what: str, failures: list[Any] | None = None) -> list[Message]:
         """Wait until ``msg_id`` arrives; raises at once if a thread died or ``failures`` gets one."""
