@@ -45,3 +45,27 @@ def slow_echo(backend: str, seconds: float, value: Any) -> Any:
     """A UDF that takes ``seconds`` (virtual on the simulator) and returns ``value``."""
     backend_sleep(backend, seconds)
     return value
+
+
+def backend_now(backend: str) -> float:
+    """The backend's clock in seconds: virtual time in the simulator, the monotonic clock elsewhere."""
+    if backend == "sim":
+        from twinrpc.simulator import now
+
+        return now()
+    return time.monotonic()
+
+
+def timed(backend: str, thunk: Callable[[], Any]) -> dict[str, Any]:
+    """What ``thunk()`` did and how long it took on the backend's clock: plain data for a test body."""
+    start = backend_now(backend)
+    try:
+        value = thunk()
+    except Exception as exc:
+        return {
+            "raised": type(exc).__name__,
+            "runtime_error": isinstance(exc, RuntimeError),
+            "message": str(exc),
+            "elapsed": backend_now(backend) - start,
+        }
+    return {"raised": None, "value": value, "elapsed": backend_now(backend) - start}

@@ -13,7 +13,6 @@ DEV-12), so its polls run out.
 from __future__ import annotations
 
 import operator
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from conformance._support import backend_sleep, rpc_module
+from conformance._support import backend_now, backend_sleep, rpc_module, timed
 
 #: seconds within which what a dead worker held must be released, and its RRefs' uses must fail
 BOUND = 10.0
@@ -35,42 +34,19 @@ SETUP_BOUND = 3 * BOUND
 _MARKS: dict[tuple[str, str], Any] = {}
 
 
-def _now(backend: str) -> float:
-    if backend == "sim":
-        from twinrpc.simulator import now
-
-        return now()
-    return time.monotonic()
-
-
 def _mark(token: str, what: str, value: Any = True) -> None:
     _MARKS[(token, what)] = value
 
 
 def _wait_for(ctx: Any, check: Callable[[], bool], bound: float = BOUND) -> float | None:
     """Seconds until ``check()`` held (polled every POLL s), or None if it never did within ``bound``."""
-    start = _now(ctx.backend)
+    start = backend_now(ctx.backend)
     while True:
         if check():
-            return _now(ctx.backend) - start
-        if _now(ctx.backend) - start > bound:
+            return backend_now(ctx.backend) - start
+        if backend_now(ctx.backend) - start > bound:
             return None
         ctx.sleep(POLL)
-
-
-def _timed(backend: str, thunk: Callable[[], Any]) -> dict[str, Any]:
-    """What ``thunk()`` did and how long it took: plain data for the test body."""
-    start = _now(backend)
-    try:
-        value = thunk()
-    except Exception as exc:
-        return {
-            "raised": type(exc).__name__,
-            "runtime_error": isinstance(exc, RuntimeError),
-            "message": str(exc),
-            "elapsed": _now(backend) - start,
-        }
-    return {"raised": None, "value": value, "elapsed": _now(backend) - start}
 
 
 def _serve_until(ctx: Any, token: str) -> bool:
@@ -141,9 +117,9 @@ def _owner_outlives_a_holder(ctx: Any, token: str) -> Any:
     rpc.rpc_sync("worker2", _mark, args=(token, "counted"))
     result["settled_after"] = _wait_for(ctx, lambda: _owner_counts(rpc) == (1, 1))
     result["after"] = _owner_counts(rpc)
-    result["kept_after"] = _timed(backend, lambda: rpc.rpc_sync("worker1", _total_kept, args=(token,)))
+    result["kept_after"] = timed(backend, lambda: rpc.rpc_sync("worker1", _total_kept, args=(token,)))
     rpc.rpc_sync("worker1", _mark, args=(token, "done"))
-    result["local_shutdown"] = _timed(backend, lambda: rpc.shutdown(graceful=False))
+    result["local_shutdown"] = timed(backend, lambda: rpc.shutdown(graceful=False))
     return result
 
 
@@ -321,16 +297,16 @@ def _rrefs_of_a_dead_owner(ctx: Any, token: str) -> Any:
     slow = rpc.remote("worker1", _slow_box, args=(backend, 30.0, [9]), timeout=0)
     rpc.rpc_sync("worker1", _mark, args=(token, "ready"))
     result = {
-        "pending_to_here": _timed(backend, lambda: slow.to_here(timeout=0)),
-        "to_here": _timed(backend, made.to_here),
-        "rpc_sync_proxy": _timed(backend, lambda: made.rpc_sync().total()),
-        "rpc_async_proxy": _timed(backend, lambda: made.rpc_async().total().wait()),
-        "remote_proxy": _timed(backend, lambda: made.remote().total().to_here()),
-        "get_type": _timed(backend, typed._get_type),
-        "own_rref": _timed(backend, lambda: rpc.RRef(Box([5])).to_here().total()),
-        "self_call": _timed(backend, lambda: rpc.rpc_sync("worker0", operator.add, args=(1, 2))),
+        "pending_to_here": timed(backend, lambda: slow.to_here(timeout=0)),
+        "to_here": timed(backend, made.to_here),
+        "rpc_sync_proxy": timed(backend, lambda: made.rpc_sync().total()),
+        "rpc_async_proxy": timed(backend, lambda: made.rpc_async().total().wait()),
+        "remote_proxy": timed(backend, lambda: made.remote().total().to_here()),
+        "get_type": timed(backend, typed._get_type),
+        "own_rref": timed(backend, lambda: rpc.RRef(Box([5])).to_here().total()),
+        "self_call": timed(backend, lambda: rpc.rpc_sync("worker0", operator.add, args=(1, 2))),
     }
-    result["local_shutdown"] = _timed(backend, lambda: rpc.shutdown(graceful=False))
+    result["local_shutdown"] = timed(backend, lambda: rpc.shutdown(graceful=False))
     return result
 
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import operator
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from conformance._support import backend_sleep
+from conformance._support import backend_sleep, timed
 
 #: seconds within which every failure caused by a dead peer must surface (measured values are printed)
 BOUND = 10.0
@@ -28,36 +27,13 @@ HANG_BOUND = 20.0
 _RELEASED: set[str] = set()
 
 
-def _now(backend: str) -> float:
-    if backend == "sim":
-        from twinrpc.simulator import now
-
-        return now()
-    return time.monotonic()
-
-
-def _timed(backend: str, thunk: Callable[[], Any]) -> dict[str, Any]:
-    """What ``thunk()`` did and how long it took: plain data for the test body."""
-    start = _now(backend)
-    try:
-        value = thunk()
-    except Exception as exc:
-        return {
-            "raised": type(exc).__name__,
-            "runtime_error": isinstance(exc, RuntimeError),
-            "message": str(exc),
-            "elapsed": _now(backend) - start,
-        }
-    return {"raised": None, "value": value, "elapsed": _now(backend) - start}
-
-
 def _bounded(backend: str, thunk: Callable[[], Any]) -> dict[str, Any]:
-    """``_timed`` that gives up after HANG_BOUND s (on a thread; the simulator cannot hang: it
+    """``timed`` that gives up after HANG_BOUND s (on a thread; the simulator cannot hang: it
     reports a deadlock instead)."""
     if backend == "sim":
-        return _timed(backend, thunk)
+        return timed(backend, thunk)
     box: list[dict[str, Any]] = []
-    thread = threading.Thread(target=lambda: box.append(_timed(backend, thunk)), daemon=True)
+    thread = threading.Thread(target=lambda: box.append(timed(backend, thunk)), daemon=True)
     thread.start()
     thread.join(HANG_BOUND)
     if box:
@@ -105,17 +81,17 @@ def _callee_killed_mid_call(ctx: Any, token: str) -> Any:
     # timeout=0: only the death can end this call (ERR-7 holds for timeout=0 too)
     fut = rpc.rpc_async("worker2", _slow_echo, args=(backend, 30.0, "too late"), timeout=0)
     result = {
-        "pending": _timed(backend, fut.wait),
-        "later_sync": _timed(backend, lambda: rpc.rpc_sync("worker2", operator.add, args=(1, 2))),
-        "later_async": _timed(
+        "pending": timed(backend, fut.wait),
+        "later_sync": timed(backend, lambda: rpc.rpc_sync("worker2", operator.add, args=(1, 2))),
+        "later_async": timed(
             backend, lambda: rpc.rpc_async("worker2", operator.add, args=(1, 2), timeout=0).wait()
         ),
-        "later_remote": _timed(backend, lambda: rpc.remote("worker2", operator.add, args=(1, 2)).to_here()),
-        "survivor": _timed(backend, lambda: rpc.rpc_sync("worker1", operator.add, args=(1, 2))),
-        "self_call": _timed(backend, lambda: rpc.rpc_sync("worker0", operator.add, args=(1, 2))),
+        "later_remote": timed(backend, lambda: rpc.remote("worker2", operator.add, args=(1, 2)).to_here()),
+        "survivor": timed(backend, lambda: rpc.rpc_sync("worker1", operator.add, args=(1, 2))),
+        "self_call": timed(backend, lambda: rpc.rpc_sync("worker0", operator.add, args=(1, 2))),
     }
     rpc.rpc_sync("worker1", _release, args=(token,))
-    result["local_shutdown"] = _timed(backend, lambda: rpc.shutdown(graceful=False))
+    result["local_shutdown"] = timed(backend, lambda: rpc.shutdown(graceful=False))
     return result
 
 
@@ -131,7 +107,7 @@ def _graceful_shutdown_with_a_dead_worker(ctx: Any, victim: int) -> Any:
     ctx.sleep(2.0)  # the death is known by now (SHUT-2 speaks of a worker known to be dead)
     result = {"shutdown": _bounded(backend, lambda: rpc.shutdown(graceful=True, timeout=0))}
     # Finalised locally all the same (SHUT-2): the process is uninitialised afterwards (ERR-8).
-    result["after"] = _timed(backend, lambda: rpc.rpc_sync(ctx.name(ctx.rank), operator.add, args=(1, 2)))
+    result["after"] = timed(backend, lambda: rpc.rpc_sync(ctx.name(ctx.rank), operator.add, args=(1, 2)))
     return result
 
 
