@@ -260,7 +260,7 @@ class Receiver:
             if payload is None:
                 payload = ring.take_bytes(positions[0], record.payload_len)
             tensors = [
-                ring.take(pos, size, torch.empty(size, dtype=torch.uint8))
+                ring.take(pos, size, recv_buffer(size))
                 for pos, size in zip(positions[1:], record.sizes, strict=True)
             ]
         except ValueError as exc:

@@ -180,10 +180,14 @@ class OutRing:
         cap = self.capacity
         head = self._head
         free_from = int(self._read[0])
-        if head == free_from and head % cap:
+        if head == free_from:
             # all read: start again at the ring's start, whose pages are mapped and likely cached (a
-            # request-reply pattern then reuses the same few pages instead of walking the whole ring)
-            head += cap - head % cap
+            # request-reply pattern then reuses the same few pages instead of walking the whole ring).
+            # The ring is empty, so the whole of it is free from there (the rest of this lap is not
+            # in use: the reader's position passes it when it takes the piece at the start)
+            if head % cap:
+                head += cap - head % cap
+            free_from = head
         positions = []
         for n in sizes:
             step = _aligned(n)

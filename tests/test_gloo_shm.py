@@ -106,6 +106,21 @@ def test_a_full_ring_refuses_without_placing_and_takes_again_once_read() -> None
     assert out.place(None, [torch.ones(2 << 20, dtype=torch.uint8)]) is None  # larger than the ring
 
 
+def test_an_emptied_ring_takes_a_piece_as_large_as_the_ring_whatever_came_before() -> None:
+    # A small piece leaves the sender mid-lap; once it is read the ring is empty, so the next piece
+    # may be as large as the whole ring (the sender starts again at the ring's start). It once had to
+    # fit in what the small piece left behind, so a large message after a small one went over gloo.
+    out, inbound = _pair_of_rings(1 << 20)
+    for small, large in ((100, 600_000), (300_000, 1 << 20), (64, (1 << 20) - 64)):
+        pos = out.place(None, [torch.ones(small, dtype=torch.uint8)])
+        assert pos is not None
+        inbound.take(pos[0], small, torch.empty(small, dtype=torch.uint8))
+        data = torch.randint(0, 255, (large,), dtype=torch.uint8)
+        where = out.place(None, [data])
+        assert where is not None, f"{large} B after {small} B did not fit an empty {1 << 20} B ring"
+        assert torch.equal(inbound.take(where[0], large, torch.empty(large, dtype=torch.uint8)), data)
+
+
 def test_a_position_outside_the_ring_is_refused() -> None:
     _, inbound = _pair_of_rings(1 << 20)
     with pytest.raises(ValueError, match="overflow"):
