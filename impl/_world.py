@@ -38,6 +38,8 @@ _ABANDON_WAIT = 2.0
 _THREAD_EXIT_WAIT = 2.0
 #: seconds a deferrable message waits at most for another message to ride with (PeerLink.defer)
 RIDER_WAIT = 0.05
+#: seconds dead user RRefs' deletes are gathered before the timer sends them (see schedule_rref_delete)
+DELETE_WAIT = 0.01
 
 
 class GlooWorld(World):
@@ -73,6 +75,11 @@ class GlooWorld(World):
         self._stopped = False
         #: a timer is set to send the riders still waiting (one for all links, see _flush_riders)
         self._rider_timer = False
+        #: dead user RRefs' deletes waiting for the timer (see schedule_rref_delete), under
+        #: _delete_lock: a lock of their own, held only where nothing is allocated that garbage
+        #: collection could interrupt to add a delete on the same thread
+        self._deletes: list[Callable[[], Any]] = []
+        self._delete_lock = threading.Lock()
         self._pool = RequestPool(num_worker_threads, f"twinrpc-pool-{self.rank}")
         #: user Future callbacks of futures completed on the links' and the timer's threads
         self._callbacks = CallbackRunner(self._pool.run_job)
@@ -214,6 +221,29 @@ class GlooWorld(World):
         agent = self.agent
         if agent is not None:
             agent.on_send_failed(msg, agent.departure_error(msg.dst, *_departure_of(exc)))
+
+    def schedule_rref_delete(self, fn: Callable[[], Any]) -> None:
+        """Gather dead user RRefs' deletes for DELETE_WAIT, then send them from the timer thread. A
+        delete is deferrable and so is its ack (twinrpc._rref_context): they ride the next frames
+        each way, so a loop that drops an RRef per call wakes no thread per delete (a pool thread to
+        send it, the owner's receiver for its frame, ours for the ack's)."""
+        if self._stopped:
+            raise RuntimeError("the world has stopped")  # shutdown's flush sends what is left
+        with self._delete_lock:
+            self._deletes.append(fn)
+            first = len(self._deletes) == 1
+        if first:  # else the timer is set already
+            self._timer.call_later(DELETE_WAIT, self._send_deletes)
+
+    def _send_deletes(self) -> None:
+        fresh: list[Callable[[], Any]] = []
+        with self._delete_lock:
+            deletes, self._deletes = self._deletes, fresh
+        for fn in deletes:
+            try:
+                fn()
+            except Exception:  # one delete's failure must not keep the others
+                _log.exception("twinrpc: sending a dead RRef's delete failed")
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         # On an idle pool thread (not a request slot): e.g. every dead user RRef's delete is sent from

@@ -199,3 +199,77 @@ def test_a_context_release_rides_with_the_next_call_or_goes_alone_soon_after(tmp
     released, seconds = got["alone"]
     assert released, f"worker1 still had the context after {seconds:.1f} s"
     assert seconds < 5.0
+
+
+# -- in a world: dead RRefs' deletes ---------------------------------------------------------------
+def _owned() -> tuple[int, int]:
+    """On the owner: the owner RRefs and forks it still keeps."""
+    import gc
+
+    import twinrpc.rpc as rpc
+
+    gc.collect()
+    info = rpc._get_debug_info()
+    return int(info["num_owner_rrefs"]), int(info["num_forks"])
+
+
+def _delete_program(rank: int, init_file: str, calls: int, out: Any) -> None:
+    import twinrpc.rpc as rpc
+    from twinrpc._current import current_agent
+
+    options = rpc.RpcBackendOptions(init_method=f"file://{init_file}")
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+    try:
+        if rank == 0:
+            sender = current_agent().world.links[1].sender  # type: ignore[attr-defined]
+            one = torch.ones(1)
+            rpc.remote("worker1", torch.add, args=(one, 1)).to_here()  # warm up
+            ours, theirs = sender.headers_sent, rpc.rpc_sync("worker1", _headers_to, args=(0,))
+            for i in range(calls):  # each RRef dies right after its to_here()
+                assert rpc.remote("worker1", torch.add, args=(one, i)).to_here().item() == i + 1
+            ours, theirs = (
+                sender.headers_sent - ours,
+                rpc.rpc_sync("worker1", _headers_to, args=(0,)) - theirs,
+            )
+            start = time.monotonic()
+            left = rpc.rpc_sync("worker1", _owned)
+            while left != (0, 0) and time.monotonic() - start < WAIT:
+                time.sleep(0.01)
+                left = rpc.rpc_sync("worker1", _owned)
+            out.put((ours, theirs, left))
+    finally:
+        rpc.shutdown()
+
+
+def _headers_to(peer: int) -> int:
+    from twinrpc._current import current_agent
+
+    return int(current_agent().world.links[peer].sender.headers_sent)  # type: ignore[attr-defined]
+
+
+def test_dead_rrefs_deletes_and_their_acks_ride_the_calls_frames(tmp_path: Path) -> None:
+    """A loop of ``remote()`` + ``to_here()`` that drops each RRef sends two frames each way per
+    iteration (the call and the fetch, their two replies): each dead RRef's delete rides a later
+    frame to the owner and its ack a later reply, instead of a frame and a receiver's wake-up each.
+    Every delete still arrives: the owner ends with no RRef and no fork."""
+    calls = 200
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_delete_program, args=(rank, str(tmp_path / "init"), calls, out))
+        for rank in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        ours, theirs, left = out.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert left == (0, 0)
+    # 2 frames per iteration each way, plus a few for riders that waited RIDER_WAIT on a busy machine
+    # (a delete and its ack in frames of their own would make it 3 each way)
+    assert ours <= 2.2 * calls + 2, f"worker0 sent {ours} frames for {calls} iterations"
+    assert theirs <= 2.2 * calls + 2, f"worker1 sent {theirs} frames for {calls} iterations"

@@ -666,9 +666,10 @@ class RpcAgent:
         if request.kind not in CONTROL_KINDS:
             with self._lock:
                 self._served_requests += 1
-        elif request.kind is Kind.CONTEXT_CLEANUP:
-            # Nothing waits on a release's ack either: it rides with the next message back (in a
-            # training loop, the reply to the call the release itself rode with).
+        elif request.kind is Kind.CONTEXT_CLEANUP or request.kind is Kind.RREF_USER_DELETE:
+            # Nothing waits on the ack of a release or of a dead RRef's delete either: it rides with
+            # the next message back (in a training loop, the reply to the call the release itself
+            # rode with).
             reply.deferrable = True
         self.world.send(reply)
 

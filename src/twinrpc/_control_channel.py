@@ -165,10 +165,11 @@ class ControlChannel:
         self._attempt(_Control(dst, kind, seq, body, done, policy, deferrable), 0)
         return done
 
-    def send_quietly(self, dst: int, kind: Kind, body: Any) -> None:
-        """Fire-and-forget control message (retried); a final failure is only logged."""
+    def send_quietly(self, dst: int, kind: Kind, body: Any, deferrable: bool = False) -> None:
+        """Fire-and-forget control message (retried); a final failure is only logged. ``deferrable``:
+        see send."""
         try:
-            fut = self.send(dst, kind, body)
+            fut = self.send(dst, kind, body, deferrable=deferrable)
         except Exception as exc:  # the agent may be going away
             _log.debug("twinrpc: could not send %s to rank %d: %s", kind.name, dst, exc)
             return

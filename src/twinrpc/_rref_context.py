@@ -447,7 +447,10 @@ class RRefContext:
         if entry is None or self.closed:
             return  # already flushed by shutdown, or too late
         owner, rref_id = entry
-        self.agent.control.send_quietly(owner, Kind.RREF_USER_DELETE, (rref_id, fork_id))
+        # Deferrable, as its ack: nothing waits on either (shutdown waits for the acks, and the
+        # gloo world sends the riders still waiting within RIDER_WAIT), and in a loop that drops an
+        # RRef per call they ride the loop's own frames instead of each costing two of their own
+        self.agent.control.send_quietly(owner, Kind.RREF_USER_DELETE, (rref_id, fork_id), deferrable=True)
 
     def _flush_deferred_deletes(self) -> None:
         with self._lock:
