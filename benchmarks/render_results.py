@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "explanation" / "benchmark-results.md"
 #: the order of the page's sections (a benchmark not listed comes after, by name)
-ORDER = ("bench_gloo", "bench_dist_autograd", "bench_two_hosts", "bench_calibration")
+ORDER = ("bench_gloo", "bench_dist_autograd", "bench_wakeups", "bench_two_hosts", "bench_calibration")
 #: how the page names a system
 NAMES = {"twinrpc": "twinrpc", "tensorpipe": "TensorPipe", "gloo": "raw gloo"}
 #: where a benchmark's two workers run (the summary's first column)
@@ -100,6 +100,42 @@ def _extra(doc: dict[str, Any]) -> list[str]:
     model = extra.get("model")
     if model:
         lines.append(f"- Fitted model: {model}.")
+    if extra.get("wakeups"):
+        lines += _wakeups(extra["wakeups"])
+    return lines
+
+
+def _per_op(worker: dict[str, Any], key: str) -> str:
+    return f"{worker[key]:.2f}" if key in worker else "-"
+
+
+def _wakeups(profile: dict[str, Any]) -> list[str]:
+    """bench_wakeups.py's tables: per loop, system and worker, what one operation costs."""
+    lines: list[str] = []
+    for got in profile["loops"]:
+        if lines:
+            lines.append("")
+        lines += [
+            f"**{got['loop']}**: {got['label']}; {got['ops']:,} operations after {got['warmup']:,} "
+            f"warm-up ones in each launch, medians of {got['launches']} launches of each system.",
+            "",
+            "| system | worker | wall per op (us) | CPU per op (us) | wake-ups per op | "
+            "wake-ups per op by thread role (CPU per op) | threads started / exited | "
+            "header frames per op | messages per op |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for s in got["systems"]:
+            for worker, w in s["workers"].items():
+                roles = ", ".join(
+                    f"{v['role']} {v['wakeups']:.2f} ({v['cpu_us']:,.0f} us)"
+                    for v in w["roles"]
+                    if v["wakeups"] >= 0.01 or v["cpu_us"] >= 1
+                )
+                lines.append(
+                    f"| {NAMES.get(s['system'], s['system'])} | {worker} | {_num(s['wall_us'])} | "
+                    f"{_num(w['cpu_us'])} | {w['wakeups']:.2f} | {roles or '-'} | "
+                    f"{w['threads_started']:g} / {w['threads_exited']:g} | {_per_op(w, 'frames')} | {_per_op(w, 'messages')} |"
+                )
     return lines
 
 
