@@ -153,9 +153,10 @@ def bench(session: nox.Session) -> None:
     page: simulated round trips per wall-clock second; the gloo world vs TensorPipe vs raw gloo (ratios,
     alternating rounds); what a job key costs a call; the simulator's models fitted to gloo on one host
     and between two network namespaces, and the training job's simulated vs real time; 256 simulated
-    workers training; distributed autograd vs TensorPipe; twinrpc between two namespaces vs the raw
-    gloo floor there; parameter-server training vs TensorPipe and the reply hand-off; an RRef soak and a
-    soak of calls, RRefs and autograd contexts on gloo.
+    workers training; distributed autograd vs TensorPipe; wake-ups, CPU and messages per operation vs
+    TensorPipe; twinrpc between two namespaces vs the raw gloo floor there; parameter-server training
+    vs TensorPipe and the reply hand-off; an RRef soak and a soak of calls, RRefs and autograd contexts
+    on gloo.
 
     Posargs go to the simulator benchmark. The gloo soak (benchmarks/bench_soak.py, ~20 min) runs
     TWINRPC_SOAK_CALLS tiny calls (1,000,000), TWINRPC_SOAK_CYCLES RRef cycles and TWINRPC_SOAK_CONTEXTS
@@ -182,6 +183,7 @@ def bench(session: nox.Session) -> None:
     session.run(
         "python", "benchmarks/bench_dist_autograd.py", "--json", f"{results}/bench_dist_autograd.json"
     )
+    session.run("python", "benchmarks/bench_wakeups.py", "--json", f"{results}/bench_wakeups.json")
     session.run("python", "benchmarks/bench_two_hosts.py", "--json", f"{results}/bench_two_hosts.json")
     session.run("python", "benchmarks/render_results.py", "--results", results)
     session.run("python", "benchmarks/bench_reply_hop.py")
