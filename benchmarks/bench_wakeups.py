@@ -135,9 +135,10 @@ EXITED = "exited threads"
 
 def per_op(before: Snapshot, after: Snapshot, ops: int) -> dict[str, Any]:
     """CPU (us) and wake-ups per operation between two snapshots of one process: in total (the process's
-    counters) and by role, and how many threads started and exited in between (all ``ops`` of them).
-    A thread that appeared in between counts from zero; what the living threads do not account for
-    (threads that exited in between) is the role ``exited threads``."""
+    counters) and by role, and how many threads started (alive in ``after`` only) and exited (alive in
+    ``before`` only) in between, over all ``ops``. A thread that appeared in between counts from zero;
+    what the living threads do not account for (threads that exited in between, also one that came and
+    went between the snapshots) is the role ``exited threads``."""
     roles: dict[str, list[float]] = {}
     for tid, (name, cpu, woken) in after["threads"].items():
         _, cpu0, woken0 = before["threads"].get(tid, (name, 0.0, 0))
