@@ -5,7 +5,8 @@ small message the pickled payload rides inline in the header, so a small RPC is 
 a larger payload follows as one more frame. Then each out-of-band storage follows as its own frame,
 sent straight from the tensor's memory (no pickling, no copy). The receiver takes frames of up to
 1 MiB into a receive it posted ahead and copies them out (see ``STAGED_BYTES`` in ``_receiver``), and
-receives larger ones in place.
+receives larger ones in place; one over ``GO_AHEAD_BYTES`` is sent only after the receiver's go-ahead
+(``READY_TAG``), a frame of one byte that carries nothing else and so needs no tag of its own.
 
 Header layout (little-endian): magic u32, version u16, flags u16, kind u16, used u16, src i32,
 id i64, payload_len u64, n_tensors u32, ack u64, the frame's tag (16 bytes), the payload's tag (16
@@ -49,7 +50,7 @@ from ._same_host import OutRing
 
 HEADER_BYTES = 4096
 MAGIC = 0x54574E52  # "TWNR"
-VERSION = 5
+VERSION = 6
 FLAG_INLINE = 1  # the payload is inside the header
 FLAG_CLOSE = 2  # the sender is closing this link (graceful shutdown): no message follows
 FLAG_GRACEFUL = 4  # with FLAG_CLOSE: the sender completed graceful shutdown (an orderly departure)

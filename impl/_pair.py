@@ -22,6 +22,9 @@ TAG = 0  # header frames (and close frames)
 DATA_TAG = 1  # payload and tensor frames up to the staging size, which follow their header in order
 KILL_TAG = 2  # a receive posted on it never completes: waiting on it with a timeout closes the pair
 LARGE_TAG = 3  # payload and tensor frames over the staging size (a receive of their exact size is posted)
+#: the receiver's go-ahead for a LARGE_TAG frame (one byte): it has posted that frame's receive, so
+#: the frame lands in place instead of in a buffer gloo makes for a frame no receive was posted for
+READY_TAG = 4
 
 
 class PairGroup:

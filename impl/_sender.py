@@ -38,8 +38,8 @@ from ._framing import (
 )
 from ._link_state import LinkState, PeerShutDown
 from ._liveness import MIN_FRAME_RATE, Liveness
-from ._pair import DATA_TAG, LARGE_TAG, TAG, Pair
-from ._receiver import RECEIVERS, RING, STAGED_BYTES, Receiver
+from ._pair import DATA_TAG, LARGE_TAG, READY_TAG, TAG, Pair
+from ._receiver import GO_AHEAD_BYTES, RECEIVERS, RING, STAGED_BYTES, Receiver
 from ._riders import Rider, Riders, messages, report_failed
 
 _log = logging.getLogger("twinrpc.impl")
@@ -276,9 +276,12 @@ class Sender:
             if self._auth is not None:
                 self._auth.seal(self._view, seq, enc.used, first.msg.payload)
             try:
+                # the go-aheads for the message's large frames: posted before the header, so the
+                # receiver's go-ahead never waits for us (a receiver thread must not block in a send)
+                readies = self._post_readies(first.msg, inline, inline_tensors)
                 self._wait_sent(self._pg.send([self._header], self._dst, TAG), HEADER_BYTES)
                 if not inline or not inline_tensors:
-                    self._send_data(first.msg, inline, inline_tensors)
+                    self._send_data(first.msg, inline, inline_tensors, readies)
             except RuntimeError as exc:
                 error = self._frame_failed(exc, riders)
                 failed += [(entry, error) for entry in batch]
@@ -293,18 +296,43 @@ class Sender:
             entry.error = error
         return [f for f in failed if f[0].on_error is not None]
 
-    def _send_data(self, msg: Message, inline: bool, inline_tensors: bool) -> None:
-        """The data frames of a frame's first message: its payload unless inline, then its storages."""
-        pg, dst = self._pg, self._dst
+    def _post_readies(
+        self, msg: Message, inline: bool, inline_tensors: bool
+    ) -> list[tuple[torch.Tensor, Any]]:
+        """Post a receive for the peer's go-ahead of each of the message's frames over GO_AHEAD_BYTES
+        (see ``READY_TAG``), in order; their buffers are kept with their work."""
+        if inline and inline_tensors:
+            return []
+        sizes = [] if inline else [len(msg.payload)]
+        if not inline_tensors:
+            sizes += [t.numel() for t in msg.tensors]
+        readies = []
+        for n in sizes:
+            if n > GO_AHEAD_BYTES:
+                buf = torch.empty(1, dtype=torch.uint8)
+                readies.append((buf, self._pg.recv([buf], self._dst, READY_TAG)))
+        return readies
+
+    def _send_data(
+        self, msg: Message, inline: bool, inline_tensors: bool, readies: list[tuple[torch.Tensor, Any]]
+    ) -> None:
+        """The data frames of a frame's first message: its payload unless inline, then its storages. A
+        large frame goes once the peer has posted its receive (its go-ahead, see ``GO_AHEAD_BYTES``)."""
+        go = iter(readies)
         if not inline:
             payload = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8)
-            n = len(msg.payload)
-            self._wait_sent(pg.send([payload], dst, DATA_TAG if n <= STAGED_BYTES else LARGE_TAG), n)
+            self._send_frame(payload, len(msg.payload), go)
         if not inline_tensors:
             for t in msg.tensors:
                 n = t.numel()
                 if n:
-                    self._wait_sent(pg.send([t], dst, DATA_TAG if n <= STAGED_BYTES else LARGE_TAG), n)
+                    self._send_frame(t, n, go)
+
+    def _send_frame(self, t: torch.Tensor, n: int, go: Any) -> None:
+        """One data frame of ``n`` bytes; over GO_AHEAD_BYTES after its go-ahead (the next of ``go``)."""
+        if n > GO_AHEAD_BYTES:
+            self._wait_sent(next(go)[1], n)  # the peer allocates and posts first: as slow as the frame
+        self._wait_sent(self._pg.send([t], self._dst, DATA_TAG if n <= STAGED_BYTES else LARGE_TAG), n)
 
     def _frame_failed(self, exc: RuntimeError, riders: list[Rider]) -> BaseException:
         """A frame of ours failed in gloo: fail the link (unless it had failed already) and report the

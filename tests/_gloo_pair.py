@@ -17,10 +17,13 @@ WAIT = 10.0  # seconds: a bound for things that should take milliseconds
 
 
 def make_links(
-    on_message: Callable[[Message], None], failures: list[BaseException]
+    on_message: Callable[[Message], None],
+    failures: list[BaseException],
+    back: Callable[[Message], None] | None = None,
 ) -> tuple[PeerLink, PeerLink]:
     """Rank 0's link (the sender) and rank 1's (the listener, delivering to ``on_message``) over a
-    fresh gloo pair, not started; link failures on either side are appended to ``failures``."""
+    fresh gloo pair, not started; link failures on either side are appended to ``failures``.
+    ``back``: where rank 0 delivers what rank 1 sends it (dropped by default)."""
     store = dist.HashStore()
     groups: dict[int, Any] = {}
 
@@ -32,7 +35,7 @@ def make_links(
         t.start()
     for t in threads:
         t.join(WAIT)
-    sender = PeerLink(0, 1, groups[0], lambda m: None, lambda peer, exc: failures.append(exc))
+    sender = PeerLink(0, 1, groups[0], back or (lambda m: None), lambda peer, exc: failures.append(exc))
     listener = PeerLink(1, 0, groups[1], on_message, lambda peer, exc: failures.append(exc))
     return sender, listener
 

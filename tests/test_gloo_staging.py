@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _gloo_pair import WAIT, close_links, make_links
+from _gloo_pair import WAIT, Inbox, close_links, make_links
 from twinrpc.impl._link import PeerLink
-from twinrpc.impl._receiver import RING, STAGED_BYTES
+from twinrpc.impl._receiver import GO_AHEAD_BYTES, RING, STAGED_BYTES
 
 from twinrpc._message import Kind, Message
 
@@ -151,3 +151,50 @@ def test_a_receiver_that_never_sends_keeps_taking_a_stream_longer_than_its_ring(
         assert got.payload == sent.payload
         for a, b in zip(sent.tensors, got.tensors, strict=True):
             assert torch.equal(a, b)
+
+
+def test_frames_over_the_go_ahead_size_arrive_whole_both_ways_at_once() -> None:
+    """A data frame over GO_AHEAD_BYTES goes once the receiver has posted its receive (its go-ahead),
+    so that gloo does not take it into a buffer of its own first. Both sides sending such frames to
+    each other at the same time must not wait on each other, and every message arrives unchanged,
+    in order, among smaller ones (a payload frame over the size too)."""
+    to_one, to_zero = Inbox(), Inbox()
+    failures: list[BaseException] = []
+    zero, one = make_links(to_one, failures, back=to_zero)
+    zero.start()
+    one.start()
+    big = GO_AHEAD_BYTES + 4096
+    try:
+        batches = {
+            zero: [_message(1, big), _message(2, 4096), _message(3, 2 * big), _message(4, big, bytes(big))],
+            one: [_back(_message(11, big)), _back(_message(12, STAGED_BYTES + 1)), _back(_message(13, big))],
+        }
+        done = [_send_all(link, msgs) for link, msgs in batches.items()]
+        assert all(d.wait(WAIT) for d in done)
+        for link, inbox in ((zero, to_one), (one, to_zero)):
+            sent = batches[link]
+            got = inbox.wait_for(len(sent))
+            assert [m.id for m in got] == [m.id for m in sent]
+            for a, b in zip(sent, got, strict=True):
+                assert b.payload == a.payload
+                assert all(torch.equal(x, y) for x, y in zip(a.tensors, b.tensors, strict=True))
+    finally:
+        close_links(zero, one)
+    assert not failures, failures
+
+
+def _back(msg: Message) -> Message:
+    """``msg`` from rank 1 to rank 0."""
+    return Message(msg.kind, msg.id, 1, 0, msg.payload, msg.tensors)
+
+
+def _send_all(link: PeerLink, messages: list[Message]) -> threading.Event:
+    done = threading.Event()
+
+    def run() -> None:
+        for msg in messages:
+            link.send(msg)
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done
