@@ -431,6 +431,14 @@ class Receiver:
             CALLBACK_ROLE.defer = self._defer_callbacks
             try:
                 handed_off = self._receive_messages()
+            except Exception as exc:
+                # a fault of ours: the link fails (calls to the peer fail, naming it) rather than
+                # going silent with this thread gone until the heartbeat judges the peer
+                if not self._state.closing:
+                    _log.exception("twinrpc: receiving from %s failed", self._state.peer_name)
+                    self._fail(exc)
+                self._leave(ended=True)
+                return
             except BaseException:
                 self._leave(ended=True)
                 raise

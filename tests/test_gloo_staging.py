@@ -198,3 +198,29 @@ def _send_all(link: PeerLink, messages: list[Message]) -> threading.Event:
 
     threading.Thread(target=run, daemon=True).start()
     return done
+
+
+def test_an_unexpected_error_in_the_receive_path_fails_the_link_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fault in the receiver's own code (not the peer's) fails the link with that error, so calls
+    to the peer fail naming it, instead of the receiver thread dying and the link going silent."""
+
+    def broken(self: object, nbytes: int, as_bytes: bool = False) -> None:
+        raise TypeError("a bug in the receive path")
+
+    monkeypatch.setattr("twinrpc.impl._receiver.Receiver._recv_data", broken)
+    failures: list[BaseException] = []  # both sides' (rank 0's link fails too once the pair closes)
+    failed = threading.Event()
+    zero, one = make_links(Inbox(), failures)
+    mine: list[BaseException] = []
+    one._on_failure = lambda peer, exc: (mine.append(exc), failed.set())  # type: ignore[method-assign]
+    zero.start()
+    one.start()
+    try:
+        zero.send(_message(1, 64 << 10))  # its storage needs a data frame
+        assert failed.wait(WAIT)
+        assert [type(e) for e in mine] == [TypeError]
+        assert one.failed is mine[0]
+    finally:
+        close_links(zero, one)
