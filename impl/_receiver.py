@@ -33,11 +33,11 @@ from ._framing import (
     Record,
     check_announced,
     new_header_tensor,
-    recv_buffer,
 )
 from ._link_state import LinkState
 from ._liveness import MIN_FRAME_RATE, Liveness
 from ._pair import DATA_TAG, LARGE_TAG, READY_TAG, TAG, Pair
+from ._recv_buffers import RECV_BUFFERS
 from ._riders import Riders
 
 _log = logging.getLogger("twinrpc.impl")
@@ -232,7 +232,7 @@ class Receiver:
         live.data_wait = (time.monotonic(), nbytes / MIN_FRAME_RATE)
         try:
             if nbytes > STAGED_BYTES:
-                t = recv_buffer(nbytes)
+                t = RECV_BUFFERS.take(nbytes)
                 work = self._pg.recv([t], self._src, LARGE_TAG)
                 if nbytes > GO_AHEAD_BYTES:
                     # the sender posted the go-ahead's receive before the header, so this send does
@@ -272,7 +272,7 @@ class Receiver:
             if payload is None:
                 payload = ring.take_bytes(positions[0], record.payload_len)
             tensors = [
-                ring.take(pos, size, recv_buffer(size))
+                ring.take(pos, size, RECV_BUFFERS.take(size))
                 for pos, size in zip(positions[1:], record.sizes, strict=True)
             ]
         except ValueError as exc:

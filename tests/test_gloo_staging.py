@@ -224,3 +224,34 @@ def test_an_unexpected_error_in_the_receive_path_fails_the_link_at_once(
         assert one.failed is mine[0]
     finally:
         close_links(zero, one)
+
+
+def test_large_frames_received_while_earlier_ones_are_held_never_share_their_memory() -> None:
+    """Large receive buffers are used again once nothing refers to them (impl/_recv_buffers.py): a
+    message still held (here by the inbox, as by a request waiting for a slot) keeps its data while
+    later messages of the same size arrive, and once let go its buffer takes a later message."""
+    from twinrpc.impl._recv_buffers import MIN_BYTES, RECV_BUFFERS
+
+    inbox = Inbox()
+    failures: list[BaseException] = []
+    zero, one = make_links(inbox, failures)
+    zero.start()
+    one.start()
+    size = MIN_BYTES
+    try:
+        reused = RECV_BUFFERS.reused
+        for i in range(4):
+            zero.send(Message(Kind.CALL, i, 0, 1, b"", [torch.full((size,), i, dtype=torch.uint8)]))
+        held = inbox.wait_for(4)
+        assert [int(m.tensors[0][0]) for m in held] == [0, 1, 2, 3]
+        assert all(bool((m.tensors[0] == i).all()) for i, m in enumerate(held))
+        assert RECV_BUFFERS.reused == reused
+        inbox.got.clear()
+        del held
+        zero.send(Message(Kind.CALL, 9, 0, 1, b"", [torch.full((size,), 9, dtype=torch.uint8)]))
+        (last,) = inbox.wait_for(1)
+        assert bool((last.tensors[0] == 9).all())
+        assert RECV_BUFFERS.reused == reused + 1
+    finally:
+        close_links(zero, one)
+    assert not failures, failures
