@@ -15,16 +15,15 @@ import logging
 import multiprocessing
 import operator
 import os
-import queue
 import signal
 import struct
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _spawn_world import bad_peer_world, report, run_world
 
 #: generous bound on every failure the tests measure (the measured values are printed)
 BOUND = 10.0
@@ -45,15 +44,7 @@ def _init(rank: int, world_size: int, init_file: str) -> Any:
 
 
 def _child(program: Any, rank: int, world_size: int, init_file: str, shared: dict[str, Any]) -> None:
-    try:
-        value = program(rank, world_size, init_file, shared)
-    except BaseException as exc:
-        shared["results"].put((rank, "raised", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    else:
-        shared["results"].put((rank, "ok", value))
-    shared["results"].close()
-    shared["results"].join_thread()  # flush the queue's feeder thread before exiting hard
-    os._exit(0)
+    report(shared, rank, program, rank, world_size, init_file, shared)
 
 
 def _run_world(
@@ -71,32 +62,8 @@ def _run_world(
     mp = multiprocessing.get_context("spawn")
     shared: dict[str, Any] = {"results": mp.Queue(), "pids": mp.Queue(), **extra}
     init_file = str(tmp_path / "rendezvous")
-    procs = [
-        mp.Process(target=_child, args=(program, r, world_size, init_file, shared), daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    if started is not None:
-        started(procs)
-    out: dict[int, Any] = {}
-    try:
-        deadline = time.monotonic() + WORLD_TIMEOUT
-        wanted = set(reporting if reporting is not None else range(world_size))
-        while not wanted <= set(out):
-            try:
-                rank, status, value = shared["results"].get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"the world did not finish within {WORLD_TIMEOUT} s; results so far: {out!r}")
-            if status != "ok":
-                pytest.fail(f"rank {rank} raised:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
-            p.join(5)
-    return out
+    args = [(program, r, world_size, init_file, shared) for r in range(world_size)]
+    return run_world(mp, _child, args, shared, WORLD_TIMEOUT, reporting=reporting, started=started)
 
 
 def _run_stopping_rank1(program: Any, world_size: int, tmp_path: Path, **extra: Any) -> Any:
@@ -515,44 +482,23 @@ def test_malformed_frames_are_rejected_and_the_link_keeps_working(tmp_path: Path
     assert all("'worker0' (rank 0)" in line for line in rejections), rejections
 
 
+def _send_oversize_header(link: Any) -> None:
+    """A header whose payload (one that follows it) is announced as 1 PiB."""
+    from twinrpc.impl._framing import encode_header, new_header_tensor
+    from twinrpc.impl._pair import TAG
+
+    from twinrpc._message import Kind, Message
+
+    t, view = new_header_tensor()
+    encode_header(view, Message(Kind.CALL, 7, 0, 1, b"x" * 5000))  # a payload that follows
+    struct.pack_into("<Q", view, 24, 1 << 50)  # ... announced as 1 PiB
+    with link.sender.lock:  # test-only injection on the pair's own process group
+        link.pair.pg.send([t], link.pair.peer_rank, TAG).wait()
+
+
 def _oversize_program(rank: int, world_size: int, init_file: str, shared: dict[str, Any]) -> Any:
-    rpc = _init(rank, world_size, init_file)
-    from twinrpc._current import current_agent
-
-    if rank == 0:
-        from twinrpc.impl._framing import encode_header, new_header_tensor
-        from twinrpc.impl._pair import TAG
-
-        from twinrpc._message import Kind, Message
-
-        link = current_agent().world.links[1]  # type: ignore[attr-defined]
-        assert rpc.rpc_sync("worker1", operator.add, args=(1, 1)) == 2
-        t, view = new_header_tensor()
-        encode_header(view, Message(Kind.CALL, 7, 0, 1, b"x" * 5000))  # a payload that follows
-        struct.pack_into("<Q", view, 24, 1 << 50)  # ... announced as 1 PiB
-        with link.sender.lock:  # test-only injection on the pair's own process group
-            link.pair.pg.send([t], link.pair.peer_rank, TAG).wait()
-        shared["sent"].set()
-        shared["done"].wait(WORLD_TIMEOUT)
-        rpc.shutdown(graceful=False)
-        return "sent"
-    shared["sent"].wait(WORLD_TIMEOUT)
-    if rank == 2:
-        shared["done"].wait(WORLD_TIMEOUT)
-        rpc.shutdown(graceful=False)
-        return "idle"
-    error = ""
-    deadline = time.monotonic() + 30
-    while not error and time.monotonic() < deadline:
-        try:
-            rpc.rpc_sync("worker0", operator.add, args=(1, 1), timeout=5)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    other = rpc.rpc_sync("worker2", operator.add, args=(2, 1))
-    bad = current_agent().world.links[0].bad_frames  # type: ignore[attr-defined]
-    shared["done"].set()
-    rpc.shutdown(graceful=False)
-    return {"error": error, "other": other, "bad": bad}
+    _init(rank, world_size, init_file)
+    return bad_peer_world(rank, shared, _send_oversize_header, WORLD_TIMEOUT)
 
 
 def test_a_header_announcing_more_than_the_bound_fails_only_that_link(tmp_path: Path) -> None:

@@ -9,17 +9,13 @@ time, and a process without the key gets nothing unpickled through the store or 
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import operator
 import os
 import pickle
-import queue
-import signal
 import struct
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _gloo_pair import WAIT, Inbox
+from _spawn_world import bad_peer_world, report, run_world
 from twinrpc.impl._auth import MARK, AuthenticationError, AuthStore, FrameAuth, JobAuth, job_key
 from twinrpc.impl._framing import (
     HEADER_BYTES,
@@ -333,15 +330,7 @@ def _child(program: Any, rank: int, key: str | None, init_file: str, shared: dic
         os.environ.pop("TWINRPC_AUTH_KEY", None)
     else:
         os.environ["TWINRPC_AUTH_KEY"] = key
-    try:
-        value = program(rank, init_file, shared)
-    except BaseException as exc:
-        shared["results"].put((rank, "raised", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    else:
-        shared["results"].put((rank, "ok", value))
-    shared["results"].close()
-    shared["results"].join_thread()
-    os._exit(0)
+    report(shared, rank, program, rank, init_file, shared)
 
 
 def _run_world(program: Any, keys: list[str | None], tmp_path: Path, **extra: Any) -> dict[int, Any]:
@@ -350,30 +339,8 @@ def _run_world(program: Any, keys: list[str | None], tmp_path: Path, **extra: An
     mp = _context()
     shared: dict[str, Any] = {"results": mp.Queue(), **extra}
     init_file = str(tmp_path / "rendezvous")
-    procs = [
-        mp.Process(target=_child, args=(program, r, key, init_file, shared), daemon=True)
-        for r, key in enumerate(keys)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    try:
-        deadline = time.monotonic() + WORLD_TIMEOUT
-        while len(out) < len(keys):
-            try:
-                rank, status, value = shared["results"].get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"the world did not finish within {WORLD_TIMEOUT} s; results so far: {out!r}")
-            if status != "ok":
-                pytest.fail(f"rank {rank} raised:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            if p.is_alive():
-                with contextlib.suppress(ProcessLookupError):  # it may exit meanwhile
-                    os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
-            p.join(5)
-    return out
+    args = [(program, r, key, init_file, shared) for r, key in enumerate(keys)]
+    return run_world(mp, _child, args, shared, WORLD_TIMEOUT)
 
 
 def _options(init_file: str) -> Any:
@@ -465,33 +432,10 @@ def _link_attack_program(rank: int, init_file: str, shared: dict[str, Any]) -> A
     payload would create a marker file if unpickled. Worker1's link to it fails naming
     authentication and worker0; worker1 still calls worker2."""
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=_options(init_file))
-    from twinrpc._current import current_agent
-
-    if rank == 0:
-        link = current_agent().world.links[1]  # type: ignore[attr-defined]
-        assert rpc.rpc_sync("worker1", operator.add, args=(1, 1)) == 2
-        _inject_unsealed(link, pickle.dumps(_OpensFile(shared["marker"])))
-        shared["sent"].set()
-        shared["done"].wait(WORLD_TIMEOUT)
-        rpc.shutdown(graceful=False)
-        return "sent"
-    shared["sent"].wait(WORLD_TIMEOUT)
-    if rank == 2:
-        shared["done"].wait(WORLD_TIMEOUT)
-        rpc.shutdown(graceful=False)
-        return "idle"
-    error = ""
-    deadline = time.monotonic() + 30
-    while not error and time.monotonic() < deadline:
-        try:
-            rpc.rpc_sync("worker0", operator.add, args=(1, 1), timeout=5)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    other = rpc.rpc_sync("worker2", operator.add, args=(2, 1))
-    bad = current_agent().world.links[0].bad_frames  # type: ignore[attr-defined]
-    shared["done"].set()
-    rpc.shutdown(graceful=False)
-    return {"error": error, "other": other, "bad": bad}
+    marker = shared["marker"]
+    return bad_peer_world(
+        rank, shared, lambda link: _inject_unsealed(link, pickle.dumps(_OpensFile(marker))), WORLD_TIMEOUT
+    )
 
 
 def test_a_frame_without_the_key_is_not_unpickled_and_fails_only_its_link(tmp_path: Path) -> None:

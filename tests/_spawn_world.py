@@ -1,0 +1,113 @@
+"""Small worlds of fresh ``spawn`` processes, for tests that need workers in processes of their own.
+
+Each process runs a program and reports what it returned, or what it raised, through the queue
+``shared["results"]``; :func:`run_world` collects the reports and SIGKILLs every process at the end
+whatever happened. :func:`bad_peer_world` is the three-worker scene of the tests in which one peer
+sends a frame it should not: the others must see that link fail, and only that link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+import queue
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import pytest
+
+
+def report(shared: dict[str, Any], rank: int, program: Callable[..., Any], *args: Any) -> NoReturn:
+    """In a child: run ``program(*args)``, put ``(rank, "ok", value)`` or ``(rank, "raised", text)``
+    on ``shared["results"]`` and exit at once (a world's threads may still be running)."""
+    try:
+        value = program(*args)
+    except BaseException as exc:
+        shared["results"].put((rank, "raised", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    else:
+        shared["results"].put((rank, "ok", value))
+    shared["results"].close()
+    shared["results"].join_thread()  # flush the queue's feeder thread before exiting hard
+    os._exit(0)
+
+
+def run_world(
+    ctx: Any,
+    target: Callable[..., None],
+    args_per_rank: list[tuple[Any, ...]],
+    shared: dict[str, Any],
+    timeout: float,
+    *,
+    reporting: list[int] | None = None,
+    started: Callable[[list[Any]], None] | None = None,
+) -> dict[int, Any]:
+    """Start ``target(*args)`` in one ``ctx`` process per entry of ``args_per_rank`` (``target``
+    calls :func:`report`), and collect the reports of the ``reporting`` ranks (default all);
+    ``started(procs)`` is called once they run. A rank that raised, or a world that does not finish
+    within ``timeout`` seconds, fails the test. Every process is SIGKILLed at the end."""
+    procs = [ctx.Process(target=target, args=args, daemon=True) for args in args_per_rank]
+    for p in procs:
+        p.start()
+    if started is not None:
+        started(procs)
+    out: dict[int, Any] = {}
+    try:
+        deadline = time.monotonic() + timeout
+        wanted = set(reporting if reporting is not None else range(len(procs)))
+        while not wanted <= set(out):
+            try:
+                rank, status, value = shared["results"].get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"the world did not finish within {timeout} s; results so far: {out!r}")
+            if status != "ok":
+                pytest.fail(f"rank {rank} raised:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            if p.is_alive():
+                with contextlib.suppress(ProcessLookupError):  # it may exit meanwhile
+                    os.kill(p.pid, signal.SIGKILL)
+            p.join(5)
+    return out
+
+
+def bad_peer_world(
+    rank: int, shared: dict[str, Any], send_bad_frame: Callable[[Any], None], wait: float
+) -> Any:
+    """After ``init_rpc`` in a world of three: worker0 makes one good call to worker1, then sends it
+    a bad frame with ``send_bad_frame(its link to worker1)``; worker2 idles. Worker1 calls worker0
+    until that fails (30 s at most), then calls worker2, and returns ``{"error": the failure's text,
+    "other": worker2's answer to 2 + 1, "bad": frames its link to worker0 rejected}``. ``shared``
+    holds the events ``sent`` and ``done``; ``wait`` bounds each wait for them."""
+    import twinrpc.rpc as rpc
+    from twinrpc._current import current_agent
+
+    if rank == 0:
+        link = current_agent().world.links[1]  # type: ignore[attr-defined]
+        assert rpc.rpc_sync("worker1", operator.add, args=(1, 1)) == 2
+        send_bad_frame(link)
+        shared["sent"].set()
+        shared["done"].wait(wait)
+        rpc.shutdown(graceful=False)
+        return "sent"
+    shared["sent"].wait(wait)
+    if rank == 2:
+        shared["done"].wait(wait)
+        rpc.shutdown(graceful=False)
+        return "idle"
+    error = ""
+    deadline = time.monotonic() + 30
+    while not error and time.monotonic() < deadline:
+        try:
+            rpc.rpc_sync("worker0", operator.add, args=(1, 1), timeout=5)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    other = rpc.rpc_sync("worker2", operator.add, args=(2, 1))
+    bad = current_agent().world.links[0].bad_frames  # type: ignore[attr-defined]
+    shared["done"].set()
+    rpc.shutdown(graceful=False)
+    return {"error": error, "other": other, "bad": bad}
