@@ -1,6 +1,6 @@
 """Two hosts on one machine for the benchmarks: two Linux network namespaces joined by a veth pair.
 
-The setup of ``tests/test_two_hosts.py``: each namespace has only its own private address (10.214.N.1 or
+The setup ``tests/test_two_hosts.py`` uses too: each namespace has only its own private address (10.214.N.1 or
 .2) and a loopback, so every byte between the two workers crosses the veth pair, as between two
 machines; the workers find each other by that address, and ``GLOO_SOCKET_IFNAME`` names each side's
 interface. The gloo world's same-host path (shared memory) stays off between namespaces: its discovery
@@ -49,24 +49,35 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
 
+class NoNamespaces(RuntimeError):
+    """The kernel (or the container) refuses to make a network namespace here."""
+
+
 @contextlib.contextmanager
-def two_hosts() -> Iterator[tuple[Host, Host]]:
-    """Namespaces A and B with a veth pair between them; removed on exit.
+def two_hosts(name: str = "twinrpc-bench", net: int = 214) -> Iterator[tuple[Host, Host]]:
+    """Namespaces ``<name>-<pid>-a`` and ``-b`` with a veth pair between them, at 10.<net>.N.1 and
+    .2; removed on exit. (The tests use another name and ``net``, so both can run at once.)
 
     Raises:
-        RuntimeError: namespaces cannot be made here (naming why).
+        NoNamespaces: ``why_not()`` has a reason, or making the first namespace failed.
+        RuntimeError: another step failed (naming the command and what it said).
     """
     reason = why_not()
     if reason is not None:
-        raise RuntimeError(f"two hosts: {reason}")
+        raise NoNamespaces(f"two hosts: {reason}")
     tag = f"{os.getpid() % 100000}"
-    subnet = f"10.214.{os.getpid() % 250}"
-    a = Host(f"twinrpc-bench-{tag}-a", f"tb{tag}a", f"{subnet}.1")
-    b = Host(f"twinrpc-bench-{tag}-b", f"tb{tag}b", f"{subnet}.2")
+    subnet = f"10.{net}.{os.getpid() % 250}"
+    short = "".join(word[0] for word in name.split("-"))  # interface names are 15 characters at most
+    a = Host(f"{name}-{tag}-a", f"{short}{tag}a", f"{subnet}.1")
+    b = Host(f"{name}-{tag}-b", f"{short}{tag}b", f"{subnet}.2")
     created: list[str] = []
     try:
         for host in (a, b):
-            _ip("netns", "add", host.netns)
+            try:
+                _ip("netns", "add", host.netns)
+            except subprocess.CalledProcessError as exc:
+                msg = f"two hosts: cannot create a network namespace: {exc.stderr.strip() or exc}"
+                raise NoNamespaces(msg) from None
             created.append(host.netns)
         # the veth pair is created here and both ends moved into the namespaces
         _ip("link", "add", a.ifname, "type", "veth", "peer", "name", b.ifname)
