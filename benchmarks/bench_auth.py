@@ -24,17 +24,14 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import timeit
 from typing import Any
 
-WINDOW = 64
+# the same calls as bench_gloo's (the script's directory, benchmarks/, is on the path)
+from bench_gloo import WINDOW, _throughput, tiny_udf
+
 KEY = b"bench_auth job key"
-
-
-def tiny_udf(a: Any, b: Any) -> Any:
-    return a + b
 
 
 def _latency(rpc: Any, n: int) -> float:
@@ -46,24 +43,6 @@ def _latency(rpc: Any, n: int) -> float:
         rpc.rpc_sync("worker1", tiny_udf, args=(i, 1))
         out.append(clock() - t0)
     return statistics.median(out)
-
-
-def _throughput(rpc: Any, n: int) -> float:
-    """Calls per second with WINDOW calls in flight (a sliding window)."""
-    slots = threading.Semaphore(WINDOW)
-    done = threading.Semaphore(0)
-
-    def release(_f: Any) -> None:
-        slots.release()
-        done.release()
-
-    t0 = time.perf_counter()
-    for i in range(n):
-        slots.acquire()
-        rpc.rpc_async("worker1", tiny_udf, args=(i, 1)).add_done_callback(release)
-    for _ in range(n):
-        done.acquire()
-    return n / (time.perf_counter() - t0)
 
 
 def worker(keyed: bool, rank: int, init_method: str, conn: Any) -> None:
@@ -83,7 +62,7 @@ def worker(keyed: bool, rank: int, init_method: str, conn: Any) -> None:
             if cmd is None:
                 break
             what, n = cmd
-            conn.send(_latency(rpc, n) if what == "latency" else _throughput(rpc, n))
+            conn.send(_latency(rpc, n) if what == "latency" else _throughput(rpc, n, 1, 1))
     rpc.shutdown()
     conn.send("done")
 
