@@ -32,17 +32,23 @@ from __future__ import annotations
 import multiprocessing
 import operator
 import os
-import queue
-import signal
 import threading
-import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-import pytest
+from _spawn_world import report, run_world
+from hypothesis import HealthCheck, settings
 
 EXAMPLES = int(os.environ.get("TWINRPC_FUZZ_EXAMPLES", "300"))
+#: how every property here is explored: EXAMPLES derandomized examples, no example database
+_EXAMPLES = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 #: every wait's bound (a reply that takes longer is a hang: the receiver never answered)
 WAIT = 10.0
 #: the world's bound, start and shutdown included (an example takes ~20 ms each way on 2 cores)
@@ -180,7 +186,7 @@ def _fuzz(shared: dict[str, Any]) -> dict[str, Any]:
     """On worker0: the hypothesis run; returns what the examples ended as, or the failure."""
     from unittest import mock
 
-    from hypothesis import HealthCheck, assume, given, note, settings
+    from hypothesis import assume, given, note
     from hypothesis import strategies as st
 
     import twinrpc.rpc as rpc
@@ -203,13 +209,7 @@ def _fuzz(shared: dict[str, Any]) -> dict[str, Any]:
     )
     storage_edit = st.sampled_from(["none", "none", "none", "drop last", "cut first", "add one"])
 
-    @settings(
-        max_examples=EXAMPLES,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @_EXAMPLES
     @given(which=st.integers(0, len(requests) - 1), edits=st.lists(edit, max_size=4), storages=storage_edit)
     def one_request(which: int, edits: list[tuple[str, int, Any]], storages: str) -> None:
         payload, tensors = encoded[which]
@@ -246,13 +246,7 @@ def _fuzz(shared: dict[str, Any]) -> dict[str, Any]:
             msg = Message(msg.kind, msg.id, msg.src, msg.dst, payload, tensors)
         send(msg)
 
-    @settings(
-        max_examples=EXAMPLES,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @_EXAMPLES
     @given(which=st.integers(0, len(replies) - 1), edits=st.lists(edit, max_size=4), storages=storage_edit)
     def one_reply(which: int, edits: list[tuple[str, int, Any]], storages: str) -> None:
         damage["how"] = (edits, storages)
@@ -301,15 +295,7 @@ def _program(rank: int, init_file: str, shared: dict[str, Any]) -> Any:
 
 
 def _child(rank: int, init_file: str, shared: dict[str, Any]) -> None:
-    try:
-        value = _program(rank, init_file, shared)
-    except BaseException as exc:
-        shared["results"].put((rank, "raised", "".join(traceback.format_exception(exc))))
-    else:
-        shared["results"].put((rank, "ok", value))
-    shared["results"].close()
-    shared["results"].join_thread()
-    os._exit(0)
+    report(shared, rank, _program, rank, init_file, shared)
 
 
 def test_damaged_requests_and_replies_in_valid_frames_end_and_the_receiver_keeps_serving(
@@ -318,23 +304,7 @@ def test_damaged_requests_and_replies_in_valid_frames_end_and_the_receiver_keeps
     mp = multiprocessing.get_context("spawn")
     shared: dict[str, Any] = {"results": mp.Queue()}
     init_file = str(tmp_path / "rendezvous")
-    procs = [mp.Process(target=_child, args=(r, init_file, shared), daemon=True) for r in range(3)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    try:
-        deadline = time.monotonic() + WORLD_TIMEOUT
-        while len(got) < 3:
-            try:
-                rank, status, value = shared["results"].get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"the world did not finish within {WORLD_TIMEOUT} s; results so far: {got!r}")
-            got[rank] = value if status == "ok" else f"worker{rank} raised:\n{value}"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
-            p.join(5)
+    got = run_world(mp, _child, [(r, init_file, shared) for r in range(3)], shared, WORLD_TIMEOUT)
     result = got[0]
     assert isinstance(result, dict), result
     print(f"damaged requests by outcome: {result['outcomes']}; damaged replies: {result['replies']}")
