@@ -52,10 +52,10 @@ def run_world(
     procs = [ctx.Process(target=target, args=args, daemon=True) for args in args_per_rank]
     for p in procs:
         p.start()
-    if started is not None:
-        started(procs)
     out: dict[int, Any] = {}
     try:
+        if started is not None:  # inside: whatever it raises, every process is killed
+            started(procs)
         deadline = time.monotonic() + timeout
         wanted = set(reporting if reporting is not None else range(len(procs)))
         while not wanted <= set(out):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
-import queue
 import signal
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from _gloo_pair import Inbox, close_links, make_links, started_links
+from _spawn_world import report, run_world
 from twinrpc.impl import _same_host
 from twinrpc.impl._framing import (
     FLAG_INLINE_TENSORS,
@@ -306,74 +306,53 @@ def test_rings_hold_together() -> None:
 
 
 # -- worlds of processes ---------------------------------------------------------------------------------
-def _world_child(rank: int, init_file: str, results: Any, kill_me: Any) -> None:
-    try:
-        import twinrpc.rpc as rpc
-        from twinrpc._current import current_agent
+def _world_program(rank: int, init_file: str, shared: dict[str, Any]) -> Any:
+    import twinrpc.rpc as rpc
+    from twinrpc._current import current_agent
 
-        options = rpc.RpcBackendOptions(
-            init_method=f"file://{init_file}", heartbeat_interval=0.2, heartbeat_misses=5
-        )
-        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=options)
-        links = current_agent().world.links
-        report: dict[str, Any] = {"same_host": {peer: link.same_host for peer, link in links.items()}}
-        if rank == 0:
-            t = torch.arange(1 << 18, dtype=torch.float32)
-            for peer in ("worker1", "worker2"):
-                assert torch.equal(rpc.rpc_sync(peer, torch.neg, args=(t,)), -t)
-            report["maps_live"] = _ring_handles()
-            kill_me.put(2)  # the operator kill -9s rank 2
-            deadline = time.monotonic() + 30
-            while links[2].failed is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            report["rank2_failed"] = links[2].failed is not None
-            report["maps_after_kill"] = _ring_handles()
-            assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(t,)), -t)  # the other link works
-        elif rank == 1:  # serves rank 0 until it leaves
-            deadline = time.monotonic() + WORLD_TIMEOUT
-            while not links[0].state.closed_by_peer and time.monotonic() < deadline:
-                time.sleep(0.05)
-        else:
-            time.sleep(WORLD_TIMEOUT)  # until killed
-        rpc.shutdown(graceful=False)
-        report["maps_after_shutdown"] = _ring_handles()
-        results.put((rank, "ok", report))
-    except BaseException as exc:
-        import traceback
+    options = rpc.RpcBackendOptions(
+        init_method=f"file://{init_file}", heartbeat_interval=0.2, heartbeat_misses=5
+    )
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=options)
+    links = current_agent().world.links
+    found: dict[str, Any] = {"same_host": {peer: link.same_host for peer, link in links.items()}}
+    if rank == 0:
+        t = torch.arange(1 << 18, dtype=torch.float32)
+        for peer in ("worker1", "worker2"):
+            assert torch.equal(rpc.rpc_sync(peer, torch.neg, args=(t,)), -t)
+        found["maps_live"] = _ring_handles()
+        shared["kill_me"].put(2)  # the operator kill -9s rank 2
+        deadline = time.monotonic() + 30
+        while links[2].failed is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        found["rank2_failed"] = links[2].failed is not None
+        found["maps_after_kill"] = _ring_handles()
+        assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(t,)), -t)  # the other link works
+    elif rank == 1:  # serves rank 0 until it leaves
+        deadline = time.monotonic() + WORLD_TIMEOUT
+        while not links[0].state.closed_by_peer and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        time.sleep(WORLD_TIMEOUT)  # until killed
+    rpc.shutdown(graceful=False)
+    found["maps_after_shutdown"] = _ring_handles()
+    return found
 
-        results.put((rank, "raised", f"{exc!r}\n{traceback.format_exc()}"))
-    results.close()
-    results.join_thread()
-    os._exit(0)
+
+def _world_child(rank: int, init_file: str, shared: dict[str, Any]) -> None:
+    report(shared, rank, _world_program, rank, init_file, shared)
 
 
 def test_a_killed_peer_leaves_no_segment_and_shutdown_releases_every_ring(tmp_path: Path) -> None:
     mp = multiprocessing.get_context("spawn")
-    results, kill_me = mp.Queue(), mp.Queue()
+    shared: dict[str, Any] = {"results": mp.Queue(), "kill_me": mp.Queue()}
     shm_before = _named_segments()
-    procs = [
-        mp.Process(target=_world_child, args=(r, str(tmp_path / "rdv"), results, kill_me), daemon=True)
-        for r in range(3)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    try:
-        victim = kill_me.get(timeout=WORLD_TIMEOUT)
-        os.kill(procs[victim].pid, signal.SIGKILL)  # type: ignore[arg-type]
-        deadline = time.monotonic() + WORLD_TIMEOUT
-        while {0, 1} - set(out):
-            try:
-                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"the world did not finish; results so far: {out!r}")
-            assert status == "ok", value
-            out[rank] = value
-    finally:
-        for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
-            p.join(5)
+
+    def kill_when_asked(procs: list[Any]) -> None:  # the operator kill -9s the rank worker0 names
+        os.kill(procs[shared["kill_me"].get(timeout=WORLD_TIMEOUT)].pid, signal.SIGKILL)
+
+    args = [(r, str(tmp_path / "rdv"), shared) for r in range(3)]
+    out = run_world(mp, _world_child, args, shared, WORLD_TIMEOUT, reporting=[0, 1], started=kill_when_asked)
     zero = out[0]
     assert zero["same_host"] == {1: (True, True), 2: (True, True)}
     maps_live, fds_live = zero["maps_live"]
