@@ -114,23 +114,9 @@ def _gloo_worker(rank: int, init_method: str, cycles: int, conn: Any) -> None:
 
 def run_gloo(cycles: int) -> dict[str, Any]:
     """Two spawned processes over twinrpc's gloo world (rendezvous through a file)."""
-    import multiprocessing as mp
-    import tempfile
+    from _two_workers import run_two
 
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="rref_soak-") as tmp:
-        init_method = f"file://{tmp}/rendezvous"
-        conns, procs = [], []
-        for rank in range(2):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_gloo_worker, args=(rank, init_method, cycles, child), daemon=True)
-            p.start()
-            conns.append(parent)
-            procs.append(p)
-        results = [c.recv() for c in conns]
-        for p in procs:
-            p.join(60)
-    return dict(results[0])
+    return dict(run_two(_gloo_worker, cycles, prefix="rref_soak-")[0])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,13 +52,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import multiprocessing
 import operator
 import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -227,19 +225,9 @@ def _worker(rank: int, init_method: str, counts: dict[str, int], samples: int, c
 
 def run(counts: dict[str, int], samples: int) -> list[Curve]:
     """Two spawned processes (rendezvous through a file); worker 0's curves."""
-    ctx = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
-        init_method = f"file://{tmp}/rendezvous"
-        conns, procs = [], []
-        for rank in range(2):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, init_method, counts, samples, child), daemon=True)
-            p.start()
-            conns.append(parent)
-            procs.append(p)
-        results = [c.recv() for c in conns]
-        for p in procs:
-            p.join(60)
+    from _two_workers import run_two  # benchmarks/ (the script's directory)
+
+    results = run_two(_worker, counts, samples, prefix="soak-")
     if isinstance(results[0], str):
         raise RuntimeError(f"the soak failed on worker0: {results[0]}")
     curves = []
