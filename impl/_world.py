@@ -246,8 +246,8 @@ class GlooWorld(World):
                 _log.exception("twinrpc: sending a dead RRef's delete failed")
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
-        # On an idle pool thread (not a request slot): e.g. every dead user RRef's delete is sent from
-        # a task, and starting an OS thread for each one costs more than the delete itself.
+        # On an idle pool thread (not a request slot): a task (a backward run after a fork, see
+        # twinrpc._fast_engine) should not cost an OS thread of its own each time.
         self._pool.run_job(lambda: fn(*args))
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
