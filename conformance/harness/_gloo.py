@@ -21,6 +21,7 @@ class GlooContext(ProcessContext):
         "dist_autograd": "twinrpc.autograd",
         "optim": "twinrpc.optim",
         "futures": "twinrpc.futures",
+        "nn": "twinrpc.nn",
     }
 
     @classmethod

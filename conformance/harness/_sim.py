@@ -23,6 +23,7 @@ class SimContext(WorldContext):
         "dist_autograd": "twinrpc.autograd",
         "optim": "twinrpc.optim",
         "futures": "twinrpc.futures",
+        "nn": "twinrpc.nn",
     }
     simulated = True
 

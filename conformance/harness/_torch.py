@@ -16,6 +16,7 @@ class TorchContext(ProcessContext):
         "dist_autograd": "torch.distributed.autograd",
         "optim": "torch.distributed.optim",
         "futures": "torch.futures",
+        "nn": "torch.distributed.nn",
     }
 
 

@@ -35,6 +35,7 @@ class SlowNetworkContext(WorldContext):
         "dist_autograd": "twinrpc.autograd",
         "optim": "twinrpc.optim",
         "futures": "twinrpc.futures",
+        "nn": "twinrpc.nn",
     }
     simulated = True  # the workers are tasks of one Simulation: tests start no blocking threads
 

@@ -181,6 +181,16 @@ def _rebuild_rref(fork_data: Any) -> Any:
     return state.rebuild_rref(fork_data, state.src, state)
 
 
+#: how the RPC pickler sends objects of these exact types (``twinrpc.nn``'s RemoteModule, say), instead of
+#: their own ``__reduce__``, which may refuse the Python pickler (PyTorch's ``_register_reducer``)
+_REDUCERS: dict[type, Callable[[Any], Any]] = {}
+
+
+def register_reducer(cls: type, reducer: Callable[[Any], Any]) -> None:
+    """Pickle every RPC-sent instance of exactly ``cls`` as ``reducer(obj)`` (a ``__reduce__`` value)."""
+    _REDUCERS[cls] = reducer
+
+
 class _RpcPickler(pickle.Pickler):
     # No __init__ override: a Python-level __init__ costs more than the pickling of a small call.
     # State is created on first use by _reduce_tensor.
@@ -208,6 +218,9 @@ class _RpcPickler(pickle.Pickler):
             if self._fork_rref is None:
                 raise SerializationError("an RRef can only be sent inside an RPC to a known worker")
             return (_rebuild_rref, (self._fork_rref(obj),))
+        reducer = _REDUCERS.get(tp)
+        if reducer is not None:
+            return reducer(obj)
         return NotImplemented
 
     def _reduce_tensor(self, t: torch.Tensor) -> Any:

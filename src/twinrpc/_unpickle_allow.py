@@ -51,6 +51,13 @@ _TWINRPC_GLOBALS = frozenset(
         ("twinrpc.optim", "_local_optimizer_step"),
         ("twinrpc.optim", "_new_functional_local_optimizer"),
         ("twinrpc.optim", "_new_local_optimizer"),
+        ("twinrpc.nn._remote_module", "_create_module"),
+        ("twinrpc.nn._remote_module", "_param_rrefs"),
+        ("twinrpc.nn._remote_module", "_remote_forward"),
+        ("twinrpc.nn._remote_module", "_set_training"),
+        ("twinrpc.nn._remote_module", "_remote_module_receiver"),
+        ("twinrpc.nn._remote_module", "forward_async"),
+        ("twinrpc.nn._remote_module", "forward"),
         ("torch.serialization", "_get_layout"),
         ("torch", "Size"),
         # the owner of torch's builtin operators: loading it runs nothing, and each operator taken
