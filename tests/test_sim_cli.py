@@ -213,6 +213,60 @@ def test_torch_distributed_rpc_autograd_and_distributed_optimizer_are_served_by_
     assert twinrpc.rpc is not torch.distributed.rpc
 
 
+def test_an_unchanged_program_using_torchs_remote_module_runs_on_twinrpcs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prog = _program(
+        tmp_path,
+        """
+        import os
+        import torch
+        import torch.distributed.autograd as dist_autograd
+        import torch.distributed.nn.api.remote_module as remote_module
+        import torch.distributed.rpc as rpc
+        from torch import nn
+        from torch.distributed.nn import RemoteModule
+        from torch.distributed.nn.api.remote_module import RemoteModule as RemoteModuleToo
+        from torch.distributed.optim import DistributedOptimizer
+
+        class Affine(nn.Module):
+            def __init__(self, scale):
+                super().__init__()
+                self.weight = nn.Parameter(torch.full((2,), float(scale)))
+
+            def forward(self, x, shift=0.0):
+                return x * self.weight + shift
+
+        rank = int(os.environ["RANK"])
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+        if rank == 0:
+            same = RemoteModule is RemoteModuleToo is remote_module.RemoteModule is torch.distributed.nn.RemoteModule
+            print("served", same, RemoteModule.__module__)
+            rm = RemoteModule("worker1/cpu", Affine, args=(3,))
+            print("forward", rm(torch.ones(2), shift=1.0).tolist(), rm.forward_async(torch.ones(2)).wait().tolist())
+            opt = DistributedOptimizer(torch.optim.SGD, rm.remote_parameters(), lr=0.5)
+            with dist_autograd.context() as cid:
+                dist_autograd.backward(cid, [rm(torch.ones(2)).sum()])
+                opt.step(cid)
+            print("trained", rm.remote_parameters()[0].to_here().tolist())
+        rpc.shutdown()
+        """,
+    )
+    status, out, err = _run(capsys, "--nproc-per-node", "2", str(prog))
+    assert status == 0, err
+    assert _lines(out, 0) == [
+        "served True twinrpc.nn._remote_module",
+        "forward [4.0, 4.0] [3.0, 3.0]",
+        "trained [2.5, 2.5]",  # 3 - 0.5 * d(sum(x * w))/dw with x = 1
+    ]
+    import torch.distributed.nn
+    import torch.distributed.nn.api.remote_module
+
+    assert torch.distributed.nn.RemoteModule.__module__ == "torch.distributed.nn.api.remote_module"
+    assert torch.distributed.nn.api.remote_module.RemoteModule is torch.distributed.nn.RemoteModule
+    assert sys.modules["torch.distributed.nn"] is torch.distributed.nn
+
+
 # -- exit status and failures ---------------------------------------------------------------------------
 _FAILING = """
 import os, sys
