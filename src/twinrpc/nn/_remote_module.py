@@ -313,12 +313,12 @@ class RemoteModule(nn.Module):
         worker_name = remote_device.worker_name()
         self.on = worker_name if worker_name is not None else remote_device.rank()  # type: ignore[assignment]
         self.device = str(remote_device.device())
+        agent.resolve(self.on)  # an unknown worker fails here, as in PyTorch
         if torch.device(self.device).type != "cpu":
             raise ValueError(
                 f"RemoteModule device {self.device!r} (from remote_device {remote_device_str!r}) is not "
                 "supported: twinrpc runs on the CPU only. Use '<workername>/cpu' or leave the device out"
             )
-        agent.resolve(self.on)  # an unknown worker fails here, as in PyTorch
         self.is_device_map_set = False  # twinrpc has no device maps to a CPU-only module
 
     def _install_generated_methods(self) -> None:
