@@ -468,3 +468,31 @@ def test_a_non_cpu_remote_device_is_refused_when_the_remote_module_is_made(world
     kinds, message = world.run_on(0, _cuda)
     assert kinds == ("ValueError",)
     assert "'cuda:0'" in message and "CPU only" in message
+
+
+# -- NN-9 -----------------------------------------------------------------------------------------------
+def _run_script_module(module: Any, x: Tensor) -> tuple[str, Tensor, Any]:
+    return type(module).__name__, module(x), torch.jit.script(nn.Linear(3, 1))
+
+
+def _script_modules(ctx: Any) -> dict[str, Any]:
+    assert ctx.nn.RemoteModule  # torch.distributed.nn imported, as the requirement asks
+    scripted = torch.jit.script(_SeededLinear(5))
+    x = torch.ones(2, 3)
+    name, y, returned = ctx.rpc.rpc_sync("worker1", _run_script_module, (scripted, x))
+    return {
+        "arrived": name,
+        "output": torch.equal(y, scripted(x)),
+        "returned": (type(returned).__name__, [p.shape for p in returned.parameters()]),
+        "python pickler": outcome(lambda: pickle.dumps(scripted))[0],
+    }
+
+
+@pytest.mark.spec("NN-9")
+def test_a_scripted_module_travels_over_rpc_as_its_torchscript(world: Any) -> None:
+    assert world.run_on(0, _script_modules) == {
+        "arrived": "RecursiveScriptModule",
+        "output": True,
+        "returned": ("RecursiveScriptModule", [torch.Size([1, 3]), torch.Size([1])]),
+        "python pickler": ("RuntimeError",),
+    }

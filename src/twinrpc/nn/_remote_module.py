@@ -1,4 +1,4 @@
-"""``RemoteModule``: a module built on another worker whose ``forward`` runs there over RPC (NN-1..NN-7).
+"""``RemoteModule``: a module built on another worker whose ``forward`` runs there over RPC (NN-1..NN-9).
 
 As PyTorch's ``torch.distributed.nn.api.remote_module``: the module lives on its owner behind an RRef
 (``module_rref``); ``forward``/``forward_async`` are one ``rpc_async`` to the owner each, so distributed
@@ -6,11 +6,13 @@ autograd records them like any other RPC and ``remote_parameters()`` feeds a ``D
 PyTorch generates the two forward methods from TorchScript templates; for a Python module its generated
 methods take ``(*args, **kwargs)``, as these plain Python ones do. Sent inside an RPC, a RemoteModule
 arrives as a RemoteModule sharing the same ``module_rref``; the Python pickler refuses it, as PyTorch's.
-twinrpc is CPU-only: a non-CPU device is refused when the RemoteModule is made.
+twinrpc is CPU-only: a non-CPU device is refused when the RemoteModule is made. Importing this module
+also lets TorchScript modules travel over RPC, as importing PyTorch's does.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn, TypeVar
 
@@ -355,4 +357,17 @@ def _remote_module_reducer(remote_module: RemoteModule) -> tuple[Any, tuple[Any,
     return _remote_module_receiver, tuple(attrs[k] for k in _REMOTE_MODULE_PICKLED_ATTRIBUTES)
 
 
+# -- sending a TorchScript module over RPC (PyTorch registers this beside RemoteModule's reducer) -------------
+def _script_module_receiver(serialized: bytes) -> torch.jit.ScriptModule:
+    return torch.jit.load(io.BytesIO(serialized))  # type: ignore[no-untyped-call,no-any-return]
+
+
+def _script_module_reducer(module: torch.jit.ScriptModule) -> tuple[Any, tuple[bytes]]:
+    """A scripted module travels as its ``torch.jit.save`` bytes (the Python pickler refuses it)."""
+    buffer = io.BytesIO()
+    torch.jit.save(module, buffer)
+    return _script_module_receiver, (buffer.getvalue(),)
+
+
 register_reducer(RemoteModule, _remote_module_reducer)
+register_reducer(torch.jit.RecursiveScriptModule, _script_module_reducer)  # type: ignore[attr-defined]
