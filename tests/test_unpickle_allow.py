@@ -185,3 +185,28 @@ def test_the_gloo_world_refuses_the_same_calls_as_the_simulator() -> None:
     gloo = json.loads(results[0].stdout.strip().splitlines()[-1])
     _check_outcomes(gloo)
     assert gloo == sim
+
+
+def _remote_linear(rank: int) -> object:
+    """worker1 allows only the module class it builds; worker0 nothing: RemoteModule's own calls and
+    forwarding (twinrpc.nn's functions) need no pattern."""
+    allow = ["torch.nn.modules.linear.Linear"] if rank == 1 else []
+    rpc.init_rpc(
+        f"worker{rank}",
+        rank=rank,
+        world_size=2,
+        rpc_backend_options=rpc.RpcBackendOptions(unpickle_allow=allow),
+    )
+    out = None
+    if rank == 0:
+        from twinrpc.nn import RemoteModule
+
+        rm = RemoteModule("worker1/cpu", torch.nn.Linear, args=(2, 1))
+        out = (tuple(rm(torch.ones(3, 2)).shape), [tuple(p.to_here().shape) for p in rm.remote_parameters()])
+    rpc.shutdown()
+    return out
+
+
+def test_a_remote_module_needs_only_its_module_class_allowed() -> None:
+    result = Simulation(world_size=2, seed=0).run(_remote_linear)
+    assert result.values()[0] == ((3, 1), [(1, 2), (1,)])
