@@ -16,6 +16,7 @@ from ._future import Future
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
+    from ._unpickle_allow import UnpickleAllowlist
     from ._worker_info import WorkerInfo
 
 T = TypeVar("T")
@@ -275,3 +276,17 @@ def state_of(rref: RRef[Any]) -> OwnerState | UserState:
 def agent_of(rref: RRef[Any]) -> RpcAgent:
     """The agent of the worker that holds ``rref``."""
     return rref._agent
+
+
+def owner_allowlist(rref: Any, helper: str) -> UnpickleAllowlist | None:
+    """The ``unpickle_allow`` of the worker running a twinrpc ``helper`` aimed at ``rref``'s value (an
+    RPC from a peer, which chose the argument): with one, ``rref`` must be an RRef, so the helper reaches
+    only the values RRefs hold, each checked by the helper; None: no allowlist (PyTorch's behaviour).
+
+    Raises:
+        UnpickleRefused: ``rref`` is not an RRef.
+    """
+    allow = current_agent().unpickle_allow
+    if allow is not None:
+        allow.check_type(rref, RRef, helper)
+    return allow
