@@ -185,3 +185,26 @@ def test_the_gloo_world_refuses_the_same_calls_as_the_simulator() -> None:
     gloo = json.loads(results[0].stdout.strip().splitlines()[-1])
     _check_outcomes(gloo)
     assert gloo == sim
+
+
+@pytest.mark.parametrize("pattern", ["_reexporting_module.*", "_reexporting_module"])
+def test_a_pattern_matches_where_a_global_is_defined_not_where_it_was_imported(pattern: str) -> None:
+    import _reexporting_module
+
+    allow = UnpickleAllowlist([pattern])
+    assert allow.loads(_payload_naming("_reexporting_module", "step")) is _reexporting_module.step
+    assert allow.loads(_payload_naming("_reexporting_module", "LEARNING_RATE")) == 0.1
+    for name, defined in (
+        ("system", "posix.system"),
+        ("SerializationError", "twinrpc._errors.SerializationError"),
+    ):
+        with pytest.raises(UnpickleRefused) as info:
+            allow.loads(_payload_naming("_reexporting_module", name))
+        text = str(info.value)
+        assert f"_reexporting_module.{name}, which is {defined}" in text, text
+        assert f"add {defined!r}" in text and "nothing in the message was run" in text
+    with pytest.raises(UnpickleRefused, match="does not say where it is defined"):
+        allow.loads(_payload_naming("_reexporting_module", "quiet_system"))
+    # allowed where it is defined, the re-exported name loads too
+    both = UnpickleAllowlist([pattern, "posix.system"])
+    assert both.loads(_payload_naming("_reexporting_module", "system")) is _reexporting_module.system
