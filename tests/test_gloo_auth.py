@@ -39,6 +39,7 @@ from twinrpc.impl._link import PeerLink, make_pair_group
 from twinrpc.impl._pair import DATA_TAG, TAG
 
 import twinrpc.rpc as rpc
+from twinrpc._key_source import _EnvironmentKey
 from twinrpc._message import Kind, Message
 
 PEER = "'worker0' (rank 0)"
@@ -59,6 +60,8 @@ class _OpensFile:
 # ---------------------------------------------------------------------------------------------------
 def test_the_key_comes_from_the_options_else_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TWINRPC_AUTH_KEY", raising=False)
+    monkeypatch.delenv("TWINRPC_AUTH_KEY_FILE", raising=False)
+    monkeypatch.setattr(_EnvironmentKey, "key", None)  # what an earlier read in this process kept
     assert job_key(rpc.RpcBackendOptions()) is None
     monkeypatch.setenv("TWINRPC_AUTH_KEY", "from the launcher")
     assert job_key(rpc.RpcBackendOptions()) == b"from the launcher"
