@@ -451,11 +451,19 @@ def test_a_frame_without_the_key_is_not_unpickled_and_fails_only_its_link(tmp_pa
         marker=str(marker),
         sent=mp.Event(),
         done=mp.Event(),
-    )[1]
-    print(got["error"])
+    )
+    victim, sender = got[1], got[0]
+    print(victim["error"], sender["error"], sep="\n")
     assert not marker.exists()
-    assert "authentication failed" in got["error"] and "'worker0' (rank 0)" in got["error"], got["error"]
-    assert got["other"] == 3 and got["bad"] == 1
+    # the caller on the refusing side: authentication, the peer, not a death
+    error = victim["error"]
+    assert "authentication failed" in error and "'worker0' (rank 0)" in error, error
+    assert "Its link failed this job's authentication" in error and "probably died" not in error
+    assert victim["other"] == 3 and victim["bad"] == 1
+    # the caller whose frame was refused sees the link closed; the error says what that may mean
+    error = sender["error"]
+    assert "'worker1' (rank 1) is unavailable" in error, error
+    assert "a worker also closes a link on which a frame failed authentication" in error
 
 
 # ---------------------------------------------------------------------------------------------------
