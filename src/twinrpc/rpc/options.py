@@ -6,7 +6,8 @@ import enum
 from collections.abc import Sequence
 from typing import Any
 
-from .._key_source import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, auth_key_of
+# the job key's sources, where the worlds and the docs of ``auth_key`` look for them
+from .._key_source import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, auth_key_of  # noqa: F401
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_INIT_METHOD = "env://"
@@ -20,8 +21,6 @@ DEFAULT_SHUTDOWN_TIMEOUT = 0
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 #: a peer silent for this many intervals while we wait for its next frame is declared dead
 DEFAULT_HEARTBEAT_MISSES = 10
-
-__all__ = ["AUTH_KEY_ENV", "AUTH_KEY_FILE_ENV", "auth_key_of"]  # the job key's sources (twinrpc._key_source)
 
 
 class BackendType(enum.Enum):
