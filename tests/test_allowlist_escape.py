@@ -7,18 +7,23 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import _allowlist_escape_program as program
 import pytest
+import torch
 from _launch import ROOT, free_port, run_workers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twinrpc.simulator import Simulation
 
 import twinrpc.rpc as rpc
+from twinrpc._dist_autograd import _open_envelope, rref_backward_on_owner
 from twinrpc._errors import NotInitializedError
+from twinrpc._membership import update_group_membership
 from twinrpc._rref_proxy import _local_invoke, _local_invoke_async
+from twinrpc.optim import _local_optimizer_step, _new_local_optimizer
 
 REFUSED = "SerializationError (unpickle_allow)"
 #: each entry point's outcome on the victim: refused by the allowlist, or by the helper's own check
@@ -125,8 +130,21 @@ _ARGS = st.one_of(
     st.integers(0, 12).map(lambda i: ("rref", i)),
     st.sampled_from([1, "x", program.ESCAPE]).map(lambda v: ("plain", v)),
 )
+#: each always-allowed entry point a step may call with ``rpc.remote`` (the result stays on the victim)
+_HELPERS: dict[str, Callable[[Any, str, tuple[Any, ...]], tuple[Any, tuple[Any, ...], dict[str, Any]]]] = {
+    "invoke": lambda rref, name, args: (_local_invoke, (rref, name, args, {}), {}),
+    "invoke_async": lambda rref, name, args: (_local_invoke_async, (rref, name, args, {}), {}),
+    "optimizer step": lambda rref, name, args: (_local_optimizer_step, (rref, 0), {}),
+    "new optimizer": lambda rref, name, args: (_new_local_optimizer, (torch.optim.SGD, [rref]), {"lr": 0.1}),
+    "backward": lambda rref, name, args: (rref_backward_on_owner, (rref, -1, False), {}),
+    "membership": lambda rref, name, args: (update_group_membership, (args[0] if args else rref, True), {}),
+    "envelope": lambda rref, name, args: (_open_envelope, (rref, 1, 0, False), {}),
+    "an own error": lambda rref, name, args: (NotInitializedError, args, {}),
+    "a builtin error": lambda rref, name, args: (ValueError, args, {}),
+    "a Size": lambda rref, name, args: (torch.Size, args[:1], {}),
+}
 _STEP = st.tuples(
-    st.sampled_from(["invoke", "invoke_async"]),
+    st.sampled_from(sorted(_HELPERS)),
     st.integers(0, 12),  # which earlier RRef the step is aimed at
     st.sampled_from(NAMES),
     st.lists(_ARGS, max_size=2),
@@ -138,6 +156,7 @@ _CREATABLE = {
     "builtins.NoneType",
     "twinrpc._errors.NotInitializedError",
     "builtins.ValueError",
+    "torch.Size",
     f"{program.ME}.Counter",
 }
 
@@ -157,8 +176,11 @@ def _attack_sequence(steps: list[tuple[str, int, str, list[tuple[str, Any]]]]) -
             for kind, target, name, raw in steps:
                 rref = rrefs[target % len(rrefs)]
                 args = tuple(rrefs[v % len(rrefs)] if k == "rref" else v for k, v in raw)
-                helper = _local_invoke if kind == "invoke" else _local_invoke_async
-                rrefs.append(rpc.remote(to, helper, args=(rref, name, args, {})))
+                helper, helper_args, kwargs = _HELPERS[kind](rref, name, args)
+                try:
+                    rrefs.append(rpc.remote(to, helper, args=helper_args, kwargs=kwargs))
+                except RuntimeError:  # refused by the caller itself (torch.Size's schema): nothing sent
+                    pass
             census = rpc.rpc_sync(to, program.census, args=(rrefs,))
         rpc.shutdown()
         return census
