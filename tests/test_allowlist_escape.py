@@ -5,7 +5,6 @@ a global outside the allowlist; without an allowlist the helpers behave as PyTor
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import _allowlist_escape_program as program
 import pytest
 import torch
-from _launch import ROOT, free_port, run_workers
+from _launch import first_worker_json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twinrpc.simulator import Simulation
@@ -56,15 +55,7 @@ def sim_outcomes() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def gloo_outcomes() -> dict[str, str]:
-    results = run_workers(
-        ROOT / "tests" / "_allowlist_escape_program.py",
-        cwd=ROOT / "tests",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
-    for res in results:
-        res.check_clean(tracebacks=True)
-    out: dict[str, str] = json.loads(results[0].stdout.strip().splitlines()[-1])
+    out: dict[str, str] = first_worker_json("_allowlist_escape_program.py")
     return out
 
 

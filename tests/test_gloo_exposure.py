@@ -3,28 +3,22 @@ soft open-file limit it started with, and the warning a keyless worker reachable
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 
 import _idle_connections_program as program
 import pytest
-from _launch import ROOT, free_port, run_workers
+from _launch import first_worker_json
 from twinrpc.impl import _exposure
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net/tcp")
 def test_idle_connections_past_the_starting_soft_limit_do_not_kill_a_worker() -> None:
-    results = run_workers(
-        ROOT / "tests" / "_idle_connections_program.py",
-        cwd=ROOT / "tests",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
+    out = first_worker_json(
+        "_idle_connections_program.py",
+        tracebacks=False,
         GLOO_SOCKET_IFNAME="lo",  # gloo listens on loopback only: nothing outside this host can connect
     )
-    for res in results:
-        res.check_clean()
-    out = json.loads(results[0].stdout.strip().splitlines()[-1])
     assert out["worker1's soft limit"] == program.HIGH  # raised by init_rpc
     assert out["listening ports"] >= 1
     # more descriptors than the limit it started with: gloo would have aborted the process at LOW

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import ROOT, base_env, free_port, run_all, run_workers
+from _launch import ROOT, base_env, first_worker_json, free_port, run_all
 
 import twinrpc.rpc as rpc
 from twinrpc._key_source import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, _EnvironmentKey, auth_key_of
@@ -101,17 +101,10 @@ def test_an_empty_key_file_or_both_sources_are_refused(
 def test_a_gloo_job_keyed_from_files_runs_and_different_files_fail_init_rpc(tmp_path: Path) -> None:
     same = _key_file(tmp_path / "same", b"job secret", 0o600)
     other = _key_file(tmp_path / "other", b"another secret", 0o600)
-    program = ROOT / "tests" / "_unpickle_allow_program.py"
-    ok = run_workers(
-        program,
-        cwd=ROOT / "tests",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        TWINRPC_AUTH_KEY_FILE=str(same),
+    assert (
+        first_worker_json("_unpickle_allow_program.py", TWINRPC_AUTH_KEY_FILE=str(same))["allowed"] == "ok: 2"
     )
-    for res in ok:
-        res.check_clean(tracebacks=True)
-    assert json.loads(ok[0].stdout.strip().splitlines()[-1])["allowed"] == "ok: 2"
+    program = ROOT / "tests" / "_unpickle_allow_program.py"
     port = str(free_port())
     mixed = run_all(
         [

@@ -5,14 +5,13 @@ simulator and in the gloo world alike."""
 from __future__ import annotations
 
 import io
-import json
 import pickle
 import re
 
 import _unpickle_allow_program as program
 import pytest
 import torch
-from _launch import ROOT, free_port, run_workers
+from _launch import first_worker_json
 from twinrpc.simulator import Simulation
 
 import twinrpc._serialize as serialize
@@ -174,15 +173,7 @@ def test_a_refused_request_or_reply_fails_only_that_call_in_the_simulator() -> N
 def test_the_gloo_world_refuses_the_same_calls_as_the_simulator() -> None:
     program.RAN.clear()
     sim = Simulation(world_size=2, seed=0).run(program.program).values()[0]
-    results = run_workers(
-        ROOT / "tests" / "_unpickle_allow_program.py",
-        cwd=ROOT / "tests",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
-    for res in results:
-        res.check_clean(tracebacks=True)
-    gloo = json.loads(results[0].stdout.strip().splitlines()[-1])
+    gloo = first_worker_json("_unpickle_allow_program.py")
     _check_outcomes(gloo)
     assert gloo == sim
 
