@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 # the job key's sources, where the worlds and the docs of ``auth_key`` look for them
-from .._key_source import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, auth_key_of  # noqa: F401
+from .._key_source import AUTH_KEY_ENV as AUTH_KEY_ENV
+from .._key_source import AUTH_KEY_FILE_ENV as AUTH_KEY_FILE_ENV
+from .._key_source import auth_key_of as auth_key_of
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_INIT_METHOD = "env://"
