@@ -290,3 +290,18 @@ def owner_allowlist(rref: Any, helper: str) -> UnpickleAllowlist | None:
     if allow is not None:
         allow.check_type(rref, RRef, helper)
     return allow
+
+
+def owner_value(rref: Any, expected: type | tuple[type, ...], helper: str) -> Any:
+    """``rref.local_value()`` for a twinrpc ``helper`` that acts on it in a way only values of the
+    ``expected`` types allow (a remote optimizer's ``step``, a module's ``forward``): with
+    ``unpickle_allow``, a peer may not aim the helper at an RRef of any other value.
+
+    Raises:
+        UnpickleRefused: ``rref`` is not an RRef, or its value not of the ``expected`` types.
+    """
+    allow = owner_allowlist(rref, helper)
+    value = rref.local_value()
+    if allow is not None:
+        allow.check_type(value, expected, helper)
+    return value

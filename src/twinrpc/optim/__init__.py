@@ -21,7 +21,7 @@ from .. import autograd as dist_autograd
 from .. import rpc
 from .._current import current_agent
 from .._future import Future
-from .._rref import owner_allowlist
+from .._rref import owner_value
 from .utils import functional_optim_map, register_functional_optim
 
 __all__ = ["DistributedOptimizer", "register_functional_optim"]
@@ -73,14 +73,7 @@ def _step_lock() -> _StepLock:
 def _owner_params(local_params_rref: list[Any]) -> list[Any]:
     """The parameters a local optimizer is built over, on their owner. With ``unpickle_allow`` each must
     be an RRef holding a tensor: a peer may not hand another value to the optimizer class."""
-    params = []
-    for rref in local_params_rref:
-        allow = owner_allowlist(rref, "DistributedOptimizer")
-        value = rref.local_value()
-        if allow is not None:
-            allow.check_type(value, torch.Tensor, "DistributedOptimizer")
-        params.append(value)
-    return params
+    return [owner_value(rref, torch.Tensor, "DistributedOptimizer") for rref in local_params_rref]
 
 
 class _LocalOptimizer:
@@ -129,11 +122,10 @@ def _new_functional_local_optimizer(
 def _local_optimizer_step(local_optim_rref: Any, autograd_ctx_id: int) -> None:
     """On a parameter's owner. With ``unpickle_allow``, only a local optimizer built by
     DistributedOptimizer is stepped: a peer may not call ``step`` on any other value it names."""
-    allow = owner_allowlist(local_optim_rref, "DistributedOptimizer's step")
-    value = local_optim_rref.local_value()
-    if allow is not None:
-        allow.check_type(value, (_LocalOptimizer, _FunctionalLocalOptimizer), "DistributedOptimizer's step")
-    value.step(autograd_ctx_id)
+    optimizer = owner_value(
+        local_optim_rref, (_LocalOptimizer, _FunctionalLocalOptimizer), "DistributedOptimizer's step"
+    )
+    optimizer.step(autograd_ctx_id)
 
 
 def _wait_for_all(futures: list[Future[Any]]) -> list[Any]:
