@@ -14,7 +14,8 @@ from twinrpc._worker_info import WorkerInfo
 from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
 from ._auth import JobAuth, job_key
-from ._rendezvous import LaunchError, join, join_dynamic
+from ._exposure import raise_open_file_limit, warn_if_keyless_and_reachable
+from ._rendezvous import LaunchError, join, join_dynamic, store_endpoint
 from ._world import GlooWorld
 
 __all__ = ["GlooWorld", "LaunchError", "connect"]
@@ -36,6 +37,7 @@ def connect(
     """
     key = job_key(options)
     auth = JobAuth(key) if key is not None else None
+    raise_open_file_limit()
     if world_size:
         joined = join(name, rank, world_size, options.init_method, options.rpc_timeout, generation, auth)
     else:
@@ -53,5 +55,7 @@ def connect(
             joined.group.remove()
             joined.group.unlock()
         raise
+    endpoint = store_endpoint(options.init_method)
+    warn_if_keyless_and_reachable(None if endpoint is None else endpoint[0], auth is not None)
     me = next(w for w in joined.workers if w.id == joined.rank)
     return world, me, joined.workers

@@ -114,7 +114,7 @@ def _resolve_rank_and_size(rank: int, world_size: int, query: dict[str, str]) ->
     return rank, world_size
 
 
-def _endpoint(init_method: str) -> tuple[str, int] | None:
+def store_endpoint(init_method: str) -> tuple[str, int] | None:
     """The TCP host and port the store lives at (``env://``, ``tcp://``), after checking the input.
 
     Raises:
@@ -190,7 +190,7 @@ def _user_store_at(endpoint: tuple[str, int]) -> Any:
 
 def _open_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> tuple[Any, bool]:
     """The rendezvous store, and whether it is the user's default group's own store."""
-    endpoint = _endpoint(init_method)
+    endpoint = store_endpoint(init_method)
     shared = _user_store_at(endpoint) if endpoint is not None else None
     if shared is not None:
         # The user's store serves this port. Use it as it is, never changing its timeout (every wait
@@ -323,7 +323,7 @@ def join_dynamic(
     rank = _resolve_rank(rank, query)
     seconds = rpc_timeout if rpc_timeout > 0 else _DEFAULT_STORE_TIMEOUT
     timeout = timedelta(seconds=seconds)
-    endpoint = _endpoint(init_method)
+    endpoint = store_endpoint(init_method)
     from torch.distributed.rendezvous import _rendezvous_helper  # what PyTorch's RPC uses here
 
     try:

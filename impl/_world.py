@@ -220,7 +220,9 @@ class GlooWorld(World):
     def _send_failed(self, msg: Message, exc: BaseException) -> None:
         agent = self.agent
         if agent is not None:
-            agent.on_send_failed(msg, agent.departure_error(msg.dst, *_departure_of(exc)))
+            agent.on_send_failed(
+                msg, agent.departure_error(msg.dst, *_departure_of(exc, self._auth is not None))
+            )
 
     def schedule_rref_delete(self, fn: Callable[[], Any]) -> None:
         """Gather dead user RRefs' deletes for DELETE_WAIT, then send them from the timer thread. A
@@ -401,7 +403,7 @@ class GlooWorld(World):
         agent.on_message(msg)
 
     def _peer_failed(self, peer: int, exc: BaseException) -> None:
-        departure, detail = _departure_of(exc)
+        departure, detail = _departure_of(exc, self._auth is not None)
         agent = self.agent
         if agent is None:
             with self._lock:
@@ -414,13 +416,23 @@ class GlooWorld(World):
         agent.on_peer_failed(peer, departure, detail)
 
 
-def _departure_of(exc: BaseException) -> tuple[Departure, str]:
+#: what a broken connection may also mean with a job key: the peer refused a frame of ours and closed
+#: the link (it cannot tell us so over a link it no longer trusts)
+_KEYED_CLOSE = (
+    "With this job's key, a worker also closes a link on which a frame failed authentication (a frame "
+    "altered on the way, or sent by a process without the key): if the peer is still running, its log "
+    "names the frame"
+)
+
+
+def _departure_of(exc: BaseException, keyed: bool) -> tuple[Departure, str]:
     """How a link's error says the peer left, with the transport's words for a crash or silence (the
-    core describes a shutdown itself)."""
+    core describes a shutdown itself); ``keyed``: the job has a key, so a broken connection may be a
+    peer that refused our frame."""
     if isinstance(exc, PeerShutDown):
         return (Departure.LEFT if exc.graceful else Departure.SHUT_DOWN), ""
     if isinstance(exc, PeerSilent):
         return Departure.SILENT, str(exc)
     if isinstance(exc, AuthenticationError):
         return Departure.REFUSED, str(exc)
-    return Departure.CRASHED, str(exc)
+    return Departure.CRASHED, f"{exc}. {_KEYED_CLOSE}" if keyed else str(exc)

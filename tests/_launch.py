@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 #: a launch that takes longer has hung; the processes are killed and the test fails with their output
@@ -97,3 +99,20 @@ def run_workers(script: Path, *args: str, world_size: int = 2, cwd: Path, **env:
         ],
         cwd,
     )
+
+
+def first_worker_json(script: str, *, tracebacks: bool = True, **env: str) -> Any:
+    """Run ``tests/<script>`` as a 2-worker gloo job on loopback (a fresh MASTER_PORT, ``env`` added),
+    check every worker exited cleanly, and return what rank 0 printed last, parsed as JSON (the
+    programs that run in both worlds print their outcomes so). ``tracebacks``: remote errors' logged
+    tracebacks are expected."""
+    results = run_workers(
+        ROOT / "tests" / script,
+        cwd=ROOT / "tests",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        **env,
+    )
+    for res in results:
+        res.check_clean(tracebacks=tracebacks)
+    return json.loads(results[0].stdout.strip().splitlines()[-1])

@@ -81,7 +81,8 @@ def bad_peer_world(
     """After ``init_rpc`` in a world of three: worker0 makes one good call to worker1, then sends it
     a bad frame with ``send_bad_frame(its link to worker1)``; worker2 idles. Worker1 calls worker0
     until that fails (30 s at most), then calls worker2, and returns ``{"error": the failure's text,
-    "other": worker2's answer to 2 + 1, "bad": frames its link to worker0 rejected}``. ``shared``
+    "other": worker2's answer to 2 + 1, "bad": frames its link to worker0 rejected}``; worker0 waits
+    for its link to worker1 to fail, calls worker1 and returns ``{"error": what that call raised}``. ``shared``
     holds the events ``sent`` and ``done``; ``wait`` bounds each wait for them."""
     import twinrpc.rpc as rpc
     from twinrpc._current import current_agent
@@ -91,9 +92,17 @@ def bad_peer_world(
         assert rpc.rpc_sync("worker1", operator.add, args=(1, 1)) == 2
         send_bad_frame(link)
         shared["sent"].set()
+        deadline = time.monotonic() + wait
+        while link.failed is None and time.monotonic() < deadline:  # worker1 closes the link
+            time.sleep(0.01)
+        try:
+            rpc.rpc_sync("worker1", operator.add, args=(1, 1), timeout=5)
+            seen = "the call to worker1 succeeded"
+        except Exception as exc:
+            seen = f"{type(exc).__name__}: {exc}"
         shared["done"].wait(wait)
         rpc.shutdown(graceful=False)
-        return "sent"
+        return {"error": seen}
     shared["sent"].wait(wait)
     if rank == 2:
         shared["done"].wait(wait)

@@ -39,6 +39,7 @@ from twinrpc.impl._link import PeerLink, make_pair_group
 from twinrpc.impl._pair import DATA_TAG, TAG
 
 import twinrpc.rpc as rpc
+from twinrpc._key_source import _EnvironmentKey
 from twinrpc._message import Kind, Message
 
 PEER = "'worker0' (rank 0)"
@@ -59,6 +60,8 @@ class _OpensFile:
 # ---------------------------------------------------------------------------------------------------
 def test_the_key_comes_from_the_options_else_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TWINRPC_AUTH_KEY", raising=False)
+    monkeypatch.delenv("TWINRPC_AUTH_KEY_FILE", raising=False)
+    monkeypatch.setattr(_EnvironmentKey, "key", None)  # what an earlier read in this process kept
     assert job_key(rpc.RpcBackendOptions()) is None
     monkeypatch.setenv("TWINRPC_AUTH_KEY", "from the launcher")
     assert job_key(rpc.RpcBackendOptions()) == b"from the launcher"
@@ -448,11 +451,19 @@ def test_a_frame_without_the_key_is_not_unpickled_and_fails_only_its_link(tmp_pa
         marker=str(marker),
         sent=mp.Event(),
         done=mp.Event(),
-    )[1]
-    print(got["error"])
+    )
+    victim, sender = got[1], got[0]
+    print(victim["error"], sender["error"], sep="\n")
     assert not marker.exists()
-    assert "authentication failed" in got["error"] and "'worker0' (rank 0)" in got["error"], got["error"]
-    assert got["other"] == 3 and got["bad"] == 1
+    # the caller on the refusing side: authentication, the peer, not a death
+    error = victim["error"]
+    assert "authentication failed" in error and "'worker0' (rank 0)" in error, error
+    assert "Its link failed this job's authentication" in error and "probably died" not in error
+    assert victim["other"] == 3 and victim["bad"] == 1
+    # the caller whose frame was refused sees the link closed; the error says what that may mean
+    error = sender["error"]
+    assert "'worker1' (rank 1) is unavailable" in error, error
+    assert "a worker also closes a link on which a frame failed authentication" in error
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -5,14 +5,13 @@ simulator and in the gloo world alike."""
 from __future__ import annotations
 
 import io
-import json
 import pickle
 import re
 
 import _unpickle_allow_program as program
 import pytest
 import torch
-from _launch import ROOT, free_port, run_workers
+from _launch import first_worker_json
 from twinrpc.simulator import Simulation
 
 import twinrpc._serialize as serialize
@@ -174,15 +173,7 @@ def test_a_refused_request_or_reply_fails_only_that_call_in_the_simulator() -> N
 def test_the_gloo_world_refuses_the_same_calls_as_the_simulator() -> None:
     program.RAN.clear()
     sim = Simulation(world_size=2, seed=0).run(program.program).values()[0]
-    results = run_workers(
-        ROOT / "tests" / "_unpickle_allow_program.py",
-        cwd=ROOT / "tests",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
-    for res in results:
-        res.check_clean(tracebacks=True)
-    gloo = json.loads(results[0].stdout.strip().splitlines()[-1])
+    gloo = first_worker_json("_unpickle_allow_program.py")
     _check_outcomes(gloo)
     assert gloo == sim
 
@@ -210,3 +201,26 @@ def _remote_linear(rank: int) -> object:
 def test_a_remote_module_needs_only_its_module_class_allowed() -> None:
     result = Simulation(world_size=2, seed=0).run(_remote_linear)
     assert result.values()[0] == ((3, 1), [(1, 2), (1,)])
+
+
+@pytest.mark.parametrize("pattern", ["_reexporting_module.*", "_reexporting_module"])
+def test_a_pattern_matches_where_a_global_is_defined_not_where_it_was_imported(pattern: str) -> None:
+    import _reexporting_module
+
+    allow = UnpickleAllowlist([pattern])
+    assert allow.loads(_payload_naming("_reexporting_module", "step")) is _reexporting_module.step
+    assert allow.loads(_payload_naming("_reexporting_module", "LEARNING_RATE")) == 0.1
+    for name, defined in (
+        ("system", "posix.system"),
+        ("SerializationError", "twinrpc._errors.SerializationError"),
+    ):
+        with pytest.raises(UnpickleRefused) as info:
+            allow.loads(_payload_naming("_reexporting_module", name))
+        text = str(info.value)
+        assert f"_reexporting_module.{name}, which is {defined}" in text, text
+        assert f"add {defined!r}" in text and "nothing in the message was run" in text
+    with pytest.raises(UnpickleRefused, match="does not say where it is defined"):
+        allow.loads(_payload_naming("_reexporting_module", "quiet_system"))
+    # allowed where it is defined, the re-exported name loads too
+    both = UnpickleAllowlist([pattern, "posix.system"])
+    assert both.loads(_payload_naming("_reexporting_module", "system")) is _reexporting_module.system

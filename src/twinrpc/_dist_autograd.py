@@ -26,7 +26,7 @@ from ._control_channel import RetryPolicy
 from ._errors import NotInitializedError, ShutdownError, WorkerUnavailableError
 from ._future import Future, add_internal_callback
 from ._message import Kind, Message
-from ._rref import agent_of
+from ._rref import agent_of, owner_allowlist
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
@@ -229,9 +229,13 @@ class AutogradEnvelope:
 def _open_envelope(context_id: int, message_id: int, src: int, response: bool) -> AutogradEnvelope:
     from ._current import current_agent
 
+    agent = current_agent()
+    if agent.unpickle_allow is not None:  # a peer chose the arguments: only what twinrpc sends
+        for value in (context_id, message_id, src, response):
+            agent.unpickle_allow.check_type(value, int, "the distributed autograd envelope")
     env = AutogradEnvelope(context_id, message_id, src, response, None)
     state = _serialize.current_load_state()
-    container = current_agent().autograd
+    container = agent.autograd
     ctx = container.get(context_id)
     if ctx is None:
         if response:  # the caller left the context before the reply came: nothing to link
@@ -587,5 +591,7 @@ def backward_owner_value(agent: RpcAgent, value: Any, context_id: int, retain_gr
 
 
 def rref_backward_on_owner(rref: Any, context_id: int, retain_graph: bool) -> None:
-    """Runs on the owner (an RPC from a user RRef's ``backward``)."""
+    """Runs on the owner (an RPC from a user RRef's ``backward``). With ``unpickle_allow``, ``rref``
+    must be an RRef, whose value backward_owner_value accepts only if it is a tensor."""
+    owner_allowlist(rref, "RRef.backward")
     backward_owner_value(agent_of(rref), rref.local_value(), context_id, retain_graph)

@@ -57,15 +57,16 @@ class WorkerUnavailableError(RPCError):
 
 
 class AuthenticationError(RPCError):
-    """With a job key (``RpcBackendOptions(auth_key=...)`` or ``TWINRPC_AUTH_KEY``): the workers were
+    """With a job key (``RpcBackendOptions(auth_key=...)``, ``TWINRPC_AUTH_KEY_FILE`` or
+    ``TWINRPC_AUTH_KEY``): the workers were
     not all started with the same key, or a frame or rendezvous entry failed the key's check. Nothing
     in what failed was used or unpickled; on a link, the link to that peer fails with it."""
 
 
 #: what an init_rpc that failed over the workers' keys tells the user to do (both worlds)
 AUTH_KEY_HINT = (
-    "Every worker of a job must be started with the same key (RpcBackendOptions(auth_key=...) or the "
-    "environment variable TWINRPC_AUTH_KEY), or all without one"
+    "Every worker of a job must be started with the same key (RpcBackendOptions(auth_key=...), a file "
+    "named by TWINRPC_AUTH_KEY_FILE or the environment variable TWINRPC_AUTH_KEY), or all without one"
 )
 
 

@@ -41,8 +41,12 @@ class GroupMembership(Protocol):
 
 
 def update_group_membership(info: WorkerInfo, is_join: bool) -> None:
-    """Runs on a member when ``info`` joins or leaves (PyTorch's ``_update_group_membership``)."""
-    current_agent().update_membership(info, is_join)
+    """Runs on a member when ``info`` joins or leaves (PyTorch's ``_update_group_membership``). With
+    ``unpickle_allow``, ``info`` must be a WorkerInfo (a peer chose the argument)."""
+    agent = current_agent()
+    if agent.unpickle_allow is not None:
+        agent.unpickle_allow.check_type(info, WorkerInfo, "update_group_membership")
+    agent.update_membership(info, bool(is_join))
 
 
 def member_ready() -> None:

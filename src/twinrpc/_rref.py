@@ -16,6 +16,7 @@ from ._future import Future
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
+    from ._unpickle_allow import UnpickleAllowlist
     from ._worker_info import WorkerInfo
 
 T = TypeVar("T")
@@ -275,3 +276,32 @@ def state_of(rref: RRef[Any]) -> OwnerState | UserState:
 def agent_of(rref: RRef[Any]) -> RpcAgent:
     """The agent of the worker that holds ``rref``."""
     return rref._agent
+
+
+def owner_allowlist(rref: Any, helper: str) -> UnpickleAllowlist | None:
+    """The ``unpickle_allow`` of the worker running a twinrpc ``helper`` aimed at ``rref``'s value (an
+    RPC from a peer, which chose the argument): with one, ``rref`` must be an RRef, so the helper reaches
+    only the values RRefs hold, each checked by the helper; None: no allowlist (PyTorch's behaviour).
+
+    Raises:
+        UnpickleRefused: ``rref`` is not an RRef.
+    """
+    allow = current_agent().unpickle_allow
+    if allow is not None:
+        allow.check_type(rref, RRef, helper)
+    return allow
+
+
+def owner_value(rref: Any, expected: type | tuple[type, ...], helper: str) -> Any:
+    """``rref.local_value()`` for a twinrpc ``helper`` that acts on it in a way only values of the
+    ``expected`` types allow (a remote optimizer's ``step``, a module's ``forward``): with
+    ``unpickle_allow``, a peer may not aim the helper at an RRef of any other value.
+
+    Raises:
+        UnpickleRefused: ``rref`` is not an RRef, or its value not of the ``expected`` types.
+    """
+    allow = owner_allowlist(rref, helper)
+    value = rref.local_value()
+    if allow is not None:
+        allow.check_type(value, expected, helper)
+    return value

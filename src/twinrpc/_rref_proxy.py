@@ -5,18 +5,28 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._future import Future
-from ._rref import agent_of
+from ._rref import agent_of, owner_allowlist
 
 if TYPE_CHECKING:
     from ._rref import RRef
 
 
 def _local_invoke(rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return getattr(rref.local_value(), name)(*args, **kwargs)
+    return _owner_attribute(rref, name)(*args, **kwargs)
 
 
 def _local_invoke_async(rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return getattr(rref.local_value(), name)(*args, **kwargs)
+    return _owner_attribute(rref, name)(*args, **kwargs)
+
+
+def _owner_attribute(rref: RRef[Any], name: str) -> Any:
+    """The attribute ``name`` of the RRef's value, on its owner. ``name`` comes from a peer: on a
+    worker with ``unpickle_allow`` it is checked as a global would be (an allowed method of the value's
+    type, never a dunder), so a proxy call reaches nothing the list does not allow; without one, any
+    attribute, as PyTorch."""
+    allow = owner_allowlist(rref, "the RRef proxy")
+    value = rref.local_value()
+    return getattr(value, name) if allow is None else allow.attribute(value, name)
 
 
 _local_invoke_async._wrapped_async_rpc_function = _local_invoke_async  # type: ignore[attr-defined]

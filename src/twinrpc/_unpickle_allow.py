@@ -8,9 +8,17 @@ before anything in it runs. Without an allowlist, messages are unpickled as PyTo
 
 A pattern is matched against a global's full dotted name (``module.qualname``) with shell-style
 wildcards: ``"mypkg.*"`` allows everything in ``mypkg`` and its submodules, ``"mypkg.train.step"`` one
-function, and a bare module name such as ``"mypkg"`` everything defined in that module itself. A
-method or a builtin torch operator travels as ``getattr(owner, name)``: its owner's name and the
-attribute are checked together, so ``"torch.add"`` allows ``torch.add`` and nothing else of torch.
+function, and a bare module name such as ``"mypkg"`` everything defined in that module itself. Both
+the name a pickle gives and the name where the loaded object is defined (its own ``__module__`` and
+``__qualname__``) must match: ``mypkg.system`` after ``from os import system`` in ``mypkg`` is
+``posix.system``, and ``"mypkg.*"`` does not allow it. A method or a builtin torch operator travels
+as ``getattr(owner, name)``: its owner's name and the attribute are checked together, so
+``"torch.add"`` allows ``torch.add`` and nothing else of torch.
+
+twinrpc's own remote helpers that reach a value's attribute by a name they received (the RRef proxy's
+``rref.rpc_sync().method()``) apply the same rule through :meth:`UnpickleAllowlist.attribute`, and the
+helpers that act on an RRef's value (``backward``, the remote optimizer's step) check its type: an
+always-allowed helper never opens a way to a global the list does not allow.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ _TWINRPC_GLOBALS = frozenset(
         ("twinrpc._rref", "ForkData"),
         ("twinrpc._rref", "GloballyUniqueId"),
         ("twinrpc._agent", "_RemoteException"),
+        ("twinrpc._unpickle_allow", "UnpickleRefused"),
         ("twinrpc._worker_info", "WorkerInfo"),
         ("twinrpc._shutdown", "_GatherAborted"),
         ("twinrpc._shutdown", "_PeerDied"),
@@ -105,21 +114,78 @@ class UnpickleAllowlist:
             UnpickleRefused: it is not allowed (nothing was imported or looked up).
         """
         key = (module, name)
-        allowed = key in self._allowed
-        if not allowed:
-            allowed = key in _TWINRPC_GLOBALS or self.allows_name(f"{module}.{name}", module)
-            if not allowed:  # twinrpc's own needs that are kinds of values, not single names
-                allowed = _implied(module, name)
-            if allowed:
-                self._allowed.add(key)  # set.add is atomic: no lock needed
-        if not allowed:
-            raise self.refused(f"{module}.{name}")
         if key == ("builtins", "getattr"):
             return self._checked_getattr
+        known = key in self._allowed
+        own = known or key in _TWINRPC_GLOBALS or _implied(module, name)  # twinrpc's own needs
+        if not own and not self.allows_name(f"{module}.{name}", module):
+            raise self.refused(f"{module}.{name}")
         obj = _load_global(module, name)
         if obj is None:  # a dotted name that leaves its module or goes through a dunder
             raise self.refused(f"{module}.{name}")
+        if not own:
+            self._check_defined_where_allowed(f"{module}.{name}", obj)
+        if not known:
+            self._allowed.add(key)  # set.add is atomic: no lock needed
         return obj
+
+    def _check_defined_where_allowed(self, found: str, obj: Any) -> None:
+        """A user pattern allowed the name ``found``; the object must be allowed where it is defined
+        too (a module's ``from os import system`` is ``posix.system``, not the module's own).
+
+        Raises:
+            UnpickleRefused: saying where ``obj`` is defined and what to add to allow it.
+        """
+        defined = _defined_name(obj)
+        if defined is None:
+            if not callable(obj):
+                return  # plain data (a constant): loading it calls nothing
+            raise UnpickleRefused(
+                f"the message names the global {found}, a {type(obj).__qualname__} that does not say "
+                "where it is defined (no __module__ and __qualname__), so no pattern can allow it; "
+                "nothing in the message was run. Send a function or class defined in an allowed module"
+            )
+        module = getattr(obj, "__module__", None)
+        if defined != found and not self.allows_name(defined, module):
+            raise UnpickleRefused(
+                f"the message names the global {found}, which is {defined} (defined there and imported "
+                f"under the name it was found by); this worker's unpickle_allow (patterns: "
+                f"{list(self.patterns)}) allows the name but not where it is defined, so nothing in the "
+                f"message was run. To allow it, add {defined!r} (or a pattern matching it) to "
+                "RpcBackendOptions(unpickle_allow=...) on the receiving worker"
+            )
+
+    def attribute(self, value: Any, name: str) -> Any:
+        """``getattr(value, name)`` for a remote helper that received ``name`` from a peer (the RRef
+        proxy's ``rref.rpc_sync().name()``): allowed only for an attribute of ``value``'s type whose full
+        name (``mypkg.Model.forward``) a pattern allows, never a dunder, never an attribute the type
+        does not have (an instance's own attributes are not methods a peer may name).
+
+        Raises:
+            UnpickleRefused: naming the attribute and how to allow it; nothing was called.
+        """
+        owner = type(value)
+        if not isinstance(name, str):
+            raise UnpickleRefused(f"an attribute name must be a str, got {type(name).__qualname__}")
+        dotted = f"{owner.__module__}.{owner.__qualname__}.{name}"
+        if _is_dunder(name) or not hasattr(owner, name) or not self.allows_name(dotted, owner.__module__):
+            raise self.refused(dotted, "attribute")
+        return getattr(value, name)
+
+    def check_type(self, value: Any, expected: type | tuple[type, ...], helper: str) -> None:
+        """What a twinrpc helper acting on an RRef's value (``backward``, a remote optimizer's step)
+        expects to find there: with an allowlist, a peer may not aim it at any other value.
+
+        Raises:
+            UnpickleRefused: naming the helper and the value's type.
+        """
+        if not isinstance(value, expected):
+            owner = type(value)
+            raise UnpickleRefused(
+                f"{helper} was asked to act on a {owner.__module__}.{owner.__qualname__}, which is not what "
+                f"it acts on; with unpickle_allow set (patterns: {list(self.patterns)}) this worker runs "
+                "twinrpc's own helpers only on their own kinds of values, so nothing was run"
+            )
 
     def _checked_getattr(self, owner: Any, name: str) -> Any:
         """``getattr`` as a pickle calls it (methods, builtin operators): the attribute is allowed
@@ -130,9 +196,9 @@ class UnpickleAllowlist:
             raise self.refused(dotted)
         return getattr(owner, name)
 
-    def refused(self, dotted: str) -> UnpickleRefused:
+    def refused(self, dotted: str, what: str = "global") -> UnpickleRefused:
         return UnpickleRefused(
-            f"the message names the global {dotted}, which this worker's unpickle_allow does not allow "
+            f"the message names the {what} {dotted}, which this worker's unpickle_allow does not allow "
             f"(patterns: {list(self.patterns)}); nothing in the message was run. To allow it, add "
             f"{dotted!r} (or a pattern matching it) to RpcBackendOptions(unpickle_allow=...) on the "
             "receiving worker"
@@ -189,6 +255,18 @@ def _load_global(module: str, name: str) -> Any:
 
 def _is_dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
+
+
+def _defined_name(obj: Any) -> str | None:
+    """Where ``obj`` is defined, as a pattern names it (``module.qualname``; ``torch.add`` for one of
+    torch's builtin operators), or None when it does not say."""
+    if getattr(obj, "__self__", None) is _OPERATORS:
+        return f"torch.{obj.__name__}"
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        return None
+    return f"{module}.{qualname}"
 
 
 def _owner_name(owner: Any) -> str:

@@ -21,6 +21,7 @@ from .. import autograd as dist_autograd
 from .. import rpc
 from .._current import current_agent
 from .._future import Future
+from .._rref import owner_value
 from .utils import functional_optim_map, register_functional_optim
 
 __all__ = ["DistributedOptimizer", "register_functional_optim"]
@@ -69,11 +70,17 @@ def _step_lock() -> _StepLock:
         return lock
 
 
+def _owner_params(local_params_rref: list[Any]) -> list[Any]:
+    """The parameters a local optimizer is built over, on their owner. With ``unpickle_allow`` each must
+    be an RRef holding a tensor: a peer may not hand another value to the optimizer class."""
+    return [owner_value(rref, torch.Tensor, "DistributedOptimizer") for rref in local_params_rref]
+
+
 class _LocalOptimizer:
     """The plain variant on an owner: sets ``p.grad`` from the context, then ``optimizer.step()``."""
 
     def __init__(self, optim_cls: Any, local_params_rref: list[Any], *args: Any, **kwargs: Any) -> None:
-        self._local_params = [rref.local_value() for rref in local_params_rref]
+        self._local_params = _owner_params(local_params_rref)
         self.optim = optim_cls(self._local_params, *args, **kwargs)
 
     def step(self, autograd_ctx_id: int) -> None:
@@ -89,7 +96,7 @@ class _FunctionalLocalOptimizer:
     a parameter without gradient in the context gets ``None`` and is left unchanged."""
 
     def __init__(self, optim_cls: Any, local_params_rref: list[Any], *args: Any, **kwargs: Any) -> None:
-        self._local_params = [rref.local_value() for rref in local_params_rref]
+        self._local_params = _owner_params(local_params_rref)
         # twinrpc uses the functional forms eagerly, never TorchScript: their deprecation warning (which
         # torch issues with an "always" filter) does not apply, so it is recorded and dropped
         with warnings.catch_warnings(record=True):
@@ -113,7 +120,12 @@ def _new_functional_local_optimizer(
 
 
 def _local_optimizer_step(local_optim_rref: Any, autograd_ctx_id: int) -> None:
-    local_optim_rref.local_value().step(autograd_ctx_id)
+    """On a parameter's owner. With ``unpickle_allow``, only a local optimizer built by
+    DistributedOptimizer is stepped: a peer may not call ``step`` on any other value it names."""
+    optimizer = owner_value(
+        local_optim_rref, (_LocalOptimizer, _FunctionalLocalOptimizer), "DistributedOptimizer's step"
+    )
+    optimizer.step(autograd_ctx_id)
 
 
 def _wait_for_all(futures: list[Future[Any]]) -> list[Any]:

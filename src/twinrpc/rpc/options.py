@@ -6,6 +6,11 @@ import enum
 from collections.abc import Sequence
 from typing import Any
 
+# the job key's sources, where the worlds and the docs of ``auth_key`` look for them
+from .._key_source import AUTH_KEY_ENV as AUTH_KEY_ENV
+from .._key_source import AUTH_KEY_FILE_ENV as AUTH_KEY_FILE_ENV
+from .._key_source import auth_key_of as auth_key_of
+
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_INIT_METHOD = "env://"
 DEFAULT_NUM_WORKER_THREADS = 16
@@ -18,31 +23,6 @@ DEFAULT_SHUTDOWN_TIMEOUT = 0
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 #: a peer silent for this many intervals while we wait for its next frame is declared dead
 DEFAULT_HEARTBEAT_MISSES = 10
-#: the environment variable a launcher sets to the job's key, for every process (see ``auth_key``)
-AUTH_KEY_ENV = "TWINRPC_AUTH_KEY"
-
-
-def auth_key_of(options: Any) -> bytes | None:
-    """The job's key a worker runs with: ``options.auth_key``, else ``TWINRPC_AUTH_KEY`` (UTF-8), else
-    None (no key). Both worlds ask this, so they agree on which workers share a key.
-
-    Raises:
-        ValueError: ``TWINRPC_AUTH_KEY`` is set but empty (a launcher that meant to set a key).
-    """
-    import os
-
-    key = getattr(options, "auth_key", None)  # a subclass may skip RpcBackendOptions.__init__
-    if key is not None:
-        return bytes(key)
-    text = os.environ.get(AUTH_KEY_ENV)
-    if text is None:
-        return None
-    if not text:
-        raise ValueError(
-            f"{AUTH_KEY_ENV} is set but empty: set it to the job's secret (the same on every worker) or "
-            "unset it to run without authentication"
-        )
-    return text.encode()
 
 
 class BackendType(enum.Enum):
@@ -85,8 +65,10 @@ class RpcBackendOptions:
             its caller gets a SerializationError naming the global. None (the default): any global,
             as PyTorch does. See docs/howto/restrict-unpickling.md.
         auth_key: twinrpc only: the job's secret (bytes). Every worker of the job must have the same
-            one; None (the default) takes it from the environment variable ``TWINRPC_AUTH_KEY``
-            (UTF-8), and without either, frames and rendezvous entries carry no authentication. With a
+            one; None (the default) takes it from the file named by ``TWINRPC_AUTH_KEY_FILE``
+            (readable by its owner only), else from the environment variable ``TWINRPC_AUTH_KEY``
+            (UTF-8, removed from the environment once read), and without any, frames and rendezvous
+            entries carry no authentication. With a
             key, the gloo world authenticates every frame and every rendezvous entry and drops what
             fails the check before unpickling any of it; in both worlds, workers started with
             different keys fail ``init_rpc`` with :class:`~twinrpc.rpc.AuthenticationError` on every rank. See
