@@ -20,6 +20,7 @@ from twinrpc._errors import NotInitializedError
 from twinrpc._membership import update_group_membership
 from twinrpc._rref_proxy import _local_invoke, _local_invoke_async
 from twinrpc._serialize import _rebuild_tensor
+from twinrpc.nn._remote_module import _param_rrefs, _remote_forward, _set_training
 from twinrpc.optim import _local_optimizer_step, _new_local_optimizer
 
 #: what ran in the victim (the simulator's workers share it: only the victim runs these functions)
@@ -134,6 +135,15 @@ def attacks(to: str) -> dict[str, str]:
     )
     out["tensor record outside a message"] = _outcome(
         lambda: rpc.rpc_sync(to, _rebuild_tensor, args=(0, torch.float32, (1,), (1,), 0, False))
+    )
+    out["remote module forward on a non-module"] = _outcome(
+        lambda: rpc.rpc_sync(to, _remote_forward, args=(counter, "cpu", False, 1))
+    )
+    out["remote module parameters of a non-module"] = _outcome(
+        lambda: rpc.rpc_sync(to, _param_rrefs, args=(own_error, True))
+    )
+    out["remote module train of a non-module"] = _outcome(
+        lambda: rpc.rpc_sync(to, _set_training, args=(counter, True))
     )
     out["ran"] = _outcome(lambda: rpc.rpc_sync(to, ran))
     out["workers"] = _outcome(lambda: rpc.rpc_sync(to, workers))

@@ -22,6 +22,7 @@ from twinrpc._dist_autograd import _open_envelope, rref_backward_on_owner
 from twinrpc._errors import NotInitializedError
 from twinrpc._membership import update_group_membership
 from twinrpc._rref_proxy import _local_invoke, _local_invoke_async
+from twinrpc.nn._remote_module import _param_rrefs, _remote_forward, _set_training
 from twinrpc.optim import _local_optimizer_step, _new_local_optimizer
 
 REFUSED = "SerializationError (unpickle_allow)"
@@ -40,6 +41,9 @@ EXPECTED = {
     "membership with a non-WorkerInfo": REFUSED,
     "envelope with a non-int": REFUSED,
     "tensor record outside a message": "SerializationError",
+    "remote module forward on a non-module": REFUSED,
+    "remote module parameters of a non-module": REFUSED,
+    "remote module train of a non-module": REFUSED,
     "ran": "ok: []",  # nothing of the attacks ran on the victim
     "workers": "ok: ['worker0', 'worker1']",  # and its group is as it was
 }
@@ -133,6 +137,9 @@ _HELPERS: dict[str, Callable[[Any, str, tuple[Any, ...]], tuple[Any, tuple[Any, 
     "an own error": lambda rref, name, args: (NotInitializedError, args, {}),
     "a builtin error": lambda rref, name, args: (ValueError, args, {}),
     "a Size": lambda rref, name, args: (torch.Size, args[:1], {}),
+    "remote module forward": lambda rref, name, args: (_remote_forward, (rref, "cpu", False, *args), {}),
+    "remote module parameters": lambda rref, name, args: (_param_rrefs, (rref, True), {}),
+    "remote module train": lambda rref, name, args: (_set_training, (rref, True), {}),
 }
 _STEP = st.tuples(
     st.sampled_from(sorted(_HELPERS)),

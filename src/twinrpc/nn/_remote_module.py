@@ -24,6 +24,7 @@ from torch.nn.parameter import Parameter
 from .. import rpc
 from .._current import maybe_current_agent
 from .._future import Future
+from .._rref import owner_value
 from .._serialize import register_reducer
 
 __all__ = ["RemoteModule"]
@@ -78,18 +79,23 @@ def _create_module(
     return module
 
 
+def _module(module_rref: rpc.RRef[nn.Module]) -> nn.Module:
+    """The module a RemoteModule's helper acts on: with ``unpickle_allow``, only an ``nn.Module``."""
+    return owner_value(module_rref, nn.Module, "RemoteModule")  # type: ignore[no-any-return]
+
+
 def _param_rrefs(module_rref: rpc.RRef[nn.Module], recurse: bool) -> list[rpc.RRef[Parameter]]:
-    return [rpc.RRef(param) for param in module_rref.local_value().parameters(recurse)]
+    return [rpc.RRef(param) for param in _module(module_rref).parameters(recurse)]
 
 
 def _remote_forward(
     module_rref: rpc.RRef[nn.Module], device: str, is_device_map_set: bool, *args: Any, **kwargs: Any
 ) -> Any:
-    return module_rref.local_value().forward(*args, **kwargs)
+    return _module(module_rref).forward(*args, **kwargs)
 
 
 def _set_training(module_rref: rpc.RRef[nn.Module], mode: bool) -> nn.Module:
-    return module_rref.local_value().train(mode)
+    return _module(module_rref).train(mode)
 
 
 # -- the forward methods every RemoteModule gets (PyTorch's ``_generated_methods``) ---------------------
