@@ -143,7 +143,8 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def train(session: nox.Session) -> None:
     """The parameter-server training job: `nox -s train` (simulator), `nox -s train -- --world gloo`."""
-    _install(session, "train")
+    # with the `sim` extra, .nox/train is also the README's environment for `python -m twinrpc.simulator`
+    _install(session, "train,sim")
     session.run("python", "examples/parameter_server.py", *session.posargs)
 
 
