@@ -3,6 +3,7 @@ simulator commands run, in order, from a folder laid out like the repository's r
 
 from __future__ import annotations
 
+import ast
 import re
 import shlex
 import subprocess
@@ -35,6 +36,27 @@ def test_readme_porting_snippet_is_the_tested_example_file_and_prints_the_sum() 
     ).stdout
     assert out.startswith("tensor([2., 2.])\n")
     assert "# twinrpc trace: simulator, seed 7, 2 workers (worker0, worker1)" in out
+
+
+def test_getting_started_opens_with_the_readmes_two_commands() -> None:
+    page = (ROOT / "docs" / "tutorials" / "getting-started.md").read_text()
+    readme_commands = re.search(r"```bash\n(.*?)```", README, re.DOTALL)
+    page_commands = re.search(r"```bash\n(.*?)```", page, re.DOTALL)
+    assert readme_commands is not None and page_commands is not None
+    assert page_commands.group(1) == readme_commands.group(1)
+
+
+def test_every_nox_session_explains_itself_in_one_line() -> None:
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    sessions = [
+        f
+        for f in tree.body
+        if isinstance(f, ast.FunctionDef) and any("nox.session" in ast.unparse(d) for d in f.decorator_list)
+    ]
+    assert len(sessions) >= 10
+    for session in sessions:
+        doc = ast.get_docstring(session)
+        assert doc and doc.splitlines()[0].endswith("."), f"nox -l shows {session.name}'s first line: {doc!r}"
 
 
 def test_readme_simulator_commands_run_as_written(tmp_path: Path) -> None:
