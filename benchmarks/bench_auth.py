@@ -16,7 +16,6 @@ Run: ``nox -s bench`` or ``python benchmarks/bench_auth.py [--rounds R] [--calls
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import hmac
 import multiprocessing as mp
@@ -27,6 +26,8 @@ import tempfile
 import time
 import timeit
 from typing import Any
+
+import _cli  # benchmarks/_cli.py (the script's directory is on sys.path)
 
 # the same calls as bench_gloo's (the script's directory, benchmarks/, is on the path)
 from bench_gloo import WINDOW, _throughput, tiny_udf
@@ -134,7 +135,7 @@ def _mac_costs() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=2000, help="calls per measurement")
     parser.add_argument("--mac", action="store_true", help="also time the MAC constructions alone")

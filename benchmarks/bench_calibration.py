@@ -49,6 +49,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
+import _cli  # noqa: E402
 import _netns  # noqa: E402
 import _results  # noqa: E402
 import parameter_server as ps  # noqa: E402
@@ -294,7 +295,7 @@ def _us(x: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
     parser.add_argument("--batches", type=int, default=20, help="batches per trainer in the job")
     parser.add_argument("--trainers", type=int, default=2)

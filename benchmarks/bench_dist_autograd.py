@@ -37,6 +37,7 @@ import tempfile
 import time
 from typing import Any
 
+import _cli
 import _results  # benchmarks/_results.py (the script's directory is on sys.path)
 import torch
 import torch.multiprocessing as mp
@@ -188,7 +189,7 @@ def _launch(system: str, loop: str, iters: int, rounds: int) -> Rounds:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--iters", type=int, default=300, help="iterations per round")
     parser.add_argument("--rounds", type=int, default=2, help="measured rounds per launch")
     parser.add_argument("--repeat", type=int, default=3, help="launches of each system, alternating")

@@ -20,7 +20,6 @@ Run: ``nox -s bench`` or ``python benchmarks/bench_gloo.py [--rounds R] [--quick
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import multiprocessing as mp
@@ -34,6 +33,7 @@ import threading
 import time
 from typing import Any
 
+import _cli
 import _results
 
 KiB, MiB = 1024, 1024 * 1024
@@ -373,7 +373,7 @@ def run_rounds(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=300, help="latency samples per system per round")
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")

@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import _cli  # benchmarks/_cli.py (the script's directory is on sys.path)
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -166,7 +167,7 @@ def _run_once(system: str, args: argparse.Namespace) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--batches", type=int, default=150, help="measured batches per trainer")
     parser.add_argument("--warmup", type=int, default=20, help="batches per trainer before the barrier")
     parser.add_argument("--batch-size", type=int, default=32, help="as examples/parameter_server.py")

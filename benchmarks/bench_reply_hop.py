@@ -13,7 +13,6 @@ benchmark pays once per reply (forward, backward, step).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import threading
@@ -21,6 +20,7 @@ import time
 from _thread import allocate_lock
 from typing import Any
 
+import _cli  # benchmarks/_cli.py (the script's directory is on sys.path)
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -100,7 +100,7 @@ def _launch(mode: str, iters: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--iters", type=int, default=2000, help="round trips per round")
     parser.add_argument("--repeat", type=int, default=3, help="launches of each mode, alternating")
     args = parser.parse_args()

@@ -13,12 +13,13 @@ since a gloo cycle is three real round trips.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
 import weakref
 from typing import Any
+
+import _cli  # benchmarks/_cli.py (the script's directory is on sys.path)
 
 _COUNTED = (
     "num_owner_rrefs",
@@ -120,7 +121,7 @@ def run_gloo(cycles: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--world", choices=["sim", "gloo"], default="sim")
     parser.add_argument("--cycles", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)

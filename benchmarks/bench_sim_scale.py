@@ -16,11 +16,11 @@ Run: ``nox -s bench`` or ``python benchmarks/bench_sim_scale.py [--workers 256] 
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import _cli  # benchmarks/_cli.py (the script's directory is on sys.path)
 import torch
 from twinrpc.simulator import NetworkModel, Simulation, WorkerOutcome
 
@@ -143,7 +143,7 @@ def run_job(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--workers", type=int, default=256)
     parser.add_argument("--servers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)

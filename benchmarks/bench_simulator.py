@@ -11,7 +11,6 @@ Run: ``nox -s bench`` or ``python benchmarks/bench_simulator.py [--calls N] [--r
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
@@ -20,6 +19,7 @@ import time
 import warnings
 from collections.abc import Iterator
 
+import _cli  # benchmarks/_cli.py (the script's directory is on sys.path)
 from twinrpc.simulator import Simulation, SimulationWarning
 from twinrpc.simulator._kernel._virtual_time import simulated_time
 from twinrpc.simulator._launch._program import ProcessImage, ProcessImages
@@ -78,7 +78,7 @@ def round_trips_per_second(calls: int, trace: bool, seed: int, processes: bool =
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--calls", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()

@@ -49,7 +49,6 @@ bounded CI test, tests/test_soak_gloo.py, runs a short soak through it).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import operator
@@ -60,6 +59,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import _cli  # benchmarks/_cli.py (the script's directory is on sys.path)
 
 #: fraction of a load's samples that count as its warm-up
 WARMUP = 0.2
@@ -331,7 +332,7 @@ def report(curves: list[Curve]) -> tuple[bool, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--calls", type=int, default=1_000_000)
     parser.add_argument("--rrefs", type=int, default=100_000)
     parser.add_argument("--contexts", type=int, default=10_000)

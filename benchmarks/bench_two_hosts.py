@@ -20,13 +20,13 @@ Needs root and iproute2 (``ip netns``). Run: ``nox -s bench`` or
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import statistics
 import sys
 import tempfile
 
+import _cli
 import _netns
 import _results
 import bench_gloo
@@ -49,7 +49,7 @@ def _measures(system: str, what: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=300, help="latency samples per system per round")
     parser.add_argument("--no-tensorpipe", action="store_true", help="leave TensorPipe out")

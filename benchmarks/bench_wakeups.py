@@ -32,7 +32,6 @@ workers together. ``--json FILE`` writes them, and the detail tables, for the re
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import queue
@@ -47,6 +46,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import _cli
 import _results  # benchmarks/_results.py (the script's directory is on sys.path)
 from bench_gloo import _free_port, _init, link_frames, tiny_udf
 
@@ -369,7 +369,7 @@ def report(loops: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--remote-ops", type=int, default=2000, help="measured remote()+to_here() ops")
     parser.add_argument("--iterations", type=int, default=300, help="measured autograd iterations")
     parser.add_argument("--warmup", type=int, default=200, help="warm-up ops of each loop per launch")

@@ -10,12 +10,13 @@ Run: ``python benchmarks/render_results.py [--results DIR] [--out FILE] [--check
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
+
+import _cli  # benchmarks/_cli.py (the script's directory is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -199,7 +200,7 @@ def render(docs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _cli.parser(__doc__)
     parser.add_argument("--results", default=str(RESULTS), help="the directory of the benchmarks' JSON")
     parser.add_argument("--out", default=str(PAGE), help="the page to write")
     parser.add_argument(

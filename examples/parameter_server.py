@@ -182,7 +182,14 @@ def run_training_loop(rank: int, args: argparse.Namespace, progress: Any) -> Non
     batches = (len(y_train) + args.batch_size - 1) // args.batch_size
     if args.max_batches is not None:  # a short run (benchmarks/bench_calibration.py)
         batches = min(batches, args.max_batches)
-    bar = progress(total=args.epochs * batches, desc=f"trainer {rank}", position=rank - 1, leave=True)
+    # bars on a terminal only: in a log file they are lines of escape codes
+    bar = progress(
+        total=args.epochs * batches,
+        desc=f"trainer {rank}",
+        position=rank - 1,
+        leave=True,
+        disable=not sys.stderr.isatty(),
+    )
     for _ in range(args.epochs):
         order = torch.randperm(len(y_train), generator=gen)
         for b in range(batches):
@@ -207,7 +214,12 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return float((pred == y).float().mean())
 
 
-def save_curve(losses: dict[int, list[float]], path: Path) -> None:
+def run_tag(args: argparse.Namespace) -> str:
+    """What a run's files are named after: its world, and the seed on the simulator."""
+    return f"{args.world}-seed{args.seed}" if args.world == "sim" else args.world
+
+
+def save_curve(losses: dict[int, list[float]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -218,7 +230,7 @@ def save_curve(losses: dict[int, list[float]], path: Path) -> None:
         ax.plot(values, label=f"trainer {trainer}", linewidth=0.8)
     ax.set_xlabel("iteration")
     ax.set_ylabel("training loss (NLL)")
-    ax.set_title("parameter server training on twinrpc")
+    ax.set_title(title)
     ax.legend()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -240,16 +252,20 @@ def run_worker(rank: int, args: argparse.Namespace, options: Any = None) -> dict
     _, _, x_test, y_test = load_data(args.data_dir)
     acc = accuracy(server.model, x_test, y_test)
     out = Path(args.out_dir)
-    save_curve(server.losses, out / "loss.png")
+    tag = run_tag(args)
+    world = f"simulator, seed {args.seed}" if args.world == "sim" else "gloo world"
+    png = out / f"loss-{tag}.png"
+    save_curve(server.losses, png, f"parameter server on twinrpc ({world}): test accuracy {acc:.1%}")
     result = {
         "test_accuracy": acc,
         "final_loss": {k: sum(v[-10:]) / len(v[-10:]) for k, v in server.losses.items()},
         "world": args.world,
-        "loss_png": str(out / "loss.png"),
+        "seed": args.seed if args.world == "sim" else None,
+        "loss_png": str(png),
     }
-    (out / "result.json").write_text(json.dumps(result, indent=2))
+    (out / f"result-{tag}.json").write_text(json.dumps(result, indent=2))
     print(f"\ntest accuracy: {acc:.2%} on {len(y_test)} test images ({args.world})")
-    print(f"loss curve: {out / 'loss.png'}")
+    print(f"loss curve: {png}")
     return result
 
 
@@ -290,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     with tempfile.TemporaryDirectory() as tmp:
         init_method = f"file://{tmp}/rendezvous"
         mp.spawn(_gloo_child, args=(args, init_method), nprocs=args.world_size, join=True)
-    return json.loads((Path(args.out_dir) / "result.json").read_text())  # type: ignore[no-any-return]
+    return json.loads((Path(args.out_dir) / f"result-{run_tag(args)}.json").read_text())  # type: ignore[no-any-return]
 
 
 if __name__ == "__main__":

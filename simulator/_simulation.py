@@ -23,7 +23,7 @@ from twinrpc._future import Future
 from ._checks._monitors import RRefMonitor
 from ._config import SimConfig
 from ._crashes import Crashes
-from ._errors import SimulationError
+from ._errors import SimulationDeadlock, SimulationError
 from ._faults._engine import NetworkFaults
 from ._faults._plan import (
     DEFAULT_GC_DELAY,
@@ -220,13 +220,21 @@ class Simulation:
         """What records RRef and autograd events in the trace, or ``None`` (``trace=False``)."""
         return self.observers.trace_observer
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> RunResult:
-        """Run ``fn(rank, *args)`` on every worker until all return; a deadlock raises
-        :class:`SimulationDeadlock` naming every blocked task."""
+    def run(self, fn: Callable[..., Any], *args: Any, check: bool = True) -> RunResult:
+        """Run ``fn(rank, *args)`` on every worker until all return.
+
+        A worker whose ``fn`` raises leaves the way a process does: if its RPC agent is still up, its
+        connections close and its peers see it leave (as under the launcher and on gloo). With
+        ``check`` (the default), ``run`` then raises the first worker's exception, with notes saying
+        what the other workers raised; ``check=False`` returns every outcome instead. A deadlock
+        raises :class:`SimulationDeadlock` naming every blocked task and every worker that had
+        already failed.
+        """
         if self._used:
             raise SimulationError("a Simulation runs once; make a new one (with the same seed to replay)")
         self._used = True
         outcomes: list[WorkerOutcome | None] = [None] * self.world_size
+        failed: list[int] = []  # ranks whose fn raised, in the order they raised
         remaining = [self.world_size]
         crashed = self.crashed
 
@@ -235,6 +243,9 @@ class Simulation:
                 value = fn(rank, *args)
             except BaseException as exc:
                 outcomes[rank] = WorkerOutcome(rank, error=exc)
+                if rank not in crashed:
+                    failed.append(rank)
+                    self._leave_like_a_process(rank, exc)
             else:
                 outcomes[rank] = WorkerOutcome(rank, value=value)
             finally:
@@ -263,9 +274,35 @@ class Simulation:
             # torch.distributed process groups are simulated per worker (SIM-8).
             with simulated_time(virtual=False), serve_process_groups(self):
                 self.sched.run(until=lambda: remaining[0] == 0)
+        except SimulationDeadlock as deadlock:
+            if not failed:
+                raise
+            raise SimulationDeadlock(f"{deadlock}\n{_failures_text(outcomes, failed)}") from deadlock
         finally:
             gc.set_threshold(*threshold)
-        return RunResult(tuple(o for o in outcomes if o is not None), self.trace, self.sched.now, self.seed)
+        result = RunResult(tuple(o for o in outcomes if o is not None), self.trace, self.sched.now, self.seed)
+        if check and failed:
+            first = outcomes[failed[0]]
+            assert first is not None and first.error is not None
+            for rank in failed[1:]:
+                other = outcomes[rank]
+                assert other is not None and other.error is not None
+                _add_note(first.error, f"then rank {rank} raised {type(other.error).__name__}: {other.error}")
+            raise first.error
+        return result
+
+    def _leave_like_a_process(self, rank: int, exc: BaseException) -> None:
+        """Worker ``rank``'s program raised ``exc`` without ``rpc.shutdown()``: like a process that
+        exits, its connections close and its peers notice as they notice a crash."""
+        if self.workers[rank].slot.agent is None:
+            return
+        self.trace.record(
+            self.sched.now,
+            rank,
+            "exit",
+            f"raised {type(exc).__name__} without rpc.shutdown(): connections close",
+        )
+        self.sched.schedule(0.0, lambda _: self.crash(rank))
 
     def _heartbeats_changed(self, rank: int) -> None:
         """Worker ``rank`` called ``init_rpc``: the silences it listens to are judged by its options."""
@@ -424,3 +461,20 @@ def now() -> float:
     import time
 
     return time.monotonic()
+
+
+def _failures_text(outcomes: list[WorkerOutcome | None], failed: list[int]) -> str:
+    lines = ["workers that had already failed (their programs raised):"]
+    for rank in failed:
+        outcome = outcomes[rank]
+        assert outcome is not None and outcome.error is not None
+        lines.append(f"  rank {rank}: {type(outcome.error).__name__}: {outcome.error}")
+    return "\n".join(lines)
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, also on Python 3.10 (where tracebacks do not show notes)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # pragma: no cover - Python 3.10
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]

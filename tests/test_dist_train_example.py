@@ -45,7 +45,7 @@ def test_training_on_the_simulator_reaches_90_percent_on_the_digits(tmp_path: Pa
     assert result is not None
     assert result["test_accuracy"] >= 0.90, result
     assert set(result["final_loss"]) == {1, 2}  # both trainers reported their loss curves
-    png = tmp_path / "loss.png"
+    png = tmp_path / "loss-sim-seed0.png"  # named after its world and seed: runs do not overwrite each other
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -216,7 +216,9 @@ def _parameter_server_short_run(world: str, out_dir: Path) -> dict[str, Any]:
     short = ["--epochs", "1", "--max-batches", "3", "--out-dir", str(out_dir)]
     out = _run("examples/parameter_server.py", "--world", world, *short, warm=world == "gloo")
     assert f"test images ({world})" in out, out
-    result: dict[str, Any] = json.loads((out_dir / "result.json").read_text())
+    result: dict[str, Any] = json.loads(
+        (out_dir / f"result-{world}{'-seed0' if world == 'sim' else ''}.json").read_text()
+    )
     assert result["world"] == world and set(result["final_loss"]) == {"1", "2"}, result
     return result
 

@@ -68,7 +68,7 @@ class SimBackend(Backend):
         __tracebackhide__ = True
         seed, world_size = self.config.sim_seed, sim.world_size
         try:
-            result = sim.run(worker)
+            result = sim.run(worker, check=False)
         except Exception as exc:
             # Worker errors come back through result.values(); anything raised by run() itself is the
             # simulation failing as a whole (deadlock, internal error) and must not be mistaken for a

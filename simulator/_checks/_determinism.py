@@ -22,7 +22,7 @@ def _run(
 ) -> tuple[Trace, RunResult | None, BaseException | None]:
     sim = Simulation(world_size, seed, **sim_kwargs)
     try:
-        return sim.trace, sim.run(fn, *args), None
+        return sim.trace, sim.run(fn, *args, check=False), None
     except Exception as exc:  # the scenario's own failure: compare the traces up to it
         return sim.trace, None, exc
 
