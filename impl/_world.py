@@ -46,8 +46,6 @@ class GlooWorld(World):
     """One process's world: links to every peer, a request pool, a timer. Thread-safe."""
 
     clock_name = "wall-clock"
-    #: builtin operator calls travel without pickle (twinrpc._builtin_wire)
-    builtin_wire = True
 
     def __init__(
         self,

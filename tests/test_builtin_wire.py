@@ -409,7 +409,7 @@ def test_operators_equal_to_one_another_each_travel_under_their_own_name(name: s
     assert wire.operator_name(op) == name == op.__reduce_ex__(5)[1][1]
 
 
-# -- the simulator keeps the pickle -----------------------------------------------------------------
+# -- the simulator runs the same encoder ------------------------------------------------------------
 def _sim_add(rank: int) -> Any:
     import twinrpc.rpc as rpc
 
@@ -419,12 +419,16 @@ def _sim_add(rank: int) -> Any:
     return value
 
 
-def test_the_simulator_sends_a_builtin_call_pickled_so_its_traces_keep_their_sizes() -> None:
+def test_the_simulator_sends_a_builtin_call_in_the_compact_encoding_as_the_gloo_world_does() -> None:
     from twinrpc.simulator import Simulation
 
     result = Simulation(world_size=2, seed=0).run(_sim_add)
     assert torch.equal(result.values()[0], torch.full((2,), 2.0))
     sent = [ev.message for ev in result.trace.events() if ev.event == "send" and ev.message is not None]
     calls = [m for m in sent if m.kind == "CALL"]
-    payload, storages = serialize.dumps((torch.add, (torch.ones(2), torch.ones(2)), {}))
-    assert [m.nbytes for m in calls] == [len(payload) + sum(s.numel() for s in storages)]
+    encoded = wire.encode_call(torch.add, (torch.ones(2), torch.ones(2)), {})
+    assert encoded is not None
+    payload, storages = encoded
+    assert [m.nbytes for m in calls] == [len(payload) + sum(s.numel() * s.element_size() for s in storages)]
+    pickled, _ = serialize.dumps((torch.add, (torch.ones(2), torch.ones(2)), {}))
+    assert len(payload) < len(pickled)

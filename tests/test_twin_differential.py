@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from twin import Fail, GlooRunner, Leave, Program, Remote, SimRunner, Start, Wait, check, programs
+from twin import Builtin, Fail, GlooRunner, Leave, Program, Remote, SimRunner, Start, Wait, check, programs
 from twin.programs import DEPARTURE_KINDS
 from twin.runners import LOADED_HOST_JITTER, LOADED_HOST_SEEDS
 
@@ -58,6 +58,13 @@ def gloo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GlooRunner]:
 def test_simulator_and_gloo_agree_on_generated_programs(program: Program, gloo: GlooRunner) -> None:
     verdict = check(program, sim=SimRunner(SEEDS), gloo=gloo)
     assert verdict.agree, verdict.report()
+    results = [result for _, kind, result in verdict.gloo.ops if kind == "op"]
+    assert (
+        results[0] == ("ok", (5.0, 5.0))
+        and results[1] == ("ok", (2.0, 2.0))
+        and results[3] == ("ok", (4.0, 4.0))
+    )
+    assert results[2][0] == "raised" and results[4][0] == "raised", results
 
 
 @settings(
@@ -73,6 +80,13 @@ def test_simulator_and_gloo_agree_when_workers_are_killed(program: Program, gloo
     later calls to a dead worker, and the survivors' shutdown, fail alike in both worlds."""
     verdict = check(program, sim=SimRunner(SEEDS), gloo=gloo)
     assert verdict.agree, verdict.report()
+    results = [result for _, kind, result in verdict.gloo.ops if kind == "op"]
+    assert (
+        results[0] == ("ok", (5.0, 5.0))
+        and results[1] == ("ok", (2.0, 2.0))
+        and results[3] == ("ok", (4.0, 4.0))
+    )
+    assert results[2][0] == "raised" and results[4][0] == "raised", results
 
 
 @settings(
@@ -89,6 +103,13 @@ def test_simulator_and_gloo_agree_when_workers_shut_down(program: Program, gloo:
     end alike in both worlds (SHUT-2, SHUT-3)."""
     verdict = check(program, sim=SimRunner(SEEDS), gloo=gloo)
     assert verdict.agree, verdict.report()
+    results = [result for _, kind, result in verdict.gloo.ops if kind == "op"]
+    assert (
+        results[0] == ("ok", (5.0, 5.0))
+        and results[1] == ("ok", (2.0, 2.0))
+        and results[3] == ("ok", (4.0, 4.0))
+    )
+    assert results[2][0] == "raised" and results[4][0] == "raised", results
 
 
 def test_departure_while_call_runs_agrees(gloo: GlooRunner) -> None:
@@ -129,3 +150,27 @@ def test_the_loaded_host_model_produces_the_departure_order_a_loaded_gloo_host_s
         "'worker1'",
         "'worker2'",
     }
+
+
+def test_simulator_and_gloo_agree_on_builtin_calls_in_the_compact_encoding(gloo: GlooRunner) -> None:
+    """Both worlds send builtin operator calls in one encoding (src/twinrpc/_builtin_wire.py): values,
+    the remote error of a bad call, sync and async, to a peer and to the driver itself."""
+    program = Program(
+        3,
+        (
+            Builtin(1, 4),
+            Builtin(2, 1, sync=False),
+            Builtin(1, 2, bad=True),
+            Builtin(0, 3),
+            Builtin(2, 0, bad=True, sync=False),
+        ),
+    )
+    verdict = check(program, sim=SimRunner(SEEDS), gloo=gloo)
+    assert verdict.agree, verdict.report()
+    results = [result for _, kind, result in verdict.gloo.ops if kind == "op"]
+    assert (
+        results[0] == ("ok", (5.0, 5.0))
+        and results[1] == ("ok", (2.0, 2.0))
+        and results[3] == ("ok", (4.0, 4.0))
+    )
+    assert results[2][0] == "raised" and results[4][0] == "raised", results

@@ -262,7 +262,7 @@ class RpcAgent:
         if dst is None:
             dst = self.resolve(to)
         args, kwargs = tuple(args or ()), dict(kwargs or {})
-        if self.world.builtin_wire and self.running and CURRENT_CONTEXT.get() is None:
+        if self.running and CURRENT_CONTEXT.get() is None:
             # A builtin operator on plain arguments travels without pickle (twinrpc._builtin_wire);
             # inside a distributed autograd context the call is pickled with its envelope (DAG-4).
             encoded = _builtin_wire.encode_call(func, args, kwargs)

@@ -9,9 +9,8 @@ views, strides and storages shared within the call survive, and an oversized vie
 first, as there (RPC-9). Anything else returns None from :func:`encode_call` and is pickled as before.
 
 The reply to such a call travels in the same encoding when its value is of those kinds (a tensor,
-usually); otherwise it is pickled. A world uses this encoding only if it says so
-(``World.builtin_wire``): the gloo world does, the simulator keeps the pickle, whose size its network
-model and traces count. Both decode it (``twinrpc._serialize.loads`` tells the two apart by the first
+usually); otherwise it is pickled. Both worlds encode and decode it alike, so the simulator runs the
+encoder the real world runs (``twinrpc._serialize.loads`` tells the two encodings apart by the first
 byte).
 
 Decoding checks each part before it builds anything from it: a malformed payload raises

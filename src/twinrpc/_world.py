@@ -103,12 +103,6 @@ class World(Protocol):
     #: this worker's handle on its dynamic group's store (LIFE-5, ``twinrpc._membership``); None in a
     #: static group. A world made by a dynamic join returns holding the group's membership token.
     membership: GroupMembership | None
-    #: calls of torch's builtin operators with plain arguments travel in the compact encoding
-    #: (``twinrpc._builtin_wire``) rather than pickled: the gloo world's choice. Only a message's size
-    #: changes, which the simulator's network model and traces count, so it keeps the pickle (and its
-    #: traces stay as they were). Both worlds decode either.
-    builtin_wire: bool = False
-
     def now(self) -> float:
         """Seconds on this world's clock (virtual in the simulator)."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .outcome import Outcome
 from .programs import (
+    Builtin,
     Chain,
     Fail,
     FanOut,
@@ -31,6 +32,7 @@ from .programs import (
 from .runners import GlooRunner, SimRunner, Verdict, check
 
 __all__ = [
+    "Builtin",
     "Chain",
     "Fail",
     "FanOut",

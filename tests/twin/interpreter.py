@@ -19,6 +19,7 @@ from typing import Any
 
 from .outcome import Result, describe_exception
 from .programs import (
+    Builtin,
     Chain,
     Fail,
     FanOut,
@@ -186,6 +187,19 @@ def _drive(ctx: Any, program: Program, run_id: str) -> dict[str, Any]:
     for i, op in enumerate(program.ops):
         if isinstance(op, Sync):
             res = _attempt(lambda op=op: rpc.rpc_sync(op.dst, _echo, args=(op.x,), timeout=LONG))
+        elif isinstance(op, Builtin):
+
+            def builtin(op: Builtin = op) -> list[float]:
+                import torch
+
+                args = (torch.full((2,), float(op.x)), torch.ones(3) if op.bad else 1)
+                if op.sync:
+                    value = rpc.rpc_sync(op.dst, torch.add, args=args, timeout=LONG)
+                else:
+                    value = rpc.rpc_async(op.dst, torch.add, args=args, timeout=LONG).wait()
+                return [float(v) for v in value]
+
+            res = _attempt(builtin)
         elif isinstance(op, Chain):
             res = _attempt(lambda op=op: rpc.rpc_sync(op.hops[0], _hop, args=(op.hops[1:],), timeout=LONG))
         elif isinstance(op, FanOut):

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 __all__ = [
     "DEPARTURE_KINDS",
     "OP_KINDS",
+    "Builtin",
     "Chain",
     "Fail",
     "FanOut",
@@ -50,6 +51,19 @@ class Sync:
 
     dst: int
     x: int = 0
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A call of a torch builtin operator, which both worlds send in the compact builtin encoding
+    (``src/twinrpc/_builtin_wire.py``): ``torch.add(torch.full((2,), x), 1)`` on ``dst``, or with
+    ``bad`` a size mismatch that raises there; ``sync`` chooses ``rpc_sync`` or
+    ``rpc_async(...).wait()``."""
+
+    dst: int
+    x: int = 0
+    bad: bool = False
+    sync: bool = True
 
 
 @dataclass(frozen=True)
@@ -163,6 +177,7 @@ class Kill:
 
 Op = (
     Sync
+    | Builtin
     | Chain
     | FanOut
     | Fail
@@ -181,6 +196,7 @@ Op = (
 #: operation kinds (class names) the generator can draw, departures excluded
 OP_KINDS = (
     "Sync",
+    "Builtin",
     "Chain",
     "FanOut",
     "Fail",
@@ -240,6 +256,7 @@ def _ops(world_size: int, kinds: Collection[str]) -> st.SearchStrategy[Op]:
     small = st.integers(0, 9)
     options: dict[str, st.SearchStrategy[Op]] = {
         "Sync": st.builds(Sync, dst=anyone, x=small),
+        "Builtin": st.builds(Builtin, dst=anyone, x=small, bad=st.booleans(), sync=st.booleans()),
         "Chain": st.builds(Chain, hops=st.lists(anyone, min_size=1, max_size=4).map(tuple)),
         "FanOut": st.builds(FanOut, dsts=st.lists(anyone, min_size=1, max_size=4).map(tuple), x=small),
         "Fail": st.builds(Fail, dst=anyone, error=st.sampled_from(_ERRORS), sync=st.booleans()),
