@@ -103,6 +103,7 @@ class World(Protocol):
     #: this worker's handle on its dynamic group's store (LIFE-5, ``twinrpc._membership``); None in a
     #: static group. A world made by a dynamic join returns holding the group's membership token.
     membership: GroupMembership | None
+
     def now(self) -> float:
         """Seconds on this world's clock (virtual in the simulator)."""
 
