@@ -267,6 +267,21 @@ class Simulation:
             gc.set_threshold(*threshold)
         return RunResult(tuple(o for o in outcomes if o is not None), self.trace, self.sched.now, self.seed)
 
+    def add_worker(self) -> SimWorker:
+        """A new worker, rank ``world_size``, joining a running simulation.
+
+        For a program run by ``python -m twinrpc.simulator run`` whose own launcher starts more
+        processes than the command did (``mp.spawn(fn, nprocs=W)`` under ``--nproc-per-node 1``): a
+        process that calls ``init_rpc(rank=k)`` becomes worker ``k``, created here if the world is
+        smaller. It has no main program of its own (:meth:`run` waits only for the first ones)."""
+        worker = SimWorker(self, self.world_size)
+        self.workers.append(worker)
+        self.world_size += 1
+        self.rendezvous.world_size = self.world_size
+        self.links.busy_until.append(0.0)
+        self.trace.world_size = max(self.trace.world_size, self.world_size)
+        return worker
+
     def _heartbeats_changed(self, rank: int) -> None:
         """Worker ``rank`` called ``init_rpc``: the silences it listens to are judged by its options."""
         if self.links.faults is not None:

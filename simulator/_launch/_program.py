@@ -16,7 +16,8 @@ the scheduler switches to a task of another process.
 - What a swap moves: ``sys.modules`` entries of *program modules* (the program file itself as
   ``__main__``, and every module it imports from outside the standard library, installed packages and
   twinrpc: found by a meta-path finder the first time any process imports it), ``os.environ``'s
-  storage, ``sys.argv``, ``sys.stdout`` and ``sys.stderr``. Installed packages (torch, numpy) stay
+  storage, ``sys.argv``, ``sys.stdout`` and ``sys.stderr``, and multiprocessing's start method
+  (``set_start_method`` in one process does not set another's). Installed packages (torch, numpy) stay
   shared, as read-only code mostly is; their global state (torch's default RNG, for one) is shared too.
 
 Processes started with ``multiprocessing`` from a simulated process are simulated too
@@ -30,6 +31,7 @@ import contextvars
 import importlib.abc
 import importlib.machinery
 import io
+import multiprocessing.context
 import os
 import sys
 import traceback
@@ -41,6 +43,9 @@ from typing import Any, TextIO
 import greenlet
 
 from .._kernel._virtual_time import _library_dirs
+
+#: multiprocessing's default context: its start method, once set, is per process
+_DEFAULT_CONTEXT: Any = multiprocessing.context._default_context
 
 #: the simulated process a task belongs to (None: not a simulated process, e.g. the scheduler)
 IMAGE: contextvars.ContextVar[ProcessImage | None] = contextvars.ContextVar("twinrpc_image", default=None)
@@ -130,6 +135,9 @@ class ProcessImage:
         self.error: str | None = None
         #: the signal that killed the process (terminate(), kill(), a crash of its worker)
         self.kill_signal: int | None = None
+        #: its multiprocessing start method once chosen (``set_start_method``, or the first
+        #: ``get_start_method``/``get_context()``): the default context's ``_actual_context``
+        self.start_context: Any = None
 
     def __repr__(self) -> str:
         return f"<simulated process pid={self.pid} rank={self.rank}>"
@@ -179,6 +187,7 @@ class ProcessImages:
             stdout=sys.stdout,
             stderr=sys.stderr,
         )
+        self.outside.start_context = _DEFAULT_CONTEXT._actual_context
         self.active = self.outside
         #: names of the program modules (every process has its own copy)
         self.private: list[str] = list(_ALWAYS_PRIVATE)
@@ -234,6 +243,8 @@ class ProcessImages:
         sys.argv = image.argv
         old.stdout, old.stderr = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = image.stdout, image.stderr
+        old.start_context = _DEFAULT_CONTEXT._actual_context
+        _DEFAULT_CONTEXT._actual_context = image.start_context
         self.active = image
 
     def _on_switch(self, event: str, args: tuple[greenlet.greenlet, greenlet.greenlet]) -> None:

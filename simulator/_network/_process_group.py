@@ -67,16 +67,16 @@ class _PerWorkerWorld(c10d._World):
     """c10d's ``_world`` for the run: the calling simulated worker's state, or the process's outside
     the simulation's tasks."""
 
-    def __init__(self, sim: Simulation, states: list[_WorkerC10d], outside: c10d._World) -> None:
+    def __init__(self, sim: Simulation, state_of: Callable[[int], _WorkerC10d], outside: c10d._World) -> None:
         self._sim = sim
-        self._states = states
+        self._state_of = state_of
         self._outside = outside
 
     def _state(self) -> Any:
         task = self._sim.sched.current_task()
         if task is None or CURRENT_SIMULATION.get() is not self._sim:
             return self._outside
-        return self._states[task.worker]
+        return self._state_of(task.worker)
 
     @property
     def default_pg(self) -> Any:
@@ -315,6 +315,14 @@ class Collectives:
         self._wait_at_engine_end(torch._C._current_graph_task_id()).pending.append(meeting)
         return fut
 
+    def state_of(self, worker: int) -> _WorkerC10d:
+        """Worker ``worker``'s c10d state (a worker added to a running simulation gets one when it
+        first needs it: ``Simulation.add_worker``)."""
+        states = self.states
+        while len(states) <= worker:
+            states.append(_WorkerC10d())
+        return states[worker]
+
     def _wait_at_engine_end(self, graph_task: int) -> _EngineWait:
         task = self.sim.sched.current_task()
         assert task is not None
@@ -550,7 +558,7 @@ class _ProcessGroups:
         task = sim.sched.current_task()
         if task is None:
             raise RuntimeError("twinrpc.simulator: init_process_group outside a simulated worker")
-        state = self.collectives.states[task.worker]
+        state = self.collectives.state_of(task.worker)
         if state.default_pg is not None:
             raise ValueError("trying to initialize the default process group twice!")
         if world_size < 0 or rank < 0:
@@ -585,7 +593,7 @@ class _ProcessGroups:
         task = sim.sched.current_task()
         if task is None:
             raise RuntimeError("twinrpc.simulator: destroy_process_group outside a simulated worker")
-        state = self.collectives.states[task.worker]
+        state = self.collectives.state_of(task.worker)
         if group is None or group is state.default_pg:
             if state.default_pg is None:
                 raise ValueError(
@@ -631,7 +639,7 @@ def serve_process_groups(sim: Simulation) -> Iterator[None]:
         for name in _SERVED
         if hasattr(module, name)
     }
-    c10d._world = _PerWorkerWorld(sim, collectives.states, outside)
+    c10d._world = _PerWorkerWorld(sim, collectives.state_of, outside)
     for module, name in saved:
         setattr(module, name, getattr(groups, name))
     try:
