@@ -42,7 +42,16 @@ import greenlet
 from twinrpc._current import CURRENT_SLOT, WorkerSlot
 from twinrpc._world import TimerHandle
 
-from ._program import IMAGE, ProcessImage, ProcessImages, RecordingEnviron, exec_main, run_process
+from ._program import (
+    IMAGE,
+    ProcessImage,
+    ProcessImages,
+    RecordingEnviron,
+    exec_main,
+    main_process,
+    new_process_state,
+    run_process,
+)
 
 if TYPE_CHECKING:
     from .._kernel._scheduler import Task
@@ -140,12 +149,14 @@ class ProcessLauncher:
 
     def _join_as(self, image: ProcessImage, rank: int, kwargs: dict[str, Any]) -> int:
         """``init_rpc`` in a process the program started: it becomes the worker of the rank it asks
-        for (``rank``, its current one, for ``-1``), created if the world is smaller, and joins the
+        for (``rank``, its current one, for ``-1``), created, with the rest of a static group's
+        ranks, if the world is smaller, and joins the
         round of the simulated store that rank's peers meet in. Returns that rank."""
         sim = self.sim
         requested = kwargs.get("rank", -1)
         target = requested if isinstance(requested, int) and requested >= 0 else rank
-        while len(sim.workers) <= target:
+        world_size = kwargs.get("world_size") or 0
+        while len(sim.workers) < max(target + 1, world_size if isinstance(world_size, int) else 0):
             self._hook(sim.add_worker())
         worker = sim.workers[target]
         if worker.slot.agent is not None:
@@ -287,14 +298,19 @@ class ProcessLauncher:
         popen = SimPopen(self, image, daemon=bool(process.daemon))
         if forked:
             body: Callable[[], Any] = functools.partial(_run_forked, process)
-            image.start_context = multiprocessing.context._default_context._actual_context  # type: ignore[attr-defined]  # the parent's (it is running)
+            start_context = multiprocessing.context._default_context._actual_context  # type: ignore[attr-defined]  # the parent's (it is running)
         else:
-            # spawn's preparation data carries the parent's start method, fixing it in the parent,
-            # and the child sets it (multiprocessing.spawn.prepare)
-            image.start_context = multiprocessing.get_context(multiprocessing.get_start_method())
             with _spawning(popen):
                 data = pickle.dumps(process)
             body = functools.partial(_run_spawned, self.program, self.code, data)
+            # spawn's preparation data carries the parent's start method, fixing it in the parent,
+            # and the child sets it (multiprocessing.spawn.prepare)
+            start_context = multiprocessing.get_context(multiprocessing.get_start_method())
+        if process._start_method is not None:  # type: ignore[attr-defined]
+            # a context's process forces its own method in the child (BaseProcess._bootstrap)
+            start_context = multiprocessing.get_context(process._start_method)  # type: ignore[attr-defined]
+        # until it runs its target it is a main process (spawn's child imports the program as one)
+        image.multiprocessing = new_process_state(main_process(), start_context)
         self.processes.append(image)
         self.popen[image] = popen
         self.children[image] = []
@@ -347,6 +363,7 @@ def _spawning(popen: SimPopen) -> Iterator[None]:
 def _bootstrap(process: multiprocessing.process.BaseProcess) -> None:
     """What ``BaseProcess._bootstrap`` prints for an uncaught exception (``Process-1:`` and the
     traceback), then the exit code as usual."""
+    multiprocessing.process._current_process = process  # type: ignore[attr-defined]
     try:
         process.run()
     except (SystemExit, greenlet.GreenletExit):
@@ -522,6 +539,7 @@ def _start(self: multiprocessing.process.BaseProcess) -> None:
     assert self._popen is None, "cannot start a process twice"  # type: ignore[attr-defined]
     self._popen = launcher.start_child(self)  # type: ignore[attr-defined]
     self._sentinel = None  # type: ignore[attr-defined]
+    multiprocessing.process._children.add(self)  # type: ignore[attr-defined]  # active_children()
 
 
 def _torch_wrapper(real: Callable[..., Any], simulated: Callable[..., Any]) -> Callable[..., Any]:
