@@ -184,11 +184,11 @@ if __name__ == "__main__":
     assert result.status == 1
     lines = _lines(out)
     assert lines == [
-        "ProcessRaisedException {} True".format(failing),
+        f"ProcessRaisedException {failing} True",
         f"ValueError: boom in process {failing}",
     ]
     assert f"-- Process {failing} terminated with the following error:" in err
-    assert f'raise ValueError(f"boom in process {{rank}}")' in err
+    assert 'raise ValueError(f"boom in process {rank}")' in err
     assert "hung" not in err and "deadlock" not in err
 
 
@@ -312,3 +312,27 @@ def test_the_scheduler_never_starts_a_task_stopped_before_it_started() -> None:
     sched.schedule(1.0, lambda _: ran.append("later"))
     sched.run(until=lambda: "later" in ran)
     assert ran == ["other", "later"]
+
+
+def test_a_process_without_a_rank_argument_joins_as_the_rank_in_its_environment(tmp_path: Path) -> None:
+    """init_rpc without rank reads RANK, as env:// does; each process sets its own."""
+    result, out, err = _launch(
+        tmp_path,
+        """
+        import os
+        import torch.distributed.rpc as rpc
+        import torch.multiprocessing as mp
+
+        def run(i):
+            os.environ["RANK"] = str(1 - i)
+            rpc.init_rpc(f"w{1 - i}", world_size=2)
+            print(i, rpc.get_worker_info().id, os.environ["RANK"])
+            rpc.shutdown()
+
+        if __name__ == "__main__":
+            mp.spawn(run, nprocs=2)
+            print("parent RANK", os.environ["RANK"])
+        """,
+    )
+    assert result.status == 0, err
+    assert sorted(_lines(out)[:2]) == ["0 1 1", "1 0 0"] and _lines(out)[2] == "parent RANK 0"

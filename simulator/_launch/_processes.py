@@ -16,10 +16,19 @@ What a simulated child process gets, by start method:
   program file run again as ``__mp_main__``, and the process object (target and arguments) pickled
   in the parent and unpickled in the child, as real spawning does.
 
-A child runs on its parent's worker: the rank it can ``init_rpc`` as is the rank of the worker that
-started it. The process that called ``init_rpc`` owns the worker's RPC agent; when it exits without
+A child starts on its parent's worker, with no RPC agent. Its ``init_rpc`` makes it the worker of
+the rank it asks for (``rank=``, or ``RANK`` in its environment), which the simulation adds if it has
+fewer workers (:meth:`~twinrpc.simulator.Simulation.add_worker`): so ``mp.spawn(fn, nprocs=W)`` under
+``--nproc-per-node 1`` gives W workers, and each spawn after it is a new world, meeting in the
+simulated store's next open round (:meth:`~twinrpc.simulator._rendezvous.Rendezvous.open_round`).
+The process that called ``init_rpc`` owns the worker's RPC agent; when it exits without
 ``rpc.shutdown()``, or is killed, the worker crashes (:meth:`~twinrpc.simulator.Simulation.crash`):
 its peers see the connection close, as they would when a real process dies.
+
+multiprocessing's own globals (start method, ``current_process()``, the numbering of processes,
+``active_children()``) are each process's (:mod:`._program`); ``torch.multiprocessing.spawn`` and
+``start_processes`` are replaced by :func:`_start_processes`, which raises torch's
+``ProcessRaisedException``/``ProcessExitedException`` for the first child to fail.
 """
 
 from __future__ import annotations
@@ -149,12 +158,16 @@ class ProcessLauncher:
 
     def _join_as(self, image: ProcessImage, rank: int, kwargs: dict[str, Any]) -> int:
         """``init_rpc`` in a process the program started: it becomes the worker of the rank it asks
-        for (``rank``, its current one, for ``-1``), created, with the rest of a static group's
+        for (for ``-1``: its environment's ``RANK``, else its current one), created, with the rest of a static group's
         ranks, if the world is smaller, and joins the
         round of the simulated store that rank's peers meet in. Returns that rank."""
         sim = self.sim
         requested = kwargs.get("rank", -1)
-        target = requested if isinstance(requested, int) and requested >= 0 else rank
+        if isinstance(requested, int) and requested >= 0:
+            target = requested
+        else:  # as the real world's env:// does: RANK from the process's environment
+            env_rank = os.environ.get("RANK", "")
+            target = int(env_rank) if env_rank.isdigit() else rank
         world_size = kwargs.get("world_size") or 0
         while len(sim.workers) < max(target + 1, world_size if isinstance(world_size, int) else 0):
             self._hook(sim.add_worker())
