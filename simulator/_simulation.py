@@ -14,7 +14,7 @@ given what it needs when the simulation is built:
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ from ._faults._plan import (
 )
 from ._faults._swarm import Swarm
 from ._kernel._compute import ComputeMeter, ComputeModel
-from ._kernel._scheduler import Scheduler
+from ._kernel._scheduler import Scheduler, Task
 from ._kernel._virtual_time import simulated_time
 from ._network._links import Links
 from ._network._model import NetworkModel
@@ -194,6 +194,9 @@ class Simulation:
             self.links.faults = NetworkFaults(self, self.plan)
         if config.trace:
             self.sched.trace = self.trace  # task switches
+        #: which process a task runs in, when processes are not workers (a program's own launcher
+        #: under ``python -m twinrpc.simulator run``); None: each worker is one process
+        self.process_of: Callable[[Task], Hashable | None] | None = None
         self._used = False
 
     @classmethod

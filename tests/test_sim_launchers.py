@@ -336,3 +336,38 @@ def test_a_process_without_a_rank_argument_joins_as_the_rank_in_its_environment(
     )
     assert result.status == 0, err
     assert sorted(_lines(out)[:2]) == ["0 1 1", "1 0 0"] and _lines(out)[2] == "parent RANK 0"
+
+
+def test_spawned_processes_set_up_their_own_process_groups_before_joining_rpc(tmp_path: Path) -> None:
+    """The DDP-beside-RPC tutorial's order: trainers init_process_group first, then init_rpc; c10d's
+    state is each process's, so the two trainers' groups do not collide on their parent's worker.
+    The gradients are PyTorch's: the mean of 1 and 2 over DDP's all-reduce."""
+    result, out, err = _launch(
+        tmp_path,
+        """
+        import os
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.rpc as rpc
+        import torch.multiprocessing as mp
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def run_worker(rank, world_size):
+            if rank <= 1:
+                dist.init_process_group("gloo", rank=rank, world_size=2, init_method="tcp://localhost:29501")
+                model = DDP(torch.nn.Linear(2, 1))
+                model(torch.ones(1, 2) * (rank + 1)).sum().backward()
+                print("trainer", rank, model.module.weight.grad.tolist())
+            rpc.init_rpc(f"w{rank}", rank=rank, world_size=world_size)
+            if rank == 2:
+                print("master", rpc.rpc_sync("w0", torch.add, args=(torch.ones(1), 1)).tolist())
+            rpc.shutdown()
+            if rank <= 1:
+                dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            mp.spawn(run_worker, args=(3,), nprocs=3)
+        """,
+    )
+    assert result.status == 0, err
+    assert sorted(_lines(out)) == ["master [2.0]", "trainer 0 [[1.5, 1.5]]", "trainer 1 [[1.5, 1.5]]"]

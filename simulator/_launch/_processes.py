@@ -140,6 +140,7 @@ class ProcessLauncher:
         for worker in sim.workers:
             self._hook(worker)
         sim.crashes.reaper = self._reap  # a crash kills the RPC process only
+        sim.process_of = self._image_of  # process groups are per process
 
     def _hook(self, worker: SimWorker) -> None:
         self._connects[worker.rank] = worker.slot.connect
@@ -172,18 +173,18 @@ class ProcessLauncher:
         while len(sim.workers) < max(target + 1, world_size if isinstance(world_size, int) else 0):
             self._hook(sim.add_worker())
         worker = sim.workers[target]
+        if target in sim.crashed:
+            raise RuntimeError(
+                f"init_rpc(rank={target}) in simulated process pid {image.pid}: rank {target}'s simulated "
+                f"worker crashed at t={sim.crashed[target]:.6f} s, and the simulator does not start a "
+                "crashed rank again (use another rank, or a new run)"
+            )
         if worker.slot.agent is not None:
             owner = self.rpc_image.get(target)
             raise RuntimeError(
                 f"init_rpc(rank={target}) in simulated process pid {image.pid}: rank {target} already runs "
                 f"RPC in simulated process pid {owner.pid if owner else '?'}; each rank joins from one "
                 "process at a time"
-            )
-        if target in sim.crashed:
-            raise RuntimeError(
-                f"init_rpc(rank={target}) in simulated process pid {image.pid}: rank {target}'s simulated "
-                f"worker crashed at t={sim.crashed[target]:.6f} s, and the simulator does not start a "
-                "crashed rank again (use another rank, or a new run)"
             )
         if target != image.rank or CURRENT_SLOT.get() is not worker.slot:
             task = sim.sched.current_task()
