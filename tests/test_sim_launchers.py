@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import io
+import signal
 import subprocess
 import sys
 import textwrap
@@ -190,6 +191,38 @@ if __name__ == "__main__":
     assert f"-- Process {failing} terminated with the following error:" in err
     assert 'raise ValueError(f"boom in process {rank}")' in err
     assert "hung" not in err and "deadlock" not in err
+
+
+def test_siblings_killed_before_they_start_never_run_and_the_error_ends_the_run(tmp_path: Path) -> None:
+    """Process 0 fails at once; whether its siblings have started when mp.spawn terminates them
+    depends on the seed. Over the seeds, some are killed before they start: they exit by SIGTERM
+    without running, and every run ends with process 0's error, never a hang."""
+    source = """
+    import torch.distributed.rpc as rpc
+    import torch.multiprocessing as mp
+
+    def run(rank, world_size):
+        if rank == 0:
+            raise ValueError("boom in process 0")
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=world_size)
+        rpc.shutdown()
+
+    if __name__ == "__main__":
+        mp.spawn(run, args=(3,), nprocs=3)
+    """
+    never_started = []
+    for seed in range(12):
+        result, _, err = _launch(tmp_path, source, seed=seed)
+        assert result.status == 1
+        assert "-- Process 0 terminated with the following error:" in err and "boom in process 0" in err
+        assert "hung" not in err and "deadlock" not in err
+        events = [(e.event, e.detail) for e in result.trace.events() if e.event.startswith("process-")]
+        started = {d.split()[1] for kind, d in events if kind == "process-start"}
+        for kind, detail in events:
+            if kind == "process-exit" and detail.split()[1] not in started:
+                never_started.append((seed, detail))
+    assert never_started, "no seed killed a process before it started: the case is not exercised"
+    assert all(detail.endswith(f"exit code {-signal.SIGTERM}") for _, detail in never_started), never_started
 
 
 def test_a_failing_process_prints_its_traceback_and_a_hang_it_causes_shows_it(tmp_path: Path) -> None:
