@@ -61,7 +61,7 @@ _PER_PROCESS: tuple[tuple[Any, str], ...] = (
 
 
 #: this interpreter's ``current_process()``, whatever process is simulated when one is made
-_INTERPRETER_MAIN = multiprocessing.process.current_process()
+_INTERPRETER_MAIN: Any = multiprocessing.process.current_process()
 
 
 def new_process_state(current: Any, start_context: Any = None) -> list[Any]:
