@@ -65,6 +65,8 @@ class Rendezvous:
         #: generation -> (members when built, the static group's workers, or the error of a name
         #: two members share): see _roster
         self._rosters: dict[int, tuple[int, list[WorkerInfo], Roster | None, str | None]] = {}
+        #: generation -> the world_size of its static group (the first member's)
+        self._sizes: dict[int, int] = {}
         #: generation -> its dynamic group (init_rpc without world_size, LIFE-5)
         self._dynamic: dict[int, DynamicGroup] = {}
         #: generation -> rank -> the job key its worker joined with (None: none), static and dynamic
@@ -101,6 +103,7 @@ class Rendezvous:
         if group is not None and group.members:
             raise RuntimeError(MIXED_GROUP_ERROR)
         arrived = self._arrived.setdefault(generation, {})
+        self._sizes.setdefault(generation, world_size)
         done = self._complete.setdefault(generation, Future())
         arrived[worker.rank] = name
         keys = self._keys.setdefault(generation, {})
@@ -116,6 +119,24 @@ class Rendezvous:
         worker.world = world
         self._heartbeats_of(worker.rank, options)
         return world, infos[worker.rank], roster
+
+    def open_round(self, rank: int, since: int) -> int:
+        """The generation a process that newly joins as ``rank`` takes part in: the first, from
+        ``since`` on, that ``rank`` is not in and that still has room (a static group not yet full,
+        or a dynamic group). A worker's k-th ``init_rpc`` joins round k while one process re-inits;
+        processes a program's own launcher starts (``mp.spawn``, one world after another) meet in
+        the round their store would hold at the time, whatever the earlier worlds' sizes were."""
+        generation = since
+        while True:
+            arrived = self._arrived.get(generation)
+            if arrived is not None:
+                if rank not in arrived and len(arrived) < self._sizes[generation]:
+                    return generation
+            else:
+                group = self._dynamic.get(generation)
+                if group is None or rank not in group.members:
+                    return generation
+            generation += 1
 
     def _roster(self, generation: int, arrived: dict[int, str]) -> tuple[list[WorkerInfo], Roster]:
         """The workers of a static group (by rank) and their Roster, once for all its members: each

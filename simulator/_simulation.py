@@ -14,7 +14,7 @@ given what it needs when the simulation is built:
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ from ._faults._plan import (
 )
 from ._faults._swarm import Swarm
 from ._kernel._compute import ComputeMeter, ComputeModel
-from ._kernel._scheduler import Scheduler
+from ._kernel._scheduler import Scheduler, Task
 from ._kernel._virtual_time import simulated_time
 from ._network._links import Links
 from ._network._model import NetworkModel
@@ -194,6 +194,9 @@ class Simulation:
             self.links.faults = NetworkFaults(self, self.plan)
         if config.trace:
             self.sched.trace = self.trace  # task switches
+        #: which process a task runs in, when processes are not workers (a program's own launcher
+        #: under ``python -m twinrpc.simulator run``); None: each worker is one process
+        self.process_of: Callable[[Task], Hashable | None] | None = None
         self._used = False
 
     @classmethod
@@ -303,6 +306,21 @@ class Simulation:
             f"raised {type(exc).__name__} without rpc.shutdown(): connections close",
         )
         self.sched.schedule(0.0, lambda _: self.crash(rank))
+
+    def add_worker(self) -> SimWorker:
+        """A new worker, rank ``world_size``, joining a running simulation.
+
+        For a program run by ``python -m twinrpc.simulator run`` whose own launcher starts more
+        processes than the command did (``mp.spawn(fn, nprocs=W)`` under ``--nproc-per-node 1``): a
+        process that calls ``init_rpc(rank=k)`` becomes worker ``k``, created here if the world is
+        smaller. It has no main program of its own (:meth:`run` waits only for the first ones)."""
+        worker = SimWorker(self, self.world_size)
+        self.workers.append(worker)
+        self.world_size += 1
+        self.rendezvous.world_size = self.world_size
+        self.links.busy_until.append(0.0)
+        self.trace.world_size = max(self.trace.world_size, self.world_size)
+        return worker
 
     def _heartbeats_changed(self, rank: int) -> None:
         """Worker ``rank`` called ``init_rpc``: the silences it listens to are judged by its options."""

@@ -257,6 +257,8 @@ class Scheduler:
 
     def _start(self, item: tuple[Task, contextvars.Context, Callable[..., Any], tuple[Any, ...]]) -> None:
         task, context, fn, args = item
+        if task.done:  # stopped before it started (its process was killed): it never runs
+            return
         if self.paused and task.worker in self.paused:
             self.paused[task.worker].append((self._start, item))
             return

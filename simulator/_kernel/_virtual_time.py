@@ -67,6 +67,10 @@ def _library_dirs() -> tuple[str, ...]:
     dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
     dirs.update(site.getsitepackages())
     dirs.add(site.getusersitepackages())
+    # package directories a .pth file put on sys.path (a virtualenv layered on another's packages)
+    dirs.update(
+        p for p in sys.path if os.path.basename(os.path.normpath(p)) in ("site-packages", "dist-packages")
+    )
     import twinrpc
 
     # the whole simulator package (this file is in its _kernel/), and impl/ beside it

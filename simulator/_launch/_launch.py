@@ -359,6 +359,14 @@ def _report_failure(
     if error is not None:
         what = "hung" if isinstance(error, SimulationDeadlock) else "failed"
         print(f"twinrpc.simulator: the simulation {what} at t={launcher.sim.now:.6f} s:\n{error}", file=err)
+        for process in launcher.processes:  # what a program's own launcher may not have shown
+            if process.error is not None and process.parent is not None:
+                print(
+                    f"twinrpc.simulator: before that, simulated process pid {process.pid} (rank "
+                    f"{process.rank}, started by pid {process.parent.pid}) failed at "
+                    f"t={process.exit_time or 0.0:.6f} s:\n{process.error}",
+                    file=err,
+                )
     failures: dict[int, ProcessFailure] = {}
     for rank, code in enumerate(exitcodes):
         if code is None or code == 0:

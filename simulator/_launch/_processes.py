@@ -16,10 +16,19 @@ What a simulated child process gets, by start method:
   program file run again as ``__mp_main__``, and the process object (target and arguments) pickled
   in the parent and unpickled in the child, as real spawning does.
 
-A child runs on its parent's worker: the rank it can ``init_rpc`` as is the rank of the worker that
-started it. The process that called ``init_rpc`` owns the worker's RPC agent; when it exits without
+A child starts on its parent's worker, with no RPC agent. Its ``init_rpc`` makes it the worker of
+the rank it asks for (``rank=``, or ``RANK`` in its environment), which the simulation adds if it has
+fewer workers (:meth:`~twinrpc.simulator.Simulation.add_worker`): so ``mp.spawn(fn, nprocs=W)`` under
+``--nproc-per-node 1`` gives W workers, and each spawn after it is a new world, meeting in the
+simulated store's next open round (:meth:`~twinrpc.simulator._rendezvous.Rendezvous.open_round`).
+The process that called ``init_rpc`` owns the worker's RPC agent; when it exits without
 ``rpc.shutdown()``, or is killed, the worker crashes (:meth:`~twinrpc.simulator.Simulation.crash`):
 its peers see the connection close, as they would when a real process dies.
+
+multiprocessing's own globals (start method, ``current_process()``, the numbering of processes,
+``active_children()``) are each process's (:mod:`._program`); ``torch.multiprocessing.spawn`` and
+``start_processes`` are replaced by :func:`_start_processes`, which raises torch's
+``ProcessRaisedException``/``ProcessExitedException`` for the first child to fail.
 """
 
 from __future__ import annotations
@@ -39,13 +48,24 @@ from typing import TYPE_CHECKING, Any
 
 import greenlet
 
+from twinrpc._current import CURRENT_SLOT, WorkerSlot
 from twinrpc._world import TimerHandle
 
-from ._program import IMAGE, ProcessImage, ProcessImages, RecordingEnviron, exec_main, run_process
+from ._program import (
+    IMAGE,
+    ProcessImage,
+    ProcessImages,
+    RecordingEnviron,
+    exec_main,
+    main_process,
+    new_process_state,
+    run_process,
+)
 
 if TYPE_CHECKING:
     from .._kernel._scheduler import Task
     from .._simulation import Simulation
+    from .._world import SimWorker
 
 #: the launcher of the program run in progress (one at a time per interpreter)
 _LAUNCHER: ProcessLauncher | None = None
@@ -115,18 +135,68 @@ class ProcessLauncher:
         self._task_image: dict[int, ProcessImage] = {}
         #: every process, in start order
         self.processes: list[ProcessImage] = []
+        #: each worker's own connect (init_rpc's way into the simulated store)
+        self._connects: dict[int, Callable[..., Any]] = {}
         for worker in sim.workers:
-            worker.slot.connect = functools.partial(self._connect, worker.rank, worker.slot.connect)
+            self._hook(worker)
         sim.crashes.reaper = self._reap  # a crash kills the RPC process only
+        sim.process_of = self._image_of  # process groups are per process
+
+    def _hook(self, worker: SimWorker) -> None:
+        self._connects[worker.rank] = worker.slot.connect
+        worker.slot.connect = functools.partial(self._connect, worker.rank)
 
     # -- RPC ownership ----------------------------------------------------------------------------
-    def _connect(self, rank: int, connect: Callable[..., Any], /, **kwargs: Any) -> Any:
+    def _connect(self, rank: int, /, **kwargs: Any) -> Any:
         image = IMAGE.get()
+        if image is not None and image.parent is not None:
+            rank = self._join_as(image, rank, kwargs)
         if image is not None:
             # The worker's RPC tasks (requests, deliveries, timers) run in the process that joined.
             self.sim.workers[rank].context.run(IMAGE.set, image)
             self.rpc_image[rank] = image
-        return connect(**kwargs)
+        return self._connects[rank](**kwargs)
+
+    def _join_as(self, image: ProcessImage, rank: int, kwargs: dict[str, Any]) -> int:
+        """``init_rpc`` in a process the program started: it becomes the worker of the rank it asks
+        for (for ``-1``: its environment's ``RANK``, else its current one), created, with the rest of a static group's
+        ranks, if the world is smaller, and joins the
+        round of the simulated store that rank's peers meet in. Returns that rank."""
+        sim = self.sim
+        requested = kwargs.get("rank", -1)
+        if isinstance(requested, int) and requested >= 0:
+            target = requested
+        else:  # as the real world's env:// does: RANK from the process's environment
+            env_rank = os.environ.get("RANK", "")
+            target = int(env_rank) if env_rank.isdigit() else rank
+        world_size = kwargs.get("world_size") or 0
+        while len(sim.workers) < max(target + 1, world_size if isinstance(world_size, int) else 0):
+            self._hook(sim.add_worker())
+        worker = sim.workers[target]
+        if target in sim.crashed:
+            raise RuntimeError(
+                f"init_rpc(rank={target}) in simulated process pid {image.pid}: rank {target}'s simulated "
+                f"worker crashed at t={sim.crashed[target]:.6f} s, and the simulator does not start a "
+                "crashed rank again (use another rank, or a new run)"
+            )
+        if worker.slot.agent is not None:
+            owner = self.rpc_image.get(target)
+            raise RuntimeError(
+                f"init_rpc(rank={target}) in simulated process pid {image.pid}: rank {target} already runs "
+                f"RPC in simulated process pid {owner.pid if owner else '?'}; each rank joins from one "
+                "process at a time"
+            )
+        if target != image.rank or CURRENT_SLOT.get() is not worker.slot:
+            task = sim.sched.current_task()
+            assert task is not None
+            task.worker = target  # its blocking, crashes and computation are that worker's now
+            CURRENT_SLOT.set(worker.slot)
+            if target != image.rank:
+                sim.trace.record(sim.now, target, "process-join", f"pid {image.pid} joins as rank {target}")
+            image.rank = target
+        slot = worker.slot
+        slot.generation = kwargs["generation"] = sim.rendezvous.open_round(target, slot.generation)
+        return target
 
     def _reap(self, rank: int) -> None:
         """``Simulation.crash(rank)`` in a program run: kill the process that owns the worker's RPC
@@ -137,11 +207,21 @@ class ProcessLauncher:
             if self._image_of(task) not in (victim, None):
                 continue
             victim.kill_signal = signal.SIGKILL
-            g = task.g
-            task.done = True
-            sched.tasks.pop(task.id, None)
-            if g is not None and not g.dead:
-                g.throw(greenlet.GreenletExit())
+            self._stop(task, victim)
+
+    def _stop(self, task: Task, image: ProcessImage) -> None:
+        """End ``task`` of the killed process ``image``; a process whose main task has not started
+        yet exits here (its joiners must learn it, and the task never runs)."""
+        sched = self.sim.sched
+        task.done = True
+        sched.tasks.pop(task.id, None)
+        g = task.g
+        if g is not None and not g.dead:
+            g.throw(greenlet.GreenletExit())
+        elif g is None and self._task_image.get(task.id) is image and image.exitcode is None:
+            code = image.exitcode = -int(image.kill_signal or signal.SIGKILL)
+            image.exit_time = self.sim.now
+            self._exited(image, code)
 
     def _image_of(self, task: Task) -> ProcessImage | None:
         if task.g is not None and task.g.gr_context is not None:
@@ -214,7 +294,9 @@ class ProcessLauncher:
         """``process.start()`` from a simulated process: start it as a simulated process."""
         parent = IMAGE.get()
         assert parent is not None
-        method = process._start_method or _default_start_method()  # type: ignore[attr-defined]
+        # As Process.start does: a process of no context of its own starts with the default
+        # context's start method, which that fixes (set_start_method then raises).
+        method = process._start_method or multiprocessing.get_context().get_start_method()  # type: ignore[attr-defined]
         forked = method == "fork"
         image = ProcessImage(
             pid=self.images.new_pid(),
@@ -230,10 +312,19 @@ class ProcessLauncher:
         popen = SimPopen(self, image, daemon=bool(process.daemon))
         if forked:
             body: Callable[[], Any] = functools.partial(_run_forked, process)
+            start_context = multiprocessing.context._default_context._actual_context  # type: ignore[attr-defined]  # the parent's (it is running)
         else:
             with _spawning(popen):
                 data = pickle.dumps(process)
             body = functools.partial(_run_spawned, self.program, self.code, data)
+            # spawn's preparation data carries the parent's start method, fixing it in the parent,
+            # and the child sets it (multiprocessing.spawn.prepare)
+            start_context = multiprocessing.get_context(multiprocessing.get_start_method())
+        if process._start_method is not None:  # type: ignore[attr-defined]
+            # a context's process forces its own method in the child (BaseProcess._bootstrap)
+            start_context = multiprocessing.get_context(process._start_method)  # type: ignore[attr-defined]
+        # until it runs its target it is a main process (spawn's child imports the program as one)
+        image.multiprocessing = new_process_state(main_process(), start_context)
         self.processes.append(image)
         self.popen[image] = popen
         self.children[image] = []
@@ -241,6 +332,8 @@ class ProcessLauncher:
         rank = parent.rank
         context = self.sim.workers[rank].context.copy()
         context.run(IMAGE.set, image)
+        # no RPC agent of its own until it calls init_rpc, which makes it the worker of its rank
+        context.run(CURRENT_SLOT.set, WorkerSlot(connect=functools.partial(self._connect, rank)))
         task = self.sim.sched.spawn(rank, context, f"process[{image.pid}]", self._live, (image, body))
         self._task_image[task.id] = image
         return popen
@@ -258,12 +351,9 @@ class ProcessLauncher:
 
         def reap(_: object) -> None:
             sched = sim.sched
-            for task in [t for t in sched.tasks.values() if t.worker == rank and not t.done]:
+            for task in [t for t in sched.tasks.values() if t.worker == image.rank and not t.done]:
                 if self._image_of(task) is image:
-                    task.done = True
-                    sched.tasks.pop(task.id, None)
-                    if task.g is not None and not task.g.dead:
-                        task.g.throw(greenlet.GreenletExit())
+                    self._stop(task, image)
 
         sim.sched.schedule(0.0, reap)
 
@@ -272,13 +362,6 @@ def _environ_copy(data: dict[Any, Any]) -> dict[Any, Any]:
     """A child's copy of its parent's environment (recording what the program reads, as the
     parent's does: :class:`~._program.EnvironmentReads`)."""
     return data.child() if isinstance(data, RecordingEnviron) else dict(data)
-
-
-def _default_start_method() -> str:
-    method = multiprocessing.get_start_method(allow_none=True)
-    if method is None:
-        method = multiprocessing.context._default_context._default_context._name
-    return str(method)
 
 
 @contextmanager
@@ -294,6 +377,7 @@ def _spawning(popen: SimPopen) -> Iterator[None]:
 def _bootstrap(process: multiprocessing.process.BaseProcess) -> None:
     """What ``BaseProcess._bootstrap`` prints for an uncaught exception (``Process-1:`` and the
     traceback), then the exit code as usual."""
+    multiprocessing.process._current_process = process  # type: ignore[attr-defined]
     try:
         process.run()
     except (SystemExit, greenlet.GreenletExit):
@@ -330,10 +414,11 @@ class _SpawnEntry:
             self.fn(self.index, *self.args)
         except KeyboardInterrupt:
             pass
-        except Exception:
+        except Exception as exc:
             image = IMAGE.get()
-            if image is not None:
-                image.error = traceback.format_exc()
+            if image is not None:  # from fn's frame on: this wrapper is not the program's
+                tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+                image.error = "".join(traceback.format_exception(type(exc), exc, tb))
             sys.exit(1)
 
 
@@ -468,6 +553,7 @@ def _start(self: multiprocessing.process.BaseProcess) -> None:
     assert self._popen is None, "cannot start a process twice"  # type: ignore[attr-defined]
     self._popen = launcher.start_child(self)  # type: ignore[attr-defined]
     self._sentinel = None  # type: ignore[attr-defined]
+    multiprocessing.process._children.add(self)  # type: ignore[attr-defined]  # active_children()
 
 
 def _torch_wrapper(real: Callable[..., Any], simulated: Callable[..., Any]) -> Callable[..., Any]:

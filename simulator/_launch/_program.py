@@ -16,7 +16,9 @@ the scheduler switches to a task of another process.
 - What a swap moves: ``sys.modules`` entries of *program modules* (the program file itself as
   ``__main__``, and every module it imports from outside the standard library, installed packages and
   twinrpc: found by a meta-path finder the first time any process imports it), ``os.environ``'s
-  storage, ``sys.argv``, ``sys.stdout`` and ``sys.stderr``. Installed packages (torch, numpy) stay
+  storage, ``sys.argv``, ``sys.stdout`` and ``sys.stderr``, and multiprocessing's globals of a process
+  (its start method: ``set_start_method`` in one process does not set another's; ``current_process()``;
+  the numbering of the processes it starts; ``active_children()``). Installed packages (torch, numpy) stay
   shared, as read-only code mostly is; their global state (torch's default RNG, for one) is shared too.
 
 Processes started with ``multiprocessing`` from a simulated process are simulated too
@@ -27,9 +29,13 @@ from __future__ import annotations
 
 import builtins
 import contextvars
+import copy
 import importlib.abc
 import importlib.machinery
 import io
+import itertools
+import multiprocessing.context
+import multiprocessing.process
 import os
 import sys
 import traceback
@@ -41,6 +47,36 @@ from typing import Any, TextIO
 import greenlet
 
 from .._kernel._virtual_time import _library_dirs
+
+#: multiprocessing's globals that are each process's own: its start method once chosen
+#: (``set_start_method``, or the first ``get_start_method``/``get_context()``), the process object it
+#: is (``current_process()``), the counter that numbers the processes it creates (``Process-1``) and
+#: the set of its live children (``active_children()``)
+_PER_PROCESS: tuple[tuple[Any, str], ...] = (
+    (multiprocessing.context._default_context, "_actual_context"),
+    (multiprocessing.process, "_current_process"),
+    (multiprocessing.process, "_process_counter"),
+    (multiprocessing.process, "_children"),
+)
+
+
+#: this interpreter's ``current_process()``, whatever process is simulated when one is made
+_INTERPRETER_MAIN: Any = multiprocessing.process.current_process()
+
+
+def new_process_state(current: Any, start_context: Any = None) -> list[Any]:
+    """The multiprocessing globals (:data:`_PER_PROCESS`) of a process that starts now, as
+    ``current`` (``current_process()``), with ``start_context`` as its start method."""
+    return [start_context, current, itertools.count(1), set()]
+
+
+def main_process() -> Any:
+    """A ``current_process()`` for a new main process: this interpreter's own, copied (its name
+    ``MainProcess`` and authentication key), so no process sees another's changes."""
+    main = copy.copy(_INTERPRETER_MAIN)
+    main._config = dict(main._config)
+    return main
+
 
 #: the simulated process a task belongs to (None: not a simulated process, e.g. the scheduler)
 IMAGE: contextvars.ContextVar[ProcessImage | None] = contextvars.ContextVar("twinrpc_image", default=None)
@@ -130,6 +166,8 @@ class ProcessImage:
         self.error: str | None = None
         #: the signal that killed the process (terminate(), kill(), a crash of its worker)
         self.kill_signal: int | None = None
+        #: its multiprocessing globals (:data:`_PER_PROCESS`), in place while another process runs
+        self.multiprocessing: list[Any] = new_process_state(main_process())
 
     def __repr__(self) -> str:
         return f"<simulated process pid={self.pid} rank={self.rank}>"
@@ -179,6 +217,7 @@ class ProcessImages:
             stdout=sys.stdout,
             stderr=sys.stderr,
         )
+        self.outside.multiprocessing = [getattr(obj, name) for obj, name in _PER_PROCESS]
         self.active = self.outside
         #: names of the program modules (every process has its own copy)
         self.private: list[str] = list(_ALWAYS_PRIVATE)
@@ -234,6 +273,10 @@ class ProcessImages:
         sys.argv = image.argv
         old.stdout, old.stderr = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = image.stdout, image.stderr
+        saved, installed = old.multiprocessing, image.multiprocessing
+        for i, (obj, name) in enumerate(_PER_PROCESS):
+            saved[i] = getattr(obj, name)
+            setattr(obj, name, installed[i])
         self.active = image
 
     def _on_switch(self, event: str, args: tuple[greenlet.greenlet, greenlet.greenlet]) -> None:

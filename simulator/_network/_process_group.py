@@ -35,6 +35,7 @@ from twinrpc._future import Future
 from .._kernel._current import CURRENT_SIMULATION
 
 if TYPE_CHECKING:
+    from .._kernel._scheduler import Task
     from .._simulation import Simulation
 
 #: what the DDP logger and other C++ code read as the backend's name
@@ -67,16 +68,18 @@ class _PerWorkerWorld(c10d._World):
     """c10d's ``_world`` for the run: the calling simulated worker's state, or the process's outside
     the simulation's tasks."""
 
-    def __init__(self, sim: Simulation, states: list[_WorkerC10d], outside: c10d._World) -> None:
+    def __init__(
+        self, sim: Simulation, state_of: Callable[[Task], _WorkerC10d], outside: c10d._World
+    ) -> None:
         self._sim = sim
-        self._states = states
+        self._state_of = state_of
         self._outside = outside
 
     def _state(self) -> Any:
         task = self._sim.sched.current_task()
         if task is None or CURRENT_SIMULATION.get() is not self._sim:
             return self._outside
-        return self._states[task.worker]
+        return self._state_of(task)
 
     @property
     def default_pg(self) -> Any:
@@ -200,7 +203,8 @@ class Collectives:
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
-        self.states = [_WorkerC10d() for _ in range(sim.world_size)]
+        #: the c10d state of each worker (or simulated process: ``Simulation.process_of``)
+        self.states: dict[Any, _WorkerC10d] = {}
         self._meetings: dict[tuple[Any, int], _Meeting] = {}
         #: (task id, graph task id) -> the collectives that task joined inside that engine call
         self._engine_waits: dict[tuple[int, int], _EngineWait] = {}
@@ -314,6 +318,20 @@ class Collectives:
         meeting.futures.append((fut, result))
         self._wait_at_engine_end(torch._C._current_graph_task_id()).pending.append(meeting)
         return fut
+
+    def state_of(self, task: Task) -> _WorkerC10d:
+        """The c10d state of the process ``task`` runs in: its worker's, or in a program run by
+        ``python -m twinrpc.simulator run``, its simulated process's (``Simulation.process_of``):
+        process groups belong to processes, and the processes a program starts with ``mp.spawn``
+        may set up theirs before they join RPC as a worker."""
+        process_of = self.sim.process_of
+        key = process_of(task) if process_of is not None else None
+        if key is None:
+            key = task.worker
+        state = self.states.get(key)
+        if state is None:
+            state = self.states[key] = _WorkerC10d()
+        return state
 
     def _wait_at_engine_end(self, graph_task: int) -> _EngineWait:
         task = self.sim.sched.current_task()
@@ -550,7 +568,7 @@ class _ProcessGroups:
         task = sim.sched.current_task()
         if task is None:
             raise RuntimeError("twinrpc.simulator: init_process_group outside a simulated worker")
-        state = self.collectives.states[task.worker]
+        state = self.collectives.state_of(task)
         if state.default_pg is not None:
             raise ValueError("trying to initialize the default process group twice!")
         if world_size < 0 or rank < 0:
@@ -585,7 +603,7 @@ class _ProcessGroups:
         task = sim.sched.current_task()
         if task is None:
             raise RuntimeError("twinrpc.simulator: destroy_process_group outside a simulated worker")
-        state = self.collectives.states[task.worker]
+        state = self.collectives.state_of(task)
         if group is None or group is state.default_pg:
             if state.default_pg is None:
                 raise ValueError(
@@ -631,7 +649,7 @@ def serve_process_groups(sim: Simulation) -> Iterator[None]:
         for name in _SERVED
         if hasattr(module, name)
     }
-    c10d._world = _PerWorkerWorld(sim, collectives.states, outside)
+    c10d._world = _PerWorkerWorld(sim, collectives.state_of, outside)
     for module, name in saved:
         setattr(module, name, getattr(groups, name))
     try:

@@ -71,6 +71,9 @@ def init_rpc(
     world, info, workers = slot.connect(
         name=name, rank=rank, world_size=world_size, options=options, generation=slot.generation
     )
+    # A simulated process started by its program's own launcher (mp.spawn) joins as the rank it
+    # asks for: connecting moved it to that worker's slot (simulator/_launch/_processes.py).
+    slot = current_slot()
     slot.generation += 1
     allow = getattr(options, "unpickle_allow", None)  # a subclass may skip RpcBackendOptions.__init__
     agent = RpcAgent(
