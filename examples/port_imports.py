@@ -1,8 +1,8 @@
 """Port a ``torch.distributed.rpc`` program to twinrpc by rewriting its import lines, nothing else.
 
 ``python examples/port_imports.py SOURCE DEST`` writes DEST: SOURCE with every import of
-``torch.distributed.rpc`` / ``torch.distributed.autograd`` / ``torch.distributed.optim`` turned into
-the same import of ``twinrpc.rpc`` / ``twinrpc.autograd`` / ``twinrpc.optim``. Every other line is kept
+``torch.distributed.rpc`` / ``.autograd`` / ``.optim`` / ``.nn`` turned into the same import of
+``twinrpc.rpc`` / ``.autograd`` / ``.optim`` / ``.nn``. Every other line is kept
 byte for byte, so a diff of the two files shows only imports.
 """
 
@@ -16,8 +16,9 @@ _MODULES = {
     "torch.distributed.rpc": "twinrpc.rpc",
     "torch.distributed.autograd": "twinrpc.autograd",
     "torch.distributed.optim": "twinrpc.optim",
+    "torch.distributed.nn": "twinrpc.nn",
 }
-_IMPORT = re.compile(r"^(\s*)(import|from)\s+(torch\.distributed\.(?:rpc|autograd|optim))\b(.*)$", re.DOTALL)
+_IMPORT = re.compile(r"^(\s*)(import|from)\s+(torch\.distributed\.(?:rpc|autograd|optim|nn))\b(.*)$", re.DOTALL)
 
 
 def port_line(line: str) -> str:

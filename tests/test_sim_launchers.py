@@ -404,3 +404,66 @@ def test_spawned_processes_set_up_their_own_process_groups_before_joining_rpc(tm
     )
     assert result.status == 0, err
     assert sorted(_lines(out)) == ["master [2.0]", "trainer 0 [[1.5, 1.5]]", "trainer 1 [[1.5, 1.5]]"]
+
+
+#: each process seeds its own generators, then draws after the others have seeded theirs
+RANDOM_STATE = """
+import random
+import numpy as np
+import torch
+import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
+
+def draw():
+    return (torch.rand(2).tolist(), random.random(), float(np.random.rand()))
+
+def run_worker(rank, world_size):
+    torch.manual_seed(rank)
+    random.seed(rank)
+    np.random.seed(rank)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)  # every process runs in between
+    if rank == 0:
+        print("draws", [rpc.rpc_sync(f"worker{r}", draw) for r in range(world_size)])
+    rpc.shutdown()
+
+def forked_child(queue_path):
+    with open(queue_path, "w") as f:
+        f.write(repr(torch.rand(1).tolist()))
+
+if __name__ == "__main__":
+    mp.spawn(run_worker, args=(3,), nprocs=3, join=True)
+    torch.manual_seed(7)
+    ctx = mp.get_context("fork")
+    child = ctx.Process(target=forked_child, args=("forked.txt",))
+    child.start()
+    child.join()
+    print("parent", torch.rand(1).tolist(), "child", open("forked.txt").read())
+"""
+
+
+def test_each_simulated_process_has_its_own_random_generators(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    result, out, err = _launch(tmp_path, RANDOM_STATE)
+    assert result.status == 0, err
+    (draws, forked) = _lines(out)
+    expected = []
+    for rank in range(3):
+        torch_draw = torch.Generator().manual_seed(rank)
+        expected.append(
+            (
+                torch.rand(2, generator=torch_draw).tolist(),
+                random.Random(rank).random(),
+                np.random.RandomState(rank).rand(),
+            )
+        )
+    assert draws == f"draws {expected!r}"  # as three real processes print: each its own seed
+    seven = torch.rand(2, generator=torch.Generator().manual_seed(7)).tolist()
+    # fork copies the parent's generator: the child draws what the parent would have drawn next
+    assert forked == f"parent {[seven[0]]!r} child {[seven[0]]!r}"

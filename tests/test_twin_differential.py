@@ -58,13 +58,6 @@ def gloo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GlooRunner]:
 def test_simulator_and_gloo_agree_on_generated_programs(program: Program, gloo: GlooRunner) -> None:
     verdict = check(program, sim=SimRunner(SEEDS), gloo=gloo)
     assert verdict.agree, verdict.report()
-    results = [result for _, kind, result in verdict.gloo.ops if kind == "op"]
-    assert (
-        results[0] == ("ok", (5.0, 5.0))
-        and results[1] == ("ok", (2.0, 2.0))
-        and results[3] == ("ok", (4.0, 4.0))
-    )
-    assert results[2][0] == "raised" and results[4][0] == "raised", results
 
 
 @settings(
@@ -80,13 +73,6 @@ def test_simulator_and_gloo_agree_when_workers_are_killed(program: Program, gloo
     later calls to a dead worker, and the survivors' shutdown, fail alike in both worlds."""
     verdict = check(program, sim=SimRunner(SEEDS), gloo=gloo)
     assert verdict.agree, verdict.report()
-    results = [result for _, kind, result in verdict.gloo.ops if kind == "op"]
-    assert (
-        results[0] == ("ok", (5.0, 5.0))
-        and results[1] == ("ok", (2.0, 2.0))
-        and results[3] == ("ok", (4.0, 4.0))
-    )
-    assert results[2][0] == "raised" and results[4][0] == "raised", results
 
 
 @settings(
@@ -103,13 +89,6 @@ def test_simulator_and_gloo_agree_when_workers_shut_down(program: Program, gloo:
     end alike in both worlds (SHUT-2, SHUT-3)."""
     verdict = check(program, sim=SimRunner(SEEDS), gloo=gloo)
     assert verdict.agree, verdict.report()
-    results = [result for _, kind, result in verdict.gloo.ops if kind == "op"]
-    assert (
-        results[0] == ("ok", (5.0, 5.0))
-        and results[1] == ("ok", (2.0, 2.0))
-        and results[3] == ("ok", (4.0, 4.0))
-    )
-    assert results[2][0] == "raised" and results[4][0] == "raised", results
 
 
 def test_departure_while_call_runs_agrees(gloo: GlooRunner) -> None:

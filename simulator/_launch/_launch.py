@@ -267,7 +267,7 @@ def launch(
         ).build()
     except ValueError as exc:  # a plan naming a worker the run does not have, a bad max_time
         raise LaunchError(str(exc)) from exc
-    images = ProcessImages(os.path.dirname(path))
+    images = ProcessImages(os.path.dirname(path), seed=options.seed)
     environ = dict(os.environ)  # what the run starts from, before the program changes anything
     launcher = ProcessLauncher(sim, images, path, code)
     shown = options.local_ranks_filter
@@ -296,7 +296,7 @@ def launch(
             )
         threads = int(os.environ.get("OMP_NUM_THREADS", "1" if n > 1 else "0") or 0)
         with (
-            _process_globals(options.seed, threads),
+            _process_globals(threads),
             simulated_time(virtual=True),
             serve_torch_rpc(),
             simulated_processes(launcher),
@@ -320,29 +320,19 @@ def launch(
 
 
 @contextmanager
-def _process_globals(seed: int, threads: int) -> Iterator[None]:
-    """What every worker process would set up for itself, for the run: the global random
-    generators (torch's, Python's, NumPy's) seeded from the simulation's seed, so a run replays
-    (real processes seed them from entropy), and torch's intra-op threads as ``OMP_NUM_THREADS``
-    says (torchrun's default is 1 with more than one process per node). Restored afterwards."""
-    import random
-
-    import numpy as np
+def _process_globals(threads: int) -> Iterator[None]:
+    """What every worker process would set up for itself, for the run: torch's intra-op threads as
+    ``OMP_NUM_THREADS`` says (torchrun's default is 1 with more than one process per node). Restored
+    afterwards. (Each process's random generators are its own: ``_random_state``.)"""
     import torch
 
-    saved = (torch.get_num_threads(), torch.get_rng_state(), random.getstate(), np.random.get_state())
+    saved = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
     try:
         yield
     finally:
-        torch.set_num_threads(saved[0])
-        torch.set_rng_state(saved[1])
-        random.setstate(saved[2])
-        np.random.set_state(saved[3])
+        torch.set_num_threads(saved)
 
 
 def _report_failure(

@@ -61,6 +61,7 @@ from ._program import (
     new_process_state,
     run_process,
 )
+from ._random_state import ProcessRandom
 
 if TYPE_CHECKING:
     from .._kernel._scheduler import Task
@@ -309,6 +310,8 @@ class ProcessLauncher:
             modules=parent.modules if forked else {},
             parent=parent,
         )
+        if forked:  # fork copies the parent's generators; a spawned process starts fresh
+            image.random = ProcessRandom.capture()
         popen = SimPopen(self, image, daemon=bool(process.daemon))
         if forked:
             body: Callable[[], Any] = functools.partial(_run_forked, process)

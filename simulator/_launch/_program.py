@@ -47,6 +47,7 @@ from typing import Any, TextIO
 import greenlet
 
 from .._kernel._virtual_time import _library_dirs
+from ._random_state import ProcessRandom
 
 #: multiprocessing's globals that are each process's own: its start method once chosen
 #: (``set_start_method``, or the first ``get_start_method``/``get_context()``), the process object it
@@ -168,6 +169,8 @@ class ProcessImage:
         self.kill_signal: int | None = None
         #: its multiprocessing globals (:data:`_PER_PROCESS`), in place while another process runs
         self.multiprocessing: list[Any] = new_process_state(main_process())
+        #: its global random generators (None until it first runs: then fresh from the run's seed)
+        self.random: ProcessRandom | None = None
 
     def __repr__(self) -> str:
         return f"<simulated process pid={self.pid} rank={self.rank}>"
@@ -206,8 +209,10 @@ class ProcessImages:
     ``outside`` image) is back in place and the hook is gone.
     """
 
-    def __init__(self, program_dir: str) -> None:
+    def __init__(self, program_dir: str, seed: int = 0) -> None:
         self.program_dir = os.path.abspath(program_dir)
+        #: what a fresh process's random generators start from
+        self.seed = seed
         self.outside = ProcessImage(
             pid=os.getpid(),
             rank=-1,
@@ -218,6 +223,7 @@ class ProcessImages:
             stderr=sys.stderr,
         )
         self.outside.multiprocessing = [getattr(obj, name) for obj, name in _PER_PROCESS]
+        self.outside.random = ProcessRandom.installed()
         self.active = self.outside
         #: names of the program modules (every process has its own copy)
         self.private: list[str] = list(_ALWAYS_PRIVATE)
@@ -277,6 +283,11 @@ class ProcessImages:
         for i, (obj, name) in enumerate(_PER_PROCESS):
             saved[i] = getattr(obj, name)
             setattr(obj, name, installed[i])
+        if old.random is not None:
+            old.random.save_torch()
+        if image.random is None:
+            image.random = ProcessRandom.fresh(self.seed, image.pid)
+        image.random.install()
         self.active = image
 
     def _on_switch(self, event: str, args: tuple[greenlet.greenlet, greenlet.greenlet]) -> None:
