@@ -306,7 +306,10 @@ class ShutdownProtocol:
     def _all_arrived(self, got: dict[int, Any]) -> bool:
         """Leader: every worker has contributed to an all-gather (``got``) or departed; call with
         ``self._lock`` held."""
-        return all(w.id in got or w.id in self._peer_errors for w in self._agent.workers)
+        workers = self._agent.workers
+        if len(got) == len(workers):
+            return True  # the common case, in O(1): a leader gets one message per worker
+        return bool(self._peer_errors) and all(w.id in got or w.id in self._peer_errors for w in workers)
 
     def _on_gather(self, msg: Message) -> None:
         (tag, value), _ = _serialize.loads(
