@@ -30,6 +30,9 @@ _PARAMETERS: dict[tuple[str, int], float] = {}
 #: the healthy trainer's epochs, each a call to the server, and how long each one trains locally
 EPOCHS = 8
 EPOCH_SECONDS = 0.4
+#: the server's shutdown timeout when the healthy trainer cannot reach shutdown in time (its epochs
+#: take EPOCHS * EPOCH_SECONDS)
+SHUTDOWN_TIMEOUT = 1.5
 
 
 def _bounded(backend: str, thunk: Callable[[], Any]) -> dict[str, Any]:
@@ -147,6 +150,30 @@ def _parameter_server_with_a_trainer_that_dies(ctx: Any, token: str) -> Any:
     result["shutdown"] = _bounded(backend, lambda: rpc.shutdown(graceful=True, timeout=0))
     result["after"] = timed(backend, lambda: rpc.rpc_sync("worker1", operator.add, args=(1, 2)))
     return result
+
+
+def _parameter_server_with_a_shutdown_timeout(ctx: Any, token: str) -> Any:
+    """As _parameter_server_with_a_trainer_that_dies, but the server's shutdown has a timeout
+    shorter than the healthy trainer's epochs, and trainer worker2 dies after one epoch. The
+    healthy trainer's calls after the server gave up fail (bounded); it then leaves locally."""
+    ctx.init_rpc()
+    rpc, backend = ctx.rpc, ctx.backend
+    if ctx.rank == 0:
+        return _bounded(backend, lambda: rpc.shutdown(graceful=True, timeout=SHUTDOWN_TIMEOUT))
+    epochs: list[Any] = []
+    for epoch in range(1, EPOCHS + 1):
+        if ctx.rank == 2 and epoch == 2:
+            ctx.crash()
+        ctx.sleep(EPOCH_SECONDS)
+        step = timed(
+            backend,
+            lambda e=epoch: rpc.rpc_sync(
+                "worker0", _apply_gradient, args=(token, ctx.rank, e), timeout=BOUND
+            ),
+        )
+        epochs.append(step.get("value", step["raised"]))
+    rpc.shutdown(graceful=False)
+    return epochs
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -268,3 +295,22 @@ def test_after_a_trainer_dies_every_survivor_s_shutdown_fails_naming_it_once_the
     late = server["ended_at"] - trainer["reached_shutdown_at"]
     print(f"the server's shutdown failed {late:.3f} s after the healthy trainer reached shutdown")
     assert 0 <= late < BOUND
+
+
+@pytest.mark.spec("SHUT-7", "SHUT-2")
+def test_with_a_timeout_the_server_s_shutdown_waits_it_out_then_fails_naming_the_dead_trainer(
+    world: Any,
+) -> None:
+    """The healthy trainer is still in its epochs when the timeout passes: the server's shutdown
+    waits the whole timeout (the trainer's first epochs are served meanwhile), then raises the
+    _all_gather timeout naming the dead trainer (PyTorch: among the followers that timed out;
+    twinrpc: as the cause, before the followers still missing)."""
+    server, trainer, dead = world.spawn(
+        _parameter_server_with_a_shutdown_timeout, uuid.uuid4().hex, world_size=3, expect_dead=[2]
+    )
+    assert dead is None
+    assert trainer[:2] == [1, 3], trainer  # served while the server waited in shutdown
+    _check_bounded_error("the server's shutdown()", server, SHUTDOWN_TIMEOUT + BOUND)
+    assert "timed out in _all_gather" in server["message"], server["message"]
+    assert "worker2" in server["message"], server["message"]
+    assert server["elapsed"] >= SHUTDOWN_TIMEOUT - 0.01, "the server did not wait for the live trainer"
