@@ -1,4 +1,4 @@
-"""A dead peer is an error, never a hang (ERR-7, SHUT-2, SHUT-3).
+"""A dead peer is an error, never a hang, and never cuts off live work (ERR-7, SHUT-2, SHUT-3, SHUT-7).
 
 A victim rank kills itself with ``ctx.crash()`` (SIGKILL on torch/gloo, ``Simulation.crash`` on sim)
 inside a fresh ``world.spawn(..., expect_dead=[rank])``; the survivors measure how long each failure
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conformance._support import backend_sleep, timed
+from conformance._support import backend_now, backend_sleep, timed
 
 #: seconds within which every failure caused by a dead peer must surface (measured values are printed)
 BOUND = 10.0
@@ -25,6 +25,14 @@ BOUND = 10.0
 HANG_BOUND = 20.0
 
 _RELEASED: set[str] = set()
+#: the parameter server's state (on worker0): one parameter per (test token, trainer rank)
+_PARAMETERS: dict[tuple[str, int], float] = {}
+#: the healthy trainer's epochs, each a call to the server, and how long each one trains locally
+EPOCHS = 8
+EPOCH_SECONDS = 0.4
+#: the server's shutdown timeout when the healthy trainer cannot reach shutdown in time (its epochs
+#: take EPOCHS * EPOCH_SECONDS)
+SHUTDOWN_TIMEOUT = 1.5
 
 
 def _bounded(backend: str, thunk: Callable[[], Any]) -> dict[str, Any]:
@@ -64,6 +72,13 @@ def _serve_until_released(ctx: Any, token: str) -> str:
     released = token in _RELEASED
     ctx.rpc.shutdown(graceful=False)
     return "released" if released else "never released"
+
+
+def _apply_gradient(token: str, trainer: int, gradient: float) -> float:
+    """The parameter server's update: add the trainer's gradient, return the new parameter."""
+    key = (token, trainer)
+    _PARAMETERS[key] = _PARAMETERS.get(key, 0.0) + gradient
+    return _PARAMETERS[key]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -109,6 +124,56 @@ def _graceful_shutdown_with_a_dead_worker(ctx: Any, victim: int) -> Any:
     # Finalised locally all the same (SHUT-2): the process is uninitialised afterwards (ERR-8).
     result["after"] = timed(backend, lambda: rpc.rpc_sync(ctx.name(ctx.rank), operator.add, args=(1, 2)))
     return result
+
+
+def _parameter_server_with_a_trainer_that_dies(ctx: Any, token: str) -> Any:
+    """PyTorch's parameter-server layout: worker0 serves and calls graceful shutdown (timeout=0) at
+    once; trainer worker2 dies (kill -9) after two epochs; trainer worker1 trains EPOCHS epochs, each
+    a call to the server, then calls graceful shutdown. Each rank reports its clock's readings."""
+    ctx.init_rpc()
+    rpc, backend = ctx.rpc, ctx.backend
+    if ctx.rank == 0:
+        result = {"shutdown": _bounded(backend, lambda: rpc.shutdown(graceful=True, timeout=0))}
+        result["ended_at"] = backend_now(backend)
+        result["after"] = timed(backend, lambda: rpc.rpc_sync("worker0", operator.add, args=(1, 2)))
+        return result
+    epochs: list[Any] = []
+    for epoch in range(1, EPOCHS + 1):
+        if ctx.rank == 2 and epoch == 3:
+            ctx.crash()
+        ctx.sleep(EPOCH_SECONDS)  # the local part of the epoch
+        step = timed(
+            backend, lambda e=epoch: rpc.rpc_sync("worker0", _apply_gradient, args=(token, ctx.rank, e))
+        )
+        epochs.append(step.get("value", (step["raised"], step.get("message"))))
+    result = {"epochs": epochs, "reached_shutdown_at": backend_now(backend)}
+    result["shutdown"] = _bounded(backend, lambda: rpc.shutdown(graceful=True, timeout=0))
+    result["after"] = timed(backend, lambda: rpc.rpc_sync("worker1", operator.add, args=(1, 2)))
+    return result
+
+
+def _parameter_server_with_a_shutdown_timeout(ctx: Any, token: str) -> Any:
+    """As _parameter_server_with_a_trainer_that_dies, but the server's shutdown has a timeout
+    shorter than the healthy trainer's epochs, and trainer worker2 dies after one epoch. The
+    healthy trainer's calls after the server gave up fail (bounded); it then leaves locally."""
+    ctx.init_rpc()
+    rpc, backend = ctx.rpc, ctx.backend
+    if ctx.rank == 0:
+        return _bounded(backend, lambda: rpc.shutdown(graceful=True, timeout=SHUTDOWN_TIMEOUT))
+    epochs: list[Any] = []
+    for epoch in range(1, EPOCHS + 1):
+        if ctx.rank == 2 and epoch == 2:
+            ctx.crash()
+        ctx.sleep(EPOCH_SECONDS)
+        step = timed(
+            backend,
+            lambda e=epoch: rpc.rpc_sync(
+                "worker0", _apply_gradient, args=(token, ctx.rank, e), timeout=BOUND
+            ),
+        )
+        epochs.append(step.get("value", step["raised"]))
+    rpc.shutdown(graceful=False)
+    return epochs
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -188,3 +253,64 @@ def test_graceful_shutdown_with_a_dead_peer_names_it_on_every_survivor(world: An
             got = results[rank]["shutdown"]
             assert got["raised"] == "WorkerUnavailableError", (victim, rank, got)
             assert f"'worker{victim}'" in got["message"], (victim, rank, got["message"])
+
+
+def _run_parameter_server_with_a_trainer_that_dies(world: Any) -> list[Any]:
+    results = world.spawn(
+        _parameter_server_with_a_trainer_that_dies, uuid.uuid4().hex, world_size=3, expect_dead=[2]
+    )
+    assert results[2] is None
+    return results
+
+
+@pytest.mark.spec("SHUT-7", "SHUT-1")
+def test_a_healthy_trainer_finishes_its_epochs_while_the_server_waits_in_shutdown_for_a_dead_one(
+    world: Any,
+) -> None:
+    server, trainer, _ = _run_parameter_server_with_a_trainer_that_dies(world)
+    # Every epoch's call was served, each on the parameter the previous ones left: 1, 1+2, 1+2+3, ...
+    assert trainer["epochs"] == [e * (e + 1) / 2 for e in range(1, EPOCHS + 1)], trainer["epochs"]
+    for who, got in (("server", server), ("healthy trainer", trainer)):
+        print(f"the {who}'s shutdown(): {got['shutdown']['raised']} after {got['shutdown']['elapsed']:.3f} s")
+    blocked = server["shutdown"]["raised"] == "still blocked"  # PyTorch's server waits forever (DEV-3)
+    if not blocked:
+        ended, reached = server["ended_at"], trainer["reached_shutdown_at"]
+        print(f"the server's shutdown ended {ended - reached:.3f} s after the trainer reached shutdown")
+        assert ended >= reached, "the server's shutdown ended before the healthy trainer reached its own"
+
+
+@pytest.mark.spec("SHUT-7", "SHUT-2", "ERR-7")
+def test_after_a_trainer_dies_every_survivor_s_shutdown_fails_naming_it_once_the_healthy_one_arrives(
+    world: Any,
+) -> None:
+    # Bounded for torch, where both survivors' shutdown waits forever for the dead trainer (DEV-3).
+    server, trainer, _ = _run_parameter_server_with_a_trainer_that_dies(world)
+    # The server waits for the healthy trainer's epochs (SHUT-7), then fails promptly.
+    waits = {"the server": EPOCHS * EPOCH_SECONDS + BOUND, "the healthy trainer": BOUND}
+    for who, got in (("the server", server), ("the healthy trainer", trainer)):
+        _check_bounded_error(f"{who}'s shutdown()", got["shutdown"], waits[who])
+        assert "worker2" in got["shutdown"]["message"], got["shutdown"]["message"]
+        assert "RPC has not been initialized" in (got["after"].get("message") or ""), got["after"]
+    # The server failed once the healthy trainer had reached shutdown, and promptly after that.
+    late = server["ended_at"] - trainer["reached_shutdown_at"]
+    print(f"the server's shutdown failed {late:.3f} s after the healthy trainer reached shutdown")
+    assert 0 <= late < BOUND
+
+
+@pytest.mark.spec("SHUT-7", "SHUT-2")
+def test_with_a_timeout_the_server_s_shutdown_waits_it_out_then_fails_naming_the_dead_trainer(
+    world: Any,
+) -> None:
+    """The healthy trainer is still in its epochs when the timeout passes: the server's shutdown
+    waits the whole timeout (the trainer's first epochs are served meanwhile), then raises the
+    _all_gather timeout naming the dead trainer (PyTorch: among the followers that timed out;
+    twinrpc: as the cause, before the followers still missing)."""
+    server, trainer, dead = world.spawn(
+        _parameter_server_with_a_shutdown_timeout, uuid.uuid4().hex, world_size=3, expect_dead=[2]
+    )
+    assert dead is None
+    assert trainer[:2] == [1, 3], trainer  # served while the server waited in shutdown
+    _check_bounded_error("the server's shutdown()", server, SHUTDOWN_TIMEOUT + BOUND)
+    assert "timed out in _all_gather" in server["message"], server["message"]
+    assert "worker2" in server["message"], server["message"]
+    assert server["elapsed"] >= SHUTDOWN_TIMEOUT - 0.01, "the server did not wait for the live trainer"

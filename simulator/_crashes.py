@@ -12,6 +12,7 @@ after heartbeat silence.
 from __future__ import annotations
 
 import functools
+import math
 from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -165,7 +166,9 @@ class Crashes:
             # a model of the user's (its own delays), or workers on hosts (two kinds of link)
 
             def delay(target: SimWorld) -> float:
-                return max(delay_of(rank, target.rank, 0, rng), last_arrival.get(target.rank, 0.0) - now)
+                d = delay_of(rank, target.rank, 0, rng)
+                arrival = last_arrival.get(target.rank)
+                return d if arrival is None or now + d > arrival else _delay_after(now, arrival)
 
             sched.schedule_spread(announce, targets, delay, self._moot)
             return
@@ -177,9 +180,10 @@ class Crashes:
         draw, arrival = rng.random, last_arrival.get
         times, ties = array("d"), array("d")
         for target in targets:
-            d = latency + draw() * jitter
-            behind = arrival(target.rank, 0.0) - now
-            times.append(now + (d if d >= behind else behind))
+            due = now + latency + draw() * jitter
+            last = arrival(target.rank)
+            # strictly after the last message: at the same time, the tie-break could put it first
+            times.append(due if last is None or due > last else math.nextafter(last, math.inf))
             ties.append(draw())
         sched.schedule_spread_at(announce, targets, times, ties, self._moot)
 
@@ -197,3 +201,12 @@ class Crashes:
             return
         observer, rank, departure = item
         self.peer_unavailable(observer, observer.rank, rank, departure)
+
+
+def _delay_after(now: float, arrival: float) -> float:
+    """The smallest delay from ``now`` that ends strictly after ``arrival``: an event at the same
+    time as a message's delivery could run before it (ties are broken at random)."""
+    delay = arrival - now
+    while now + delay <= arrival:
+        delay = math.nextafter(delay, math.inf)
+    return delay

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -145,3 +146,73 @@ def test_a_shutdown_without_graceful_is_announced_and_stops_the_rref_monitors() 
     assert shutdown_at == running_at and "'worker1' (rank 1) is unavailable" in shutdown
     events = [e.event for e in result.trace]
     assert "peer-left" in events and "monitors-off" in events
+
+
+EPOCHS = 6
+
+
+def _parameter_server_and_two_trainers(rank: int) -> Any:
+    """Worker 0 serves and calls graceful shutdown at once; trainer 2 is crashed by the plan after
+    two epochs; trainer 1 trains EPOCHS epochs (a call to the server each), then calls shutdown."""
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3)
+    if rank == 0:
+        try:
+            rpc.shutdown()
+            return "returned"
+        except WorkerUnavailableError as exc:
+            return now(), str(exc)
+    epochs = []
+    for epoch in range(1, EPOCHS + 1):
+        sleep(0.5)
+        epochs.append(rpc.rpc_sync("worker0", operator.add, args=(epoch, 0)))
+    reached = now()
+    try:
+        rpc.shutdown()
+        return epochs, reached, "returned"
+    except WorkerUnavailableError as exc:
+        return epochs, reached, str(exc)
+
+
+def test_a_crash_fails_the_leader_s_shutdown_only_after_the_healthy_trainer_s_last_epoch() -> None:
+    """SHUT-7, in the trace: the server learns of the crash while it waits in shutdown, keeps serving
+    the healthy trainer's epochs, and fails the barrier (its verdict, a SCATTER) only after the
+    trainer's contribution arrived; it leaves after telling it, and the trainer leaves after hearing
+    it."""
+    result = Simulation(3, seed=7, faults=FaultPlan([Crash(2, at=1.2)])).run(
+        _parameter_server_and_two_trainers
+    )
+    assert result.crashed == (2,)
+    (failed_at, server_error), (epochs, reached, trainer_error), _ = result.values()
+    assert epochs == list(range(1, EPOCHS + 1))  # every epoch served
+    assert failed_at >= reached  # virtual time: the server failed only after the trainer arrived
+    assert "'worker2' (rank 2) is unavailable" in server_error
+    assert trainer_error.startswith("the shutdown leader worker0 aborted _all_gather: " + server_error)
+
+    events = result.trace.events()
+
+    def first(pred: Callable[[Any], bool]) -> int:
+        return next(ev.index for ev in events if pred(ev))
+
+    def last(pred: Callable[[Any], bool]) -> int:
+        return max(ev.index for ev in events if pred(ev))
+
+    def msg(kind: str, src: int, dst: int, event: str) -> Callable[[Any], bool]:
+        return lambda ev: (
+            ev.event == event
+            and ev.message is not None
+            and (ev.message.kind, ev.message.src, ev.message.dst) == (kind, src, dst)
+        )
+
+    crash = first(lambda ev: ev.event == "crash" and ev.worker == 2)
+    server_knows = first(lambda ev: ev.event == "peer-failed" and ev.worker == 0)
+    barrier_entered = first(msg("GATHER", 1, 0, "send"))  # the trainer's contribution...
+    last_epoch_served = last(msg("RESPONSE", 0, 1, "send"))
+    contribution = last(msg("GATHER", 1, 0, "deliver"))  # ...after its news of the crash, if any
+    verdict = first(msg("SCATTER", 0, 1, "send"))
+    verdict_arrives = first(msg("SCATTER", 0, 1, "deliver"))
+    server_leaves = first(lambda ev: ev.event == "exit" and ev.worker == 0)
+    trainer_leaves = first(lambda ev: ev.event == "exit" and ev.worker == 1)
+    assert crash < server_knows < last_epoch_served < barrier_entered <= contribution < verdict
+    assert verdict < server_leaves and verdict_arrives < trainer_leaves
+    # the server served epochs after it knew: the calls it answered then were the trainer's
+    assert sum(1 for ev in events[server_knows:verdict] if msg("RESPONSE", 0, 1, "send")(ev)) >= 3

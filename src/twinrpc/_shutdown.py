@@ -3,9 +3,12 @@
 ``shutdown(graceful=True)`` is PyTorch's sequence: an all-gather of every worker (the barrier), a
 join that waits until no request is in flight anywhere, the RRef release (SHUT-1 step 2) and a
 second join. The all-gather goes through the leader (the lexicographically smallest name), as in
-PyTorch's ``_all_gather``; a worker that departs without completing its own graceful shutdown fails
-every all-gather still in progress, and the leader tells the live followers why, so every
-``shutdown`` raises the same error naming the departed worker instead of waiting (SHUT-2).
+PyTorch's ``_all_gather``. A worker that departs without completing its own graceful shutdown makes
+every all-gather fail, but not at once: the leader waits until every live worker has contributed (a
+live worker still training keeps being served meanwhile), then fails it and tells the live followers
+why, so every ``shutdown`` raises the same error naming the departed worker instead of waiting
+forever (SHUT-2, SHUT-7). Only a dead leader fails the followers at once: nobody is left to wait for
+the others.
 
 The local teardown that follows (``RpcAgent.finalize``) is the agent's: it is also what a
 non-graceful shutdown does.
@@ -42,8 +45,9 @@ _JOIN_BACKOFF_MAX = 0.1
 
 @dataclass(frozen=True, slots=True)
 class _GatherAborted:
-    """The leader's answer to an all-gather that a departed worker made impossible: the error it
-    failed with (its text, and how the worker left as ``Departure.value``)."""
+    """The leader's answer to an all-gather that a departed worker made impossible, sent once every
+    live worker has contributed (or the timeout passed): the error it failed with (its text, and how
+    the worker left as ``Departure.value``)."""
 
     why: str
     departure: str | None
@@ -51,11 +55,12 @@ class _GatherAborted:
 
 @dataclass(frozen=True)
 class _PeerDied:
-    """A follower's news for the leader, in place of its contribution to an all-gather: worker
-    ``rank`` died (or fell silent) before the follower could take part. The leader fails the
-    all-gather naming that worker as if it had seen the death itself, whatever it has heard of it
-    yet: the follower now leaves because of that death, and its leaving must not be blamed for it
-    (on a loaded host a crash's news can reach the leader after the follower's close frame)."""
+    """A follower's news for the leader, sent before its contribution to an all-gather (or while it
+    waits for the answer): worker ``rank`` died (or fell silent). The leader counts that worker as
+    departed as if it had seen the death itself, whatever it has heard of it yet: it need not wait
+    for a worker that will never contribute, and a follower leaving because of that death (its
+    shutdown timed out) is not blamed for it (on a loaded host a crash's news can reach the leader
+    after the follower's close frame)."""
 
     rank: int
     departure: str
@@ -72,25 +77,49 @@ class ShutdownProtocol:
         self._scattered: dict[Hashable, Future[Any]] = {}
         #: the first error of each peer that departed without completing a graceful shutdown
         self._peer_errors: dict[int, WorkerUnavailableError] = {}
+        #: follower: the deaths already passed on to the leader (_PeerDied)
+        self._told: set[int] = set()
 
     # -- what the agent reports --------------------------------------------------------------------
     def peer_failed(self, peer: int, exc: WorkerUnavailableError, orderly: bool) -> None:
-        """``peer`` departed. Every all-gather needs every worker (the leader waits for all, followers
-        for the leader, which waits for all): none in progress can complete any more. Except when the
-        peer left in order, after the final join of its graceful shutdown: it no longer takes part,
-        and the verdict it saw is on its way to us."""
+        """``peer`` departed. No all-gather can succeed any more, but the leader fails one only once
+        every live worker has contributed (SHUT-7): the all-gathers waiting for no one else but
+        ``peer`` end now, the others when their last live worker arrives. A follower fails its
+        all-gathers at once only when the leader departed; otherwise it passes the news on to the
+        leader and keeps waiting for its answer. Nothing changes when the peer left in order, after
+        the final join of its graceful shutdown: it no longer takes part, and the verdict it saw is
+        on its way to us."""
         if orderly:
             return
+        agent = self._agent
+        leader = agent.leader.id
+        leading = agent.info.id == leader
+        ended: list[Future[None]] = []
+        waits: list[Future[Any]] = []
         with self._lock:
             self._peer_errors.setdefault(peer, exc)
-            waits: list[Future[Any]] = [*self._gather_done.values(), *self._scattered.values()]
-        for fut in waits:
-            fut.try_set_exception(exc)
+            if leading:
+                ended = [
+                    done
+                    for tag, done in self._gather_done.items()
+                    if self._all_arrived(self._gathered.get(tag, {}))
+                ]
+            else:
+                waits = list(self._scattered.values())
+        if leading:
+            for done in ended:
+                done.try_set_result(None)
+        elif peer == leader:
+            for fut in waits:
+                fut.try_set_exception(exc)
+        elif any(not fut.done() for fut in waits):
+            self._tell_leader_of_deaths()
 
     def peer_joined(self, peer: int) -> None:
         """A new worker took ``peer``'s rank in a dynamic group: the old one's departure is history."""
         with self._lock:
             self._peer_errors.pop(peer, None)
+            self._told.discard(peer)
 
     def on_message(self, msg: Message) -> None:
         """A ``GATHER`` (at the leader) or ``SCATTER`` (at a follower) arrived."""
@@ -167,13 +196,15 @@ class ShutdownProtocol:
         if me == agent.leader.id:
             return self._gather_as_leader(tag, value, timeout, combine)
         with self._lock:
-            dead = self._first_departure()
+            # Only a dead leader fails a follower at once; any other departure is the leader's to
+            # weigh, once every live worker has arrived (SHUT-7).
+            dead = self._first_departure() if agent.leader.id in self._peer_errors else None
             if dead is None:
                 fut = self._scattered.setdefault(tag, Future())
         if dead is not None:
-            self._tell_leader_of_deaths(tag)
             raise dead
         fut.label = f"the shutdown leader {agent.leader.name} to answer _all_gather {tag}"
+        self._tell_leader_of_deaths()  # the news first, then the contribution (one link, in order)
         payload, _ = _serialize.dumps((tag, value))
         agent.world.send(Message(Kind.GATHER, 0, me, agent.leader.id, payload))
         try:
@@ -185,29 +216,37 @@ class ShutdownProtocol:
                 ),
                 agent.world.call_later,
             )
-        except WorkerUnavailableError:
-            self._tell_leader_of_deaths(tag)
+        except RPCTimeoutError as exc:
+            with self._lock:
+                self._scattered.pop(tag, None)
+                dead = self._first_departure()
+            if dead is None:
+                raise
+            raise _also_timed_out(dead, exc) from exc  # name the worker that died all the same
+        except WorkerUnavailableError:  # the leader's verdict, or the leader departed
+            with self._lock:
+                self._scattered.pop(tag, None)
             raise
         with self._lock:
             self._scattered.pop(tag, None)
         return result
 
-    def _tell_leader_of_deaths(self, tag: Hashable) -> None:
-        """Follower: the all-gather failed here; tell the leader which workers this one saw die
-        (see _PeerDied), before this worker's leaving can reach it."""
+    def _tell_leader_of_deaths(self) -> None:
+        """Follower: tell the leader which workers this one saw die and has not told it of yet (see
+        _PeerDied), before this worker's contribution, or its leaving, can reach it."""
         agent = self._agent
         leader = agent.leader.id
         with self._lock:
-            died = [
-                (peer, err)
-                for peer, err in self._peer_errors.items()
-                if peer != leader and err.departure is not None and not err.departure.shut_down
-            ]
             if leader in self._peer_errors:
                 return  # nobody to tell
-        for peer, err in died:
-            assert err.departure is not None
-            payload, _ = _serialize.dumps((tag, _PeerDied(peer, err.departure.value)))
+            died = [
+                (peer, err.departure)
+                for peer, err in self._peer_errors.items()
+                if peer not in self._told and err.departure is not None and not err.departure.shut_down
+            ]
+            self._told.update(peer for peer, _ in died)
+        for peer, departure in died:
+            payload, _ = _serialize.dumps((None, _PeerDied(peer, departure.value)))
             agent.world.send(Message(Kind.GATHER, 0, agent.info.id, leader, payload))
 
     def _gather_as_leader(
@@ -217,30 +256,36 @@ class ShutdownProtocol:
         me = agent.info.id
         workers = agent.workers
         with self._lock:
-            # A departed worker (any: the leader needs all) fails the collective instead of letting it
-            # wait forever; checked under the lock that peer_failed takes, so a departure between this
-            # check and the wait still fails the wait.
-            dead = self._first_departure()
-            if dead is None:
-                got = self._gathered.setdefault(tag, {})
-                got[me] = value
-                done = self._gather_done.setdefault(tag, Future())
-                complete = len(got) == len(workers)
-        if dead is not None:
-            self._abort_gather(tag, dead)
-            raise dead
+            # Complete when every worker has contributed or departed (checked under the lock that
+            # peer_failed takes, so a departure between this check and the wait still ends it). A
+            # departed worker (any: the leader needs all) fails the collective instead of letting it
+            # wait forever, but only once the live workers have arrived (SHUT-7): until then their
+            # calls keep being served.
+            got = self._gathered.setdefault(tag, {})
+            got[me] = value
+            done = self._gather_done.setdefault(tag, Future())
+            complete = self._all_arrived(got)
         if complete:
             done.try_set_result(None)
         try:
             wait_bounded(
                 done, timeout, lambda: self._gather_timeout_msg(tag, timeout), agent.world.call_later
             )
-        except WorkerUnavailableError as exc:
-            self._abort_gather(tag, exc)
-            raise
+        except RPCTimeoutError as exc:
+            with self._lock:
+                dead = self._first_departure()
+            if dead is None:
+                raise
+            dead = _also_timed_out(dead, exc)
+            self._abort_gather(tag, dead)
+            raise dead from exc
         with self._lock:
             got = self._gathered.pop(tag)
             self._gather_done.pop(tag, None)
+            dead = self._first_departure()
+        if dead is not None:
+            self._abort_gather(tag, dead)
+            raise dead
         result: Any = [got[w.id] for w in workers]
         if combine is not None:
             result = combine(result)
@@ -253,8 +298,18 @@ class ShutdownProtocol:
     def _gather_timeout_msg(self, tag: Hashable, timeout: float) -> str:
         with self._lock:
             got = self._gathered.get(tag, {})
-        missing = [w.name for w in self._agent.workers if w.id not in got]
+            missing = [
+                w.name for w in self._agent.workers if w.id not in got and w.id not in self._peer_errors
+            ]
         return f"Followers {missing} timed out in _all_gather after {timeout:.2f} seconds"
+
+    def _all_arrived(self, got: dict[int, Any]) -> bool:
+        """Leader: every worker has contributed to an all-gather (``got``) or departed; call with
+        ``self._lock`` held."""
+        workers = self._agent.workers
+        if len(got) == len(workers):
+            return True  # the common case, in O(1): a leader gets one message per worker
+        return bool(self._peer_errors) and all(w.id in got or w.id in self._peer_errors for w in workers)
 
     def _on_gather(self, msg: Message) -> None:
         (tag, value), _ = _serialize.loads(
@@ -271,7 +326,7 @@ class ShutdownProtocol:
             got = self._gathered.setdefault(tag, {})
             got[msg.src] = value
             done = self._gather_done.setdefault(tag, Future())
-            complete = len(got) == len(self._agent.workers)
+            complete = self._all_arrived(got)
         if complete:
             done.try_set_result(None)
 
@@ -306,8 +361,10 @@ class ShutdownProtocol:
         return None
 
     def _abort_gather(self, tag: Hashable, exc: WorkerUnavailableError) -> None:
-        """Leader: a worker departed during the all-gather; tell the live followers why it failed, so
-        their ``shutdown`` raises the same error naming that worker instead of waiting (SHUT-2)."""
+        """Leader: a worker departed, and every live one has arrived (or the timeout passed); tell the
+        live followers why the all-gather failed, so their ``shutdown`` raises the same error naming
+        that worker (SHUT-2). A follower that has not arrived yet (after a timeout) gets it when it
+        does."""
         agent = self._agent
         with self._lock:
             self._gathered.pop(tag, None)
@@ -318,6 +375,14 @@ class ShutdownProtocol:
         for w in agent.workers:
             if w.id != agent.info.id and w.id not in dead:
                 agent.world.send(Message(Kind.SCATTER, 0, agent.info.id, w.id, payload))
+
+
+def _also_timed_out(dead: WorkerUnavailableError, timed_out: RPCTimeoutError) -> WorkerUnavailableError:
+    """The error of a shutdown that timed out after a worker departed: the departure is the cause
+    to name, the timeout (which live workers were still missing) what ended the wait."""
+    err = relayed_departure(f"{dead}; {timed_out}", dead.departure.value if dead.departure else None)
+    err.__cause__ = dead.__cause__
+    return err
 
 
 def _nothing(values: list[Any]) -> None:
