@@ -17,6 +17,7 @@ holds, the sum over the trainers that ran the batch divided by the number of tra
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import gc
 from typing import Any, NamedTuple
@@ -86,7 +87,7 @@ class RemoteEM(nn.Module):
 
 
 # Return a linear module with predefined parameters.
-def getLinear(d_in: int, d_out: int) -> nn.Linear:  # noqa: N802 (PyTorch's name)
+def getLinear(d_in: int, d_out: int) -> nn.Linear:
     layer = nn.Linear(d_in, d_out, bias=False)
     w = torch.ones((d_out, d_in))
     w[0][0] = -1
@@ -160,9 +161,7 @@ class Trainer:
         if ddp_mode == DdpMode.OUTSIDE:
             self.ddp_params += self.non_ddp_params
             self.non_ddp_params = ()
-            self.hybrid_module = DistributedDataParallel(
-                self.hybrid_module, process_group=self.trainer_group
-            )
+            self.hybrid_module = DistributedDataParallel(self.hybrid_module, process_group=self.trainer_group)
 
     def destroy_pg(self) -> None:
         if self.trainer_group:
@@ -177,7 +176,7 @@ class Trainer:
         dist_autograd = dist_autograd_module(self.backend)
         grads_dict: Any = None
         input_batches = _microbatches(mini_batch, trainer_has_less_inputs, simulate_uneven_inputs)
-        with self.hybrid_module.join() if simulate_uneven_inputs else _nothing():  # type: ignore[operator]
+        with self.hybrid_module.join() if simulate_uneven_inputs else contextlib.nullcontext():  # type: ignore[operator]
             for b in input_batches:
                 with dist_autograd.context() as context_id:
                     output = self.hybrid_module.forward(b)
@@ -190,14 +189,6 @@ class Trainer:
             [grads_dict[param].tolist() for param in self.non_ddp_params],
             untouched,
         )
-
-
-class _nothing:  # noqa: N801 (contextlib.nullcontext, which DDP's join() stands beside)
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _microbatches(
@@ -257,7 +248,9 @@ def _do_test_on_master(ctx: Any, ddp_mode: DdpMode, simulate_uneven_inputs: bool
     remote_em_rref = rpc.remote(remote_worker, RemoteEM, args=(NUM_EM_ROW, D_SPARSE))
     remote_net_rref = rpc.remote(remote_worker, RemoteNet, args=(D_DENSE + D_SPARSE, D_HID))
     trainer_rrefs = [
-        rpc.remote(ctx.name(rank), Trainer, args=(ctx.backend, remote_em_rref, remote_net_rref, ddp_mode, rank))
+        rpc.remote(
+            ctx.name(rank), Trainer, args=(ctx.backend, remote_em_rref, remote_net_rref, ddp_mode, rank)
+        )
         for rank in TRAINER_RANKS
     ]
     if ddp_mode in (DdpMode.INSIDE, DdpMode.OUTSIDE):
@@ -289,7 +282,9 @@ def _do_test_on_master(ctx: Any, ddp_mode: DdpMode, simulate_uneven_inputs: bool
     return iterations
 
 
-def _ddp_under_dist_autograd(ctx: Any, init_file: str, ddp_mode: DdpMode, simulate_uneven_inputs: bool) -> Any:
+def _ddp_under_dist_autograd(
+    ctx: Any, init_file: str, ddp_mode: DdpMode, simulate_uneven_inputs: bool
+) -> Any:
     """Every rank joins the default process group (as PyTorch's test); the master drives the trainers,
     the others serve until the master is done (a barrier stands for PyTorch's shutdown signal)."""
     dist.init_process_group(
@@ -326,7 +321,9 @@ def _local_reference(ddp_mode: DdpMode, simulate_uneven_inputs: bool) -> list[tu
 
     def averaged(j: int, i: int) -> torch.Tensor:
         # DDP divides by the (initial) number of trainers; joined trainers contribute zeros
-        return sum((own[t][j][i] for t in range(NUM_TRAINERS) if j < len(own[t])), torch.zeros(1)) / NUM_TRAINERS
+        return (
+            sum((own[t][j][i] for t in range(NUM_TRAINERS) if j < len(own[t])), torch.zeros(1)) / NUM_TRAINERS
+        )
 
     expected = []
     for t in range(NUM_TRAINERS):
@@ -361,19 +358,43 @@ def _check(iterations: list[Any], ddp_mode: DdpMode, simulate_uneven_inputs: boo
 
 @pytest.mark.spec("DAG-16", "DAG-9")
 def test_backward_no_ddp(world: Any, tmp_path: Any) -> None:
-    _check(world.run(_ddp_under_dist_autograd, str(tmp_path / "pg"), DdpMode.NONE, False, world_size=WORLD_SIZE)[MASTER_RANK], DdpMode.NONE, False)
+    _check(
+        world.run(_ddp_under_dist_autograd, str(tmp_path / "pg"), DdpMode.NONE, False, world_size=WORLD_SIZE)[
+            MASTER_RANK
+        ],
+        DdpMode.NONE,
+        False,
+    )
 
 
 @pytest.mark.spec("DAG-19")
 def test_backward_ddp_outside(world: Any, tmp_path: Any) -> None:
-    _check(world.run(_ddp_under_dist_autograd, str(tmp_path / "pg"), DdpMode.OUTSIDE, False, world_size=WORLD_SIZE)[MASTER_RANK], DdpMode.OUTSIDE, False)
+    _check(
+        world.run(
+            _ddp_under_dist_autograd, str(tmp_path / "pg"), DdpMode.OUTSIDE, False, world_size=WORLD_SIZE
+        )[MASTER_RANK],
+        DdpMode.OUTSIDE,
+        False,
+    )
 
 
 @pytest.mark.spec("DAG-19")
 def test_backward_ddp_outside_uneven_inputs(world: Any, tmp_path: Any) -> None:
-    _check(world.run(_ddp_under_dist_autograd, str(tmp_path / "pg"), DdpMode.OUTSIDE, True, world_size=WORLD_SIZE)[MASTER_RANK], DdpMode.OUTSIDE, True)
+    _check(
+        world.run(
+            _ddp_under_dist_autograd, str(tmp_path / "pg"), DdpMode.OUTSIDE, True, world_size=WORLD_SIZE
+        )[MASTER_RANK],
+        DdpMode.OUTSIDE,
+        True,
+    )
 
 
 @pytest.mark.spec("DAG-16")
 def test_backward_ddp_inside(world: Any, tmp_path: Any) -> None:
-    _check(world.run(_ddp_under_dist_autograd, str(tmp_path / "pg"), DdpMode.INSIDE, False, world_size=WORLD_SIZE)[MASTER_RANK], DdpMode.INSIDE, False)
+    _check(
+        world.run(
+            _ddp_under_dist_autograd, str(tmp_path / "pg"), DdpMode.INSIDE, False, world_size=WORLD_SIZE
+        )[MASTER_RANK],
+        DdpMode.INSIDE,
+        False,
+    )

@@ -592,8 +592,7 @@ class _ProcessGroups:
         default = state.default_pg
         if default is None:
             raise ValueError(
-                "Default process group has not been initialized, please make sure to call "
-                "init_process_group."
+                "Default process group has not been initialized, please make sure to call init_process_group."
             )
         members = list(range(default.size())) if ranks is None else list(ranks)
         if sort_ranks:
@@ -611,7 +610,10 @@ class _ProcessGroups:
         if default.rank() not in members:
             return c10d.GroupMember.NON_GROUP_MEMBER
         pg = SimProcessGroup(
-            self.collectives, ("group", state.default_groups, key, k), members.index(default.rank()), len(members)
+            self.collectives,
+            ("group", state.default_groups, key, k),
+            members.index(default.rank()),
+            len(members),
         )
         state.pg_map[pg] = (str(backend or state.pg_map[default][0]).lower(), None)
         state.pg_names[pg] = name
