@@ -398,3 +398,82 @@ def test_backward_ddp_inside(world: Any, tmp_path: Any) -> None:
         DdpMode.INSIDE,
         False,
     )
+
+
+# -- find_unused_parameters: what the reducer's own search does not reach ---------------------------
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+class _ThreeLayers(nn.Module):
+    """``a``, then ``b`` (on the far side of an RPC when ``rpc_between``), then ``c`` when ``use_c``."""
+
+    def __init__(self, backend: str, rpc_between: bool, use_c: bool) -> None:
+        super().__init__()
+        self.backend, self.rpc_between, self.use_c = backend, rpc_between, use_c
+        self.a, self.b, self.c = getLinear(3, 3), getLinear(3, 3), getLinear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        if self.rpc_between:
+            x = rpc_module(self.backend).rpc_sync("worker2", _double, args=(x,))
+        x = self.b(x)
+        return self.c(x) if self.use_c else x
+
+
+def _find_unused_parameters(ctx: Any, init_file: str, rpc_between: bool, use_c: bool) -> Any:
+    """Trainers 0 and 1 (a gloo group of two) train DDP(find_unused_parameters=True) in a context; rank 2
+    serves the RPC. Returns the DDP gradients in the context and local DDP's, or the error."""
+    if ctx.rank == 2:
+        return None
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=ctx.rank, world_size=2)
+    ddp = reference = None
+    try:
+        model = _ThreeLayers(ctx.backend, rpc_between, use_c)
+        ddp = DistributedDataParallel(model, find_unused_parameters=True)
+        x = torch.ones(2, 3) * (ctx.rank + 1)
+        try:
+            with ctx.dist_autograd.context() as cid:
+                ctx.dist_autograd.backward(cid, [ddp(x).sum()])
+                grads = ctx.dist_autograd.get_gradients(cid)
+                got = {n: grads[p].tolist() for n, p in model.named_parameters() if p in grads}
+        except RuntimeError as exc:
+            return {"error": str(exc)}
+        local = _ThreeLayers(ctx.backend, False, use_c)
+        reference = DistributedDataParallel(local, find_unused_parameters=True)
+        reference(x).sum().backward()
+        want = {n: p.grad.tolist() for n, p in local.named_parameters() if p.grad is not None}
+        return {"context": got, "local": want, "untouched": all(p.grad is None for p in model.parameters())}
+    finally:
+        ddp = reference = None
+        gc.collect()
+        dist.destroy_process_group()
+
+
+@pytest.mark.spec("DAG-19")
+def test_find_unused_parameters_with_every_parameter_used_gives_local_ddp_gradients(
+    world: Any, tmp_path: Any
+) -> None:
+    for got in world.run(_find_unused_parameters, str(tmp_path / "pg"), False, True, world_size=3)[:2]:
+        assert got["context"].keys() == {"a.weight", "b.weight", "c.weight"}
+        for name, grad in got["context"].items():
+            torch.testing.assert_close(torch.tensor(grad), torch.tensor(got["local"][name]))
+        assert got["untouched"]
+
+
+@pytest.mark.spec("DAG-19")
+@pytest.mark.parametrize(
+    ("rpc_between", "use_c", "unreached"),
+    [(False, False, "c.weight"), (True, True, "a.weight")],
+    ids=["unused-parameter", "parameter-before-an-rpc"],
+)
+def test_find_unused_parameters_fails_the_pass_for_a_parameter_its_search_does_not_reach(
+    world: Any, tmp_path: Any, rpc_between: bool, use_c: bool, unreached: str
+) -> None:
+    results = world.run(_find_unused_parameters, str(tmp_path / "pg"), rpc_between, use_c, world_size=3)
+    for rank in (0, 1):
+        message = results[rank]["error"]
+        assert f"Error on Node {rank}" in message
+        assert "The grad for the variable should exist in dist_autograd context" in message
+        if world.backend != "torch":  # twinrpc names the parameter
+            assert unreached in message

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from ._ddp_unused import DDP_SINK_TYPE, unreached_parameters_error
 from ._dist_autograd import (
     RECV_NODE_TYPE,
     DistAutogradContainer,
@@ -162,6 +163,7 @@ class GraphPass:
         owner: dict[Any, Any] = {}
         region: dict[Any, list[Any]] = {}
         shared = False
+        sinks: list[Any] = []
         for key, edges in sources:
             nodes: list[Any] = []
             stack = []
@@ -182,6 +184,8 @@ class GraphPass:
                 nodes.append(node)
                 if _is_terminal(node):
                     continue
+                if type(node) is DDP_SINK_TYPE:
+                    sinks.append(node)
                 for nxt, _ in node.next_functions:
                     if nxt is not None:
                         deps[nxt] = deps.get(nxt, 0) + 1
@@ -193,6 +197,12 @@ class GraphPass:
         #: every leaf this worker's part of the pass reaches: each engine call shows all of them their
         #: context gradient, since a hook in one call may write another's (DDP's copy-back, DAG-19)
         self.leaves = [node.variable for node in owner if type(node) is _ACC_TYPE]
+        #: raised by the pass's first step: what it cannot compute as PyTorch does
+        self.unsupported: RuntimeError | None = None
+        for sink in sinks:
+            self.unsupported = self.unsupported or unreached_parameters_error(
+                sink, _ACC_TYPE, RECV_NODE_TYPE, self.ctx.context_id
+            )
         self.buffers: dict[Any, list[torch.Tensor | None]] = {}
         #: recv entry -> slots still expected this pass; gradients collected per slot
         self.recv_expected: dict[RecvRpcBackward, int] = {}
@@ -228,6 +238,8 @@ class GraphPass:
             self._quiescent()
 
     def _process(self, key: Any, grads: list[torch.Tensor | None]) -> None:
+        if self.unsupported is not None:
+            raise self.unsupported
         if key == _ROOT:
             edges = self.root_edges
         else:
