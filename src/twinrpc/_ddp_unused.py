@@ -55,8 +55,12 @@ def unreached_parameters_error(
         if type(node) is recv_type:
             continue
         stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-    wanted = {id(p) for p in ddp._module_parameters if p.requires_grad}
-    names = [n for n, p in ddp.module.named_parameters() if id(p) in wanted and id(p) not in reached]
+    ignored = ddp.parameters_to_ignore
+    names = [
+        n
+        for n, p in ddp.module.named_parameters()
+        if p.requires_grad and n not in ignored and id(p) not in reached
+    ]
     if not names:
         return None
     return RuntimeError(
