@@ -356,48 +356,35 @@ def _check(iterations: list[Any], ddp_mode: DdpMode, simulate_uneven_inputs: boo
             assert untouched, f"trainer {t}: a distributed backward wrote .grad"
 
 
+def _do_test(world: Any, tmp_path: Any, ddp_mode: DdpMode, simulate_uneven_inputs: bool = False) -> None:
+    results = world.run(
+        _ddp_under_dist_autograd,
+        str(tmp_path / "pg"),
+        ddp_mode,
+        simulate_uneven_inputs,
+        world_size=WORLD_SIZE,
+    )
+    _check(results[MASTER_RANK], ddp_mode, simulate_uneven_inputs)
+
+
 @pytest.mark.spec("DAG-16", "DAG-9")
 def test_backward_no_ddp(world: Any, tmp_path: Any) -> None:
-    _check(
-        world.run(_ddp_under_dist_autograd, str(tmp_path / "pg"), DdpMode.NONE, False, world_size=WORLD_SIZE)[
-            MASTER_RANK
-        ],
-        DdpMode.NONE,
-        False,
-    )
+    _do_test(world, tmp_path, DdpMode.NONE)
 
 
 @pytest.mark.spec("DAG-19")
 def test_backward_ddp_outside(world: Any, tmp_path: Any) -> None:
-    _check(
-        world.run(
-            _ddp_under_dist_autograd, str(tmp_path / "pg"), DdpMode.OUTSIDE, False, world_size=WORLD_SIZE
-        )[MASTER_RANK],
-        DdpMode.OUTSIDE,
-        False,
-    )
+    _do_test(world, tmp_path, DdpMode.OUTSIDE)
 
 
 @pytest.mark.spec("DAG-19")
 def test_backward_ddp_outside_uneven_inputs(world: Any, tmp_path: Any) -> None:
-    _check(
-        world.run(
-            _ddp_under_dist_autograd, str(tmp_path / "pg"), DdpMode.OUTSIDE, True, world_size=WORLD_SIZE
-        )[MASTER_RANK],
-        DdpMode.OUTSIDE,
-        True,
-    )
+    _do_test(world, tmp_path, DdpMode.OUTSIDE, simulate_uneven_inputs=True)
 
 
 @pytest.mark.spec("DAG-16")
 def test_backward_ddp_inside(world: Any, tmp_path: Any) -> None:
-    _check(
-        world.run(
-            _ddp_under_dist_autograd, str(tmp_path / "pg"), DdpMode.INSIDE, False, world_size=WORLD_SIZE
-        )[MASTER_RANK],
-        DdpMode.INSIDE,
-        False,
-    )
+    _do_test(world, tmp_path, DdpMode.INSIDE)
 
 
 # -- find_unused_parameters: what the reducer's own search does not reach ---------------------------
