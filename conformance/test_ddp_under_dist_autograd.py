@@ -4,15 +4,20 @@
 The program is ``torch/testing/_internal/distributed/ddp_under_dist_autograd_test.py``
 (``DdpUnderDistAutogradTest``) with its imports changed: four trainers, a remote worker owning an
 embedding and a net (RRefs made with ``rpc.remote``), and a master that creates the trainers with
-``rpc.remote`` and drives their ``train_batch`` over RPC. Two things differ, both outside the part
-under test: the workers wait for the master with ``dist.barrier()`` instead of a
-``threading.Condition`` that an RPC notifies (a simulated worker must not block its thread), and the
-master returns the gradients for the test body to check instead of asserting on a worker.
+``rpc.remote`` and drives their ``train_batch`` over RPC. What differs lies outside the part under
+test: the workers wait for the master with ``dist.barrier()`` instead of a ``threading.Condition``
+that an RPC notifies (a simulated worker must not block its thread); the master returns the gradients
+(as lists, with whether ``.grad`` stayed untouched) for the test body to check instead of asserting
+on a worker; DDP's deprecated ``check_reduction=True``, which does nothing, is left out; and
+``destroy_pg`` drops the DDP module before its group.
 
 Besides PyTorch's own checks (the DDP parameters' gradients all-reduce to zero, the others are not
 zero), every gradient must equal what local autograd and DDP's averaging give for the same batches
 (``_local_reference``): each trainer's own gradient for parameters DDP does not hold, and for those it
 holds, the sum over the trainers that ran the batch divided by the number of trainers.
+
+The last tests cover ``find_unused_parameters=True``: DDP's search for unused parameters stops at an
+RPC, and a parameter it does not reach fails the pass, as in PyTorch.
 """
 
 from __future__ import annotations
