@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +76,6 @@ programs = st.builds(
     steps=st.tuples(st.integers(1, 2), st.integers(1, 2)),
     bucket_cap_mb=st.sampled_from([25.0, 1e-6]),
     find_unused=st.booleans(),
-).map(
-    # the simulator cannot run DDP's join() with find_unused_parameters=True (even without RPC, its
-    # shadow all-reduces meet the wrong calls; docs/howto/ddp-with-rpc.md): even steps with it
-    lambda p: replace(p, steps=(p.steps[0],) * TRAINERS) if p.find_unused else p
 )
 
 
@@ -303,6 +299,8 @@ def torch_world(scratch: Path) -> Iterator[World]:
 @example(program=Program("outside", ("local", "remote_module"), 2, 2, (2, 1), 1e-6), seed=1)
 # find_unused_parameters: a parameter used only before an RPC fails the pass
 @example(program=Program("outside", ("local", "remote_builtin"), 2, 1, (1, 1), 25.0, True), seed=2)
+# join() with find_unused_parameters: the joined trainer all-reduces its map of used parameters
+@example(program=Program("outside", ("remote_module", "local"), 2, 1, (2, 1), 25.0, True), seed=3)
 def test_ddp_anywhere_around_rpc_gives_local_ddp_gradients_in_the_simulator(
     program: Program, seed: int, scratch: Path
 ) -> None:

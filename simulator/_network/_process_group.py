@@ -441,8 +441,12 @@ class SimProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]  # the form c10d calls
-        op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
+    def allreduce(self, tensors: Any, opts: Any = None) -> Any:  # type: ignore[override]  # the forms c10d and DDP call
+        """``allreduce([tensors], AllreduceOptions)`` as c10d calls it, or ``allreduce(tensor, op)``,
+        the overload DDP's ``join()`` calls for its unused-parameter map."""
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        op = dist.ReduceOp.SUM if opts is None else getattr(opts, "reduceOp", opts)
 
         def finish(members: list[list[torch.Tensor]]) -> None:
             for i in range(len(members[0])):
