@@ -69,3 +69,12 @@ def timed(backend: str, thunk: Callable[[], Any]) -> dict[str, Any]:
             "elapsed": backend_now(backend) - start,
         }
     return {"raised": None, "value": value, "elapsed": backend_now(backend) - start}
+
+
+def dist_autograd_module(backend: str) -> ModuleType:
+    """The distributed autograd module of ``backend``, for code running inside a UDF."""
+    if backend == "torch":
+        import torch.distributed.autograd as dist_autograd
+    else:
+        import twinrpc.autograd as dist_autograd
+    return dist_autograd

@@ -251,6 +251,35 @@ def test_each_simulated_worker_has_its_own_process_group_with_a_real_groups_valu
     assert not dist.is_initialized()  # the process's own c10d state is untouched by the run
 
 
+def _subgroups(rank: int) -> Any:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    odd = dist.new_group([3, 1])
+    first, second = dist.new_group([0, 1, 2]), dist.new_group([0, 1, 2])
+    seen: list[Any] = []
+    for group in (odd, first, second):
+        if group is dist.GroupMember.NON_GROUP_MEMBER:
+            seen.append(None)
+            continue
+        summed = torch.tensor([float(10**rank)])
+        dist.all_reduce(summed, group=group)
+        seen.append((summed.item(), dist.get_rank(group), dist.get_world_size(group)))
+    dist.destroy_process_group()
+    return seen
+
+
+@pytest.mark.spec("SIM-5")
+def test_new_group_makes_a_simulated_subgroup_of_its_members(world: Any) -> None:
+    """dist.new_group is served by the simulation: members meet in their subgroup, others get
+    GroupMember.NON_GROUP_MEMBER, and each call of every member makes a group of its own."""
+    values = Simulation(4).run(_subgroups).values()
+    assert values[0] == [None, (111.0, 0, 3), (111.0, 0, 3)]
+    assert values[1] == [(1010.0, 0, 2), (111.0, 1, 3), (111.0, 1, 3)]
+    assert values[2] == [None, (111.0, 2, 3), (111.0, 2, 3)]
+    assert values[3] == [(1010.0, 1, 2), None, None]
+
+
 def _mismatched(rank: int) -> str:
     import torch.distributed as dist
 

@@ -62,6 +62,8 @@ class _WorkerC10d:
         self.pg_to_tag: dict[Any, str] = {}
         self.pg_coalesce_state: dict[Any, list[Any]] = {}
         self.comms: list[Any] = []
+        #: how many groups of each member list this worker made since its default group
+        self.subgroups: dict[tuple[int, ...], int] = {}
 
 
 class _PerWorkerWorld(c10d._World):
@@ -457,8 +459,12 @@ class SimProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]  # the form c10d calls
-        op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
+    def allreduce(self, tensors: Any, opts: Any = None) -> Any:  # type: ignore[override]  # the forms c10d and DDP call
+        """``allreduce([tensors], AllreduceOptions)`` as c10d calls it, or ``allreduce(tensor, op)``,
+        the overload DDP's ``join()`` calls for its unused-parameter map."""
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        op = dist.ReduceOp.SUM if opts is None else getattr(opts, "reduceOp", opts)
 
         def finish(members: list[list[torch.Tensor]]) -> None:
             for i in range(len(members[0])):
@@ -590,6 +596,63 @@ class _ProcessGroups:
         state.tags_to_pg.setdefault("", []).append(pg)
         state.pg_to_tag[pg] = tag
 
+    def new_group(
+        self,
+        ranks: Any = None,
+        timeout: timedelta | None = None,
+        backend: Any = None,
+        pg_options: Any = None,
+        use_local_synchronization: bool = False,
+        group_desc: str | None = None,
+        device_id: Any = None,
+        sort_ranks: bool = True,
+    ) -> Any:
+        """A simulated group of ``ranks`` of the default group (all of them when None): the k-th
+        group of the same ranks that each member makes meets the others' k-th; a worker outside
+        ``ranks`` gets ``GroupMember.NON_GROUP_MEMBER``, as from c10d."""
+        state = self._state("new_group")
+        default = state.default_pg
+        if default is None:
+            raise ValueError(
+                "Default process group has not been initialized, please make sure to call init_process_group."
+            )
+        members = list(range(default.size())) if ranks is None else list(ranks)
+        if sort_ranks:
+            members.sort()
+        for r in members:
+            if not 0 <= r < default.size():
+                raise ValueError(
+                    "The new group's rank should be within the world_size set by init_process_group"
+                )
+        key = tuple(members)
+        k = state.subgroups.get(key, 0)
+        state.subgroups[key] = k + 1
+        name = str(state.group_count)
+        state.group_count += 1
+        if default.rank() not in members:
+            return c10d.GroupMember.NON_GROUP_MEMBER
+        pg = SimProcessGroup(
+            self.collectives,
+            ("group", state.default_groups, key, k),
+            members.index(default.rank()),
+            len(members),
+        )
+        state.pg_map[pg] = (str(backend or state.pg_map[default][0]).lower(), None)
+        state.pg_names[pg] = name
+        state.pg_group_ranks[pg] = {r: i for i, r in enumerate(members)}
+        state.pg_backend_config[pg] = f"cpu:{BACKEND_NAME}"
+        tag = f"ptd:{name}"
+        state.tags_to_pg.setdefault(tag, []).append(pg)
+        state.tags_to_pg.setdefault("", []).append(pg)
+        state.pg_to_tag[pg] = tag
+        return pg
+
+    def _state(self, what: str) -> _WorkerC10d:
+        task = self.collectives.sim.sched.current_task()
+        if task is None:
+            raise RuntimeError(f"twinrpc.simulator: {what} outside a simulated worker")
+        return self.collectives.states[task.worker]
+
     @staticmethod
     def _broadcast_coalesced(group: Any, tensors: list[torch.Tensor], buffer_size: int, src: int = 0) -> None:
         _simulated(group, "_broadcast_coalesced").broadcast_tensors(tensors, src)
@@ -632,6 +695,7 @@ def _simulated(group: Any, what: str) -> SimProcessGroup:
 _SERVED = (
     "init_process_group",
     "destroy_process_group",
+    "new_group",
     "_broadcast_coalesced",
     "_verify_params_across_processes",
 )

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from ._ddp_unused import DDP_SINK_TYPE, unreached_parameters_error
 from ._dist_autograd import (
     RECV_NODE_TYPE,
     DistAutogradContainer,
@@ -162,6 +163,7 @@ class GraphPass:
         owner: dict[Any, Any] = {}
         region: dict[Any, list[Any]] = {}
         shared = False
+        sinks: list[Any] = []
         for key, edges in sources:
             nodes: list[Any] = []
             stack = []
@@ -182,6 +184,8 @@ class GraphPass:
                 nodes.append(node)
                 if _is_terminal(node):
                     continue
+                if type(node) is DDP_SINK_TYPE:
+                    sinks.append(node)
                 for nxt, _ in node.next_functions:
                     if nxt is not None:
                         deps[nxt] = deps.get(nxt, 0) + 1
@@ -190,6 +194,15 @@ class GraphPass:
         self.deps = deps
         self.bulk = not shared
         self.region = region
+        #: every leaf this worker's part of the pass reaches: each engine call shows all of them their
+        #: context gradient, since a hook in one call may write another's (DDP's copy-back, DAG-19)
+        self.leaves = [node.variable for node in owner if type(node) is _ACC_TYPE]
+        #: raised by the pass's first step: what it cannot compute as PyTorch does
+        self.unsupported: RuntimeError | None = None
+        for sink in sinks:
+            self.unsupported = self.unsupported or unreached_parameters_error(
+                sink, _ACC_TYPE, RECV_NODE_TYPE, self.ctx.context_id
+            )
         self.buffers: dict[Any, list[torch.Tensor | None]] = {}
         #: recv entry -> slots still expected this pass; gradients collected per slot
         self.recv_expected: dict[RecvRpcBackward, int] = {}
@@ -225,6 +238,8 @@ class GraphPass:
             self._quiescent()
 
     def _process(self, key: Any, grads: list[torch.Tensor | None]) -> None:
+        if self.unsupported is not None:
+            raise self.unsupported
         if key == _ROOT:
             edges = self.root_edges
         else:
@@ -250,7 +265,7 @@ class GraphPass:
     def _accumulate(self, leaves: list[tuple[Any, torch.Tensor]]) -> None:
         """Run the ready leaves' AccumulateGrad nodes in one engine call (as roots), into the context:
         their hooks see every leaf's gradient in the context, as in bulk mode."""
-        with context_grads_in_leaves(self.ctx, [node.variable for node, _ in leaves]):
+        with context_grads_in_leaves(self.ctx, self.leaves):
             _run_engine([GradientEdge(node, 0) for node, _ in leaves], [g for _, g in leaves], False)
 
     def _contribute(self, node: Any, nr: int, g: torch.Tensor | None, ready: list[Any]) -> None:
@@ -276,12 +291,11 @@ class GraphPass:
         terminals = [n for n in self.region.get(key, ()) if _is_terminal(n)]
         if not outputs or not terminals:
             return
-        leaves = [n.variable for n in terminals if type(n) is _ACC_TYPE]
         recvs = [n for n in terminals if type(n) is RECV_NODE_TYPE]
         taken: dict[Any, torch.Tensor | None] = {}
         handles = [node.register_prehook(_Take(taken, node)) for node in recvs]
         try:
-            with context_grads_in_leaves(self.ctx, leaves):
+            with context_grads_in_leaves(self.ctx, self.leaves):
                 _run_engine(
                     [GradientEdge(n, nr) for n, nr in outputs],
                     list(outputs.values()),  # type: ignore[arg-type]  # None was filtered out above

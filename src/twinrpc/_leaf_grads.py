@@ -8,6 +8,9 @@ the average back). twinrpc gets the same by letting the real AccumulateGrad node
 ``.grad`` swapped for the context's gradient for the duration of one engine call:
 
 * every hook sees and edits the context's gradient, so a DDP module inside a context all-reduces it;
+  the engine swaps every leaf its pass reaches on this worker, not only those one call accumulates,
+  since a hook may write another leaf's gradient (DDP copies the averaged bucket back into all its
+  parameters at the end of the call in which the last of them got its gradient);
 * PyTorch's own accumulation rules decide when a gradient is copied: an incoming gradient that is
   shared, non-contiguous or expanded (stride 0) is cloned, one exclusively owned is adopted, and a
   later pass adds in place, so no two gradients of a context share memory;
