@@ -573,7 +573,10 @@ class RpcAgent:
             else:
                 self._finish_run(msg, result, None, on_value)
             return
-        if not (isinstance(result, (Future, torch.futures.Future))):
+        # Every future torch makes is a torch._C.Future: torch.futures.Future(), what its then() and
+        # collect_all() return, and twinrpc's own (a torch.futures.Future subclass). PyTorch accepts
+        # them all (RPC-14).
+        if not isinstance(result, torch._C.Future):
             err = RuntimeError(
                 "Functions decorated with @rpc.async_function must return a torch.futures.Future "
                 f"object, but got {type(result)}"

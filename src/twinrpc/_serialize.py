@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from ._errors import SerializationError, serialization_error
-from ._future import Future
 from ._rref import RRef
 from ._unpickle_allow import UnpickleAllowlist
 
@@ -78,7 +77,8 @@ class LoadState:
                 fn()
 
 
-_FUTURE_TYPES = (torch.futures.Future, Future)
+#: every future torch makes (what then() and collect_all() return too), twinrpc's included
+_FUTURE_TYPES = torch._C.Future
 #: what pickle sends by reference and the pickler has no hook for: checked first, as each isinstance
 #: below costs about half a microsecond (torch's metaclasses)
 _BY_REFERENCE = frozenset({types.FunctionType, types.BuiltinFunctionType, type})
