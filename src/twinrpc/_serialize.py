@@ -190,6 +190,9 @@ class _RpcPickler(pickle.Pickler):
     _fork_rref: Callable[[Any], Any] | None = None
     #: distributed autograd hook: collects the (undetached) tensors that require grad
     _grad_tensors: list[torch.Tensor] | None = None
+    #: send an ``nn.Parameter`` as the tensor it is (recorded for autograd like any tensor) rather
+    #: than as torch pickles it; see :func:`dumps`
+    _link_parameters = False
 
     def reducer_override(self, obj: Any) -> Any:
         tp = type(obj)
@@ -211,8 +214,11 @@ class _RpcPickler(pickle.Pickler):
         return NotImplemented
 
     def _reduce_tensor(self, t: torch.Tensor) -> Any:
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            return NotImplemented  # subclasses: torch's own reduce, whose parts come back here
+        tp = type(t)
+        if tp is not torch.Tensor and (tp is not torch.nn.Parameter or not self._link_parameters):
+            # subclasses, and Parameters as PyTorch's RPC pickler sends them: torch's own reduce,
+            # whose parts come back here (a Parameter's is its detached ``data``, RPC-9)
+            return NotImplemented
         if t.layout is not _STRIDED:
             return self._reduce_sparse(t)
         if not t.is_cpu:
@@ -289,10 +295,16 @@ def dumps(
     obj: Any,
     fork_rref: Callable[[Any], Any] | None = None,
     grad_tensors: list[torch.Tensor] | None = None,
+    *,
+    link_parameters: bool = False,
 ) -> tuple[bytes, list[torch.Tensor]]:
     """Pickle ``obj`` for an RPC: returns the payload bytes and the out-of-band storages.
 
     ``grad_tensors``, when given, receives every tensor that requires grad (distributed autograd).
+    An ``nn.Parameter`` arrives as an ``nn.Parameter`` with its ``requires_grad``, rebuilt from its
+    detached data as PyTorch's pickler sends it, so it is never recorded for autograd (RPC-9);
+    ``link_parameters`` sends it as the tensor it is instead, as PyTorch sends a builtin operator's
+    arguments (DAG-4).
 
     Raises:
         SerializationError: ``obj`` cannot travel (unpicklable, a lambda, a CUDA tensor, a Future).
@@ -307,6 +319,7 @@ def dumps(
         buf, pickler = idle
     pickler._fork_rref = fork_rref
     pickler._grad_tensors = grad_tensors
+    pickler._link_parameters = link_parameters
     try:
         pickler.dump(obj)
     except SerializationError:
@@ -320,6 +333,7 @@ def dumps(
         pickler.storages = None
         del pickler._storage_index, pickler._keepalive
     pickler._fork_rref = pickler._grad_tensors = None
+    pickler._link_parameters = False
     pickler.clear_memo()
     buf.seek(0)
     buf.truncate()
