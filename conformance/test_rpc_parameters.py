@@ -77,19 +77,32 @@ def _prog_module_argument(ctx: Any) -> Any:
 
 
 def _prog_gradients(ctx: Any, func: str) -> dict[str, Any]:
-    """Whether a distributed backward reaches the caller's Parameter through the call."""
+    """What the call returned, and whether a distributed backward reaches the caller's Parameter."""
     p = _make_parameter(True)
     with ctx.dist_autograd.context() as cid:
         if func == "builtin":
-            out = ctx.rpc.rpc_sync("worker1", torch.mul, args=(p, 2))
+            received = out = ctx.rpc.rpc_sync("worker1", torch.mul, args=(p, 2))
         elif func == "udf":
-            out = ctx.rpc.rpc_sync("worker1", _double, args=(p,))
+            received = out = ctx.rpc.rpc_sync("worker1", _double, args=(p,))
         else:  # a Parameter returned inside the context, then used here
-            out = ctx.rpc.rpc_sync("worker1", _make_parameter, args=(True,)) * p
-        received = _describe(out)
+            received = ctx.rpc.rpc_sync("worker1", _make_parameter, args=(True,))
+            out = received * p
         ctx.dist_autograd.backward(cid, [out.sum()])
         grads = ctx.dist_autograd.get_gradients(cid)
-        return {"received": received, "caller_grad": grads[p].tolist() if p in grads else None}
+        return {"received": _describe(received), "caller_grad": grads[p].tolist() if p in grads else None}
+
+
+def _described(
+    type_name: str, requires_grad: bool, values: list[float], *, leaf: bool = True
+) -> dict[str, Any]:
+    """What :func:`_describe` says of a tensor (a leaf has no grad_fn, a recorded one has)."""
+    return {
+        "type": type_name,
+        "requires_grad": requires_grad,
+        "is_leaf": leaf,
+        "has_grad_fn": not leaf,
+        "values": values,
+    }
 
 
 @pytest.mark.spec("RPC-9")
@@ -97,26 +110,14 @@ def _prog_gradients(ctx: Any, func: str) -> dict[str, Any]:
 def test_parameter_argument_arrives_as_parameter_with_its_requires_grad(
     world: Any, requires_grad: bool
 ) -> None:
-    expected = {
-        "type": "Parameter",
-        "requires_grad": requires_grad,
-        "is_leaf": True,
-        "has_grad_fn": False,
-        "values": [0.0, 1.0, 2.0],
-    }
+    expected = _described("Parameter", requires_grad, [0.0, 1.0, 2.0])
     assert world.run_on(0, _prog_arguments, requires_grad) == [expected] * 3
 
 
 @pytest.mark.spec("RPC-9", "RREF-1")
 @pytest.mark.parametrize("requires_grad", [True, False])
 def test_parameter_result_arrives_as_parameter(world: Any, requires_grad: bool) -> None:
-    expected = {
-        "type": "Parameter",
-        "requires_grad": requires_grad,
-        "is_leaf": True,
-        "has_grad_fn": False,
-        "values": [0.0, 1.0, 2.0],
-    }
+    expected = _described("Parameter", requires_grad, [0.0, 1.0, 2.0])
     assert world.run_on(0, _prog_results, requires_grad) == [expected] * 3
 
 
@@ -125,13 +126,7 @@ def test_rref_of_a_parameter_fetches_a_tensor_and_rref_of_a_module_its_parameter
     # PyTorch fetches RRef(value) of a value TorchScript can type (a tensor) through TorchScript,
     # which drops the Parameter class; any other value is pickled.
     assert world.run_on(0, _prog_held_in_rref) == [
-        {
-            "type": "Tensor",
-            "requires_grad": True,
-            "is_leaf": True,
-            "has_grad_fn": False,
-            "values": [0.0, 1.0, 2.0],
-        },
+        _described("Tensor", True, [0.0, 1.0, 2.0]),
         [("weight", "Parameter", True), ("bias", "Parameter", False)],
     ]
 
@@ -145,47 +140,19 @@ def test_module_argument_keeps_its_parameters(world: Any) -> None:
 
 
 @pytest.mark.spec("RPC-9", "DAG-4")
-def test_builtin_operator_records_its_parameter_argument(world: Any) -> None:
-    out = world.run_on(0, _prog_gradients, "builtin")
-    assert out == {
-        "received": {
-            "type": "Tensor",
-            "requires_grad": True,
-            "is_leaf": False,
-            "has_grad_fn": True,
-            "values": [0.0, 2.0, 4.0],
-        },
-        "caller_grad": [2.0, 2.0, 2.0],
-    }
-
-
-@pytest.mark.spec("RPC-9", "DAG-4")
-def test_python_function_does_not_record_its_parameter_argument(world: Any) -> None:
-    # The callee's Parameter is a fresh leaf: the reply is recorded, the argument is not, so the
-    # caller's Parameter gets no gradient.
-    out = world.run_on(0, _prog_gradients, "udf")
-    assert out == {
-        "received": {
-            "type": "Tensor",
-            "requires_grad": True,
-            "is_leaf": False,
-            "has_grad_fn": True,
-            "values": [0.0, 2.0, 4.0],
-        },
-        "caller_grad": None,
-    }
-
-
-@pytest.mark.spec("RPC-9", "DAG-4")
-def test_parameter_result_is_not_recorded(world: Any) -> None:
-    out = world.run_on(0, _prog_gradients, "result")
-    assert out == {
-        "received": {
-            "type": "Tensor",
-            "requires_grad": True,
-            "is_leaf": False,
-            "has_grad_fn": True,
-            "values": [0.0, 1.0, 4.0],
-        },
-        "caller_grad": [0.0, 1.0, 2.0],
-    }
+@pytest.mark.parametrize(
+    ("func", "received", "caller_grad"),
+    [
+        # a builtin operator's Parameter argument is recorded like any tensor
+        ("builtin", _described("Tensor", True, [0.0, 2.0, 4.0], leaf=False), [2.0, 2.0, 2.0]),
+        # a Python function's is not: the callee's Parameter is a fresh leaf, and only the reply is
+        # recorded, so the caller's Parameter gets no gradient
+        ("udf", _described("Tensor", True, [0.0, 2.0, 4.0], leaf=False), None),
+        # nor is a Parameter result: it arrives as a fresh leaf (the caller's gradient is local)
+        ("result", _described("Parameter", True, [0.0, 1.0, 2.0]), [0.0, 1.0, 2.0]),
+    ],
+)
+def test_dist_autograd_records_a_parameter_only_as_a_builtin_operators_argument(
+    world: Any, func: str, received: dict[str, Any], caller_grad: list[float] | None
+) -> None:
+    assert world.run_on(0, _prog_gradients, func) == {"received": received, "caller_grad": caller_grad}
