@@ -55,8 +55,9 @@ class FollowOnExit:
     process that saw a peer's link break (a crash, or a shutdown without the graceful protocol)
     waits at interpreter exit until :data:`FOLLOW_ON_EXIT_GRACE` seconds after it saw that, after
     its own links are closed: the peer's process exits first, and a peer of it that failed in turn
-    after it. Bounded, and only after such a departure; a process that exits through ``os._exit``
-    (or a signal) does not wait."""
+    after it. Bounded, and only after such a departure; a process whose RPC then ended with a
+    completed graceful shutdown (it did not fail) or that exits through ``os._exit`` (or a signal)
+    does not wait."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -69,6 +70,11 @@ class FollowOnExit:
         if departure is Departure.CRASHED or departure is Departure.SHUT_DOWN:
             with self._lock:
                 self._seen = time.monotonic()
+
+    def settled(self) -> None:
+        """This process's RPC ended with a completed graceful shutdown: nothing of it follows a failure."""
+        with self._lock:
+            self._seen = None
 
     def wait(self) -> None:
         """At interpreter exit: let a failed peer's process exit first (see the class)."""
@@ -327,6 +333,8 @@ class GlooWorld(World):
         if not self._mark_stopped():
             return
         atexit.unregister(self._close_at_exit)
+        if graceful:
+            FOLLOW_ON_EXIT.settled()
         self._stop_watching()
         deadline = time.monotonic() + _CLOSE_WAIT
         links = list(self.links.values())
