@@ -8,10 +8,13 @@ never recorded by distributed autograd; a builtin operator's Parameter argument 
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
 import torch
+
+from conformance._support import rpc_module
 
 
 def _describe(x: Any) -> dict[str, Any]:
@@ -92,6 +95,33 @@ def _prog_gradients(ctx: Any, func: str) -> dict[str, Any]:
         return {"received": _describe(received), "caller_grad": grads[p].tolist() if p in grads else None}
 
 
+_HELD: dict[str, torch.nn.Parameter] = {}
+
+
+def _hold_parameter(backend: str) -> Any:
+    """On the callee: an ``RRef(value)`` of a Parameter it keeps."""
+    _HELD["p"] = p = _make_parameter(True)
+    return rpc_module(backend).RRef(p)
+
+
+def _gradient_of_held(backend: str, context_id: int) -> list[float] | None:
+    autograd = importlib.import_module(
+        "torch.distributed.autograd" if backend == "torch" else "twinrpc.autograd"
+    )
+    grads = autograd.get_gradients(context_id)
+    return grads[_HELD["p"]].tolist() if _HELD["p"] in grads else None
+
+
+def _prog_fetch_held_parameter(ctx: Any) -> dict[str, Any]:
+    """Fetch another worker's ``RRef(Parameter)`` inside a context: does the backward reach it?"""
+    rref = ctx.rpc.rpc_sync("worker1", _hold_parameter, args=(ctx.backend,))
+    with ctx.dist_autograd.context() as cid:
+        fetched = rref.to_here()
+        ctx.dist_autograd.backward(cid, [(fetched * 3).sum()])
+        owner_grad = ctx.rpc.rpc_sync("worker1", _gradient_of_held, args=(ctx.backend, cid))
+        return {"fetched": _describe(fetched), "owner_grad": owner_grad}
+
+
 def _described(
     type_name: str, requires_grad: bool, values: list[float], *, leaf: bool = True
 ) -> dict[str, Any]:
@@ -156,3 +186,13 @@ def test_dist_autograd_records_a_parameter_only_as_a_builtin_operators_argument(
     world: Any, func: str, received: dict[str, Any], caller_grad: list[float] | None
 ) -> None:
     assert world.run_on(0, _prog_gradients, func) == {"received": received, "caller_grad": caller_grad}
+
+
+@pytest.mark.spec("RPC-9", "DAG-4")
+def test_fetching_an_rref_of_a_parameter_in_a_context_records_it(world: Any) -> None:
+    # RRef(value) of a Parameter is fetched as a tensor, recorded like any tensor: the owner's
+    # Parameter gets the gradient
+    assert world.run_on(0, _prog_fetch_held_parameter) == {
+        "fetched": _described("Tensor", True, [0.0, 1.0, 2.0], leaf=False),
+        "owner_grad": [3.0, 3.0, 3.0],
+    }
