@@ -41,7 +41,7 @@ _Key = tuple[GloballyUniqueId, GloballyUniqueId]  # (rref id, fork id)
 
 class RRefMonitor:
     """The RRef monitors of one simulation (``Simulation(monitors=True)``, the default): one
-    :class:`GenerationMonitor` per generation of groups, reporting here."""
+    ``GenerationMonitor`` per generation of groups, reporting here."""
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
