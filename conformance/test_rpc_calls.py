@@ -12,6 +12,7 @@ Worker programs are module-level ``_prog_*(ctx, ...)`` functions; the UDFs they 
 from __future__ import annotations
 
 import importlib
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -163,6 +164,96 @@ def _make_AsyncHolder(async_execution: Any) -> Any:
             return _module(rpc_name).rpc_async(to, torch.add, args=(x, 10))
 
     return AsyncHolder
+
+
+@_per_rpc_module
+def _make_Batcher(async_execution: Any) -> Any:
+    class Batcher:
+        """PyTorch's async-execution tutorial pattern, held in an RRef: a lock collects calls into a
+        batch, and each call returns ``then`` of the batch's ``torch.futures.Future`` (a
+        ``torch._C.Future``), so its reply waits until the batch is full."""
+
+        def __init__(self, size: int) -> None:
+            self.size = size
+            self.lock = threading.Lock()
+            self.pending: list[torch.Tensor] = []
+            self.batch: Any = torch.futures.Future()
+
+        def _join(self, x: torch.Tensor) -> Any:
+            with self.lock:
+                slot = len(self.pending)
+                self.pending.append(x)
+                batch, full = self.batch, len(self.pending) == self.size
+                if full:
+                    values, self.pending, self.batch = (
+                        torch.stack(self.pending) * 2,
+                        [],
+                        torch.futures.Future(),
+                    )
+            mine = batch.then(lambda f: f.wait()[slot])
+            if full:
+                batch.set_result(values)
+            return mine
+
+        @async_execution
+        def add(self, x: torch.Tensor) -> Any:
+            return self._join(x)
+
+        @staticmethod
+        @async_execution
+        def static_add(rref: Any, x: torch.Tensor) -> Any:
+            return rref.local_value()._join(x)
+
+        @classmethod
+        @async_execution
+        def class_add(cls, rref: Any, x: torch.Tensor) -> Any:
+            return rref.local_value()._join(x)
+
+    return Batcher
+
+
+def _relay(rpc_name: str, to: str, xs: list[torch.Tensor]) -> list[Any]:
+    """One user-made ``torch.futures.Future`` per ``x``, completed by a ``then`` of an ``rpc_async``."""
+    rpc = _module(rpc_name)
+    futs = [torch.futures.Future() for _ in xs]
+    for fut, x in zip(futs, xs, strict=True):
+        rpc.rpc_async(to, torch.add, args=(x, 1)).then(lambda f, fut=fut: fut.set_result(f.wait()))
+    return futs
+
+
+@_per_rpc_module
+def _make_async_collect_all_then(async_execution: Any) -> Any:
+    @async_execution
+    def async_collect_all_then(rpc_name: str, to: str, xs: list[torch.Tensor]) -> Any:
+        ready = torch.futures.collect_all(_relay(rpc_name, to, xs))  # a torch._C.Future
+        return ready.then(lambda f: torch.stack([g.wait() for g in f.wait()]).sum(0))
+
+    return async_collect_all_then
+
+
+@_per_rpc_module
+def _make_async_wait_all_then(async_execution: Any) -> Any:
+    @async_execution
+    def async_wait_all_then(rpc_name: str, to: str, xs: list[torch.Tensor]) -> Any:
+        futs = _relay(rpc_name, to, xs)
+        return torch.futures.collect_all(futs).then(
+            lambda _: torch.stack(torch.futures.wait_all(futs)).sum(0)
+        )
+
+    return async_wait_all_then
+
+
+@_per_rpc_module
+def _make_async_collect_all_of_rpcs(async_execution: Any) -> Any:
+    @async_execution
+    def async_collect_all_of_rpcs(rpc_name: str, to: str, xs: list[torch.Tensor]) -> Any:
+        rpc = _module(rpc_name)
+        futs = [rpc.rpc_async(to, torch.add, args=(x, 1)) for x in xs]
+        return torch.futures.collect_all(futs).then(
+            lambda f: torch.stack([g.wait() for g in f.wait()]).sum(0)
+        )
+
+    return async_collect_all_of_rpcs
 
 
 class Counter:
@@ -365,6 +456,41 @@ def _prog_async_execution_via_proxy(ctx: Any) -> list[list[float]]:
     ]
 
 
+def _prog_async_execution_batches(ctx: Any) -> list[list[float]]:
+    """Three batches of two calls each, every call in another form; each reply waits for its batch."""
+    batcher = _pick(ctx, "Batcher")
+    rref = ctx.rpc.remote("worker1", batcher, args=(2,))
+    t = torch.tensor
+    first = [
+        ctx.rpc.rpc_async("worker1", batcher.static_add, args=(rref, t([1.0]))),
+        rref.rpc_async().add(t([2.0])),
+    ]
+    second = [
+        ctx.rpc.rpc_async("worker1", batcher.class_add, args=(rref, t([3.0]))),
+        rref.remote().add(t([4.0])),
+    ]
+    third = ctx.rpc.remote("worker1", batcher.class_add, args=(rref, t([5.0])))
+    last = rref.rpc_sync().add(t([6.0]))
+    return [
+        *(f.wait().tolist() for f in first),
+        second[0].wait().tolist(),
+        second[1].to_here().tolist(),
+        third.to_here().tolist(),
+        last.tolist(),
+    ]
+
+
+def _prog_async_execution_combined(ctx: Any, udf_name: str) -> list[list[float]]:
+    udf = _pick(ctx, udf_name)
+    name = ctx.rpc.__name__
+    xs = [torch.ones(2), torch.full((2,), 2.0), torch.full((2,), 3.0)]
+    return [
+        ctx.rpc.rpc_sync("worker1", udf, args=(name, "worker0", xs)).tolist(),
+        ctx.rpc.rpc_async("worker1", udf, args=(name, "worker1", xs)).wait().tolist(),
+        ctx.rpc.remote("worker1", udf, args=(name, "worker0", xs)).to_here().tolist(),
+    ]
+
+
 def _prog_rref_proxies(ctx: Any) -> list[Any]:
     rref = ctx.rpc.remote("worker1", Counter, args=(10,))
     return [
@@ -535,6 +661,21 @@ def test_async_execution_function_not_returning_future_raises_runtime_error(worl
     kind, msg = world.run_on(0, _prog_async_execution_non_future, api)
     assert kind == "RuntimeError"
     assert "must return a torch.futures.Future object" in msg
+
+
+@pytest.mark.spec("RPC-14", "RPC-15", "RPC-17")
+def test_async_execution_accepts_then_of_a_torch_future_in_every_form(world: Any) -> None:
+    # The tutorial's batching pattern: a ``then`` of a user-made torch.futures.Future is a torch._C.Future.
+    assert world.run_on(0, _prog_async_execution_batches) == [[2.0], [4.0], [6.0], [8.0], [10.0], [12.0]]
+
+
+@pytest.mark.spec("RPC-14", "RPC-17")
+@pytest.mark.parametrize(
+    "udf", ["async_collect_all_then", "async_wait_all_then", "async_collect_all_of_rpcs"]
+)
+def test_async_execution_accepts_collect_all_and_wait_all_chains(world: Any, udf: str) -> None:
+    # (1 + 1) + (2 + 1) + (3 + 1) per element, through every API
+    assert world.run_on(0, _prog_async_execution_combined, udf) == [[9.0, 9.0]] * 3
 
 
 @pytest.mark.spec("RPC-14", "RPC-15")

@@ -61,6 +61,10 @@ def _return_future() -> Any:
     return torch.futures.Future()
 
 
+def _return_then_future() -> Any:
+    return torch.futures.Future().then(lambda f: f.wait())  # a torch._C.Future
+
+
 def _add_one(x: torch.Tensor) -> torch.Tensor:
     return x + 1
 
@@ -320,8 +324,9 @@ def test_future_argument_raises_cannot_pickle_future(world: Any, api: str) -> No
 
 @pytest.mark.spec("RPC-8", "ERR-9")
 @pytest.mark.parametrize("api", ["rpc_sync", "rpc_async"])
-def test_returning_future_from_plain_udf_raises_cannot_pickle_future(world: Any, api: str) -> None:
-    (kinds, msg), after = world.run_on(0, _prog_unpicklable_result, api, "_return_future")
+@pytest.mark.parametrize("udf", ["_return_future", "_return_then_future"])
+def test_returning_future_from_plain_udf_raises_cannot_pickle_future(world: Any, api: str, udf: str) -> None:
+    (kinds, msg), after = world.run_on(0, _prog_unpicklable_result, api, udf)
     assert "RuntimeError" in kinds, kinds
     assert "Can not pickle torch.futures.Future" in msg
     assert after == [[1.0, 1.0], [2.0, 2.0]]

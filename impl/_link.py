@@ -46,14 +46,14 @@ from typing import Any
 from twinrpc._message import Message
 
 from ._auth import FrameAuth
-from ._link_state import LinkState, PeerShutDown
+from ._link_state import LinkState, PeerShutDown, link_broken
 from ._liveness import Liveness, PeerSilent
 from ._pair import Pair, PairGroup, make_pair_group
 from ._receiver import THREAD_ROLE, Receiver
 from ._riders import Riders, report_failed
 from ._sender import Sender
 
-__all__ = ["THREAD_ROLE", "PeerLink", "PeerShutDown", "PeerSilent", "make_pair_group"]
+__all__ = ["THREAD_ROLE", "PeerLink", "PeerShutDown", "PeerSilent", "link_broken", "make_pair_group"]
 
 
 class PeerLink:
@@ -168,7 +168,7 @@ class PeerLink:
         or while closing."""
         state = self.state
         if state.failed is None and not state.closing:
-            state.failed = exc = self.liveness.overdue_send() or exc
+            state.failed = exc = self.liveness.overdue_send() or link_broken(exc)
             self._on_failure(self.peer, exc)  # first: pending calls fail with this error, not gloo's
             self.pair.abandon()
             self.pair.rings.release()

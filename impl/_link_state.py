@@ -8,6 +8,35 @@ failed link fails in gloo, and reports the link's error).
 
 from __future__ import annotations
 
+import re
+
+#: where in gloo's sources an error was raised, at the start of its text ("[.../pair.cc:553] ")
+_GLOO_LOCATION = re.compile(r"^\[[^\]]*:\d+\]\s*")
+
+
+class LinkBroken(RuntimeError):
+    """The transport failed on a link: what happened, in twinrpc's words, then gloo's own text
+    (the gloo error is the ``__cause__``)."""
+
+
+def link_broken(exc: BaseException) -> BaseException:
+    """``exc`` as the link's error: gloo's bare ``RuntimeError`` becomes a :class:`LinkBroken` that says
+    what happened to the connection; twinrpc's own errors (a silent peer, a bad frame, a refused
+    frame, a shutdown) already say it and are returned as they are."""
+    if type(exc) is not RuntimeError:
+        return exc
+    text = _GLOO_LOCATION.sub("", str(exc))
+    low = text.lower()
+    if "closed by peer" in low or "reset by peer" in low or "broken pipe" in low or low.startswith("eof"):
+        what = "its connection to this worker closed without a close frame (its process exited or died)"
+    elif "timed out" in low or "timeout" in low:
+        what = "a transfer on its connection to this worker timed out"
+    else:
+        what = "its connection to this worker failed"
+    broken = LinkBroken(f"{what}; gloo said: {text}")
+    broken.__cause__ = exc
+    return broken
+
 
 class PeerShutDown(RuntimeError):
     """The peer sent its close frame: it shut down RPC (``graceful``: after completing the graceful

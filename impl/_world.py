@@ -20,7 +20,7 @@ from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MI
 
 from ._auth import FrameAuth
 from ._dynamic_group import StoreGroup
-from ._link import THREAD_ROLE, PeerLink, PeerShutDown, PeerSilent, make_pair_group
+from ._link import THREAD_ROLE, PeerLink, PeerShutDown, PeerSilent, link_broken, make_pair_group
 from ._pool import CallbackRunner, RequestPool
 from ._rendezvous import Joined
 from ._timer import TimerThread
@@ -38,6 +38,53 @@ _ABANDON_WAIT = 2.0
 _THREAD_EXIT_WAIT = 2.0
 #: seconds a deferrable message waits at most for another message to ride with (PeerLink.defer)
 RIDER_WAIT = 0.05
+#: how long a process whose peer failed lets that peer's process exit first when it exits itself
+#: (see FollowOnExit): the failed peer may spend _THREAD_EXIT_WAIT joining its threads after its
+#: links closed, then its interpreter finalizes
+FOLLOW_ON_EXIT_GRACE = _THREAD_EXIT_WAIT + 1.0
+
+
+class FollowOnExit:
+    """Lets the process whose failure started a cascade exit first.
+
+    When a worker fails (its program raises, or its process dies), its links close and its peers'
+    calls fail with ``WorkerUnavailableError`` at once; their programs raise in turn and their
+    processes exit. A launcher that reports the first process to exit with an error
+    (``torch.multiprocessing.spawn``, torchrun) then often reports a peer's follow-on error instead of
+    the one that started it, since the failed worker still joins its threads and finalizes. So a
+    process that saw a peer's link break (a crash, or a shutdown without the graceful protocol)
+    waits at interpreter exit until :data:`FOLLOW_ON_EXIT_GRACE` seconds after it saw that, after
+    its own links are closed: the peer's process exits first, and a peer of it that failed in turn
+    after it. Bounded, and only after such a departure; a process whose RPC then ended with a
+    completed graceful shutdown (it did not fail) or that exits through ``os._exit`` (or a signal)
+    does not wait."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: time.monotonic() of the latest peer failure this process saw; None: none
+        self._seen: float | None = None
+        atexit.register(self.wait)  # now, on import: it runs after the atexit hooks of every world
+
+    def peer_failed(self, departure: Departure) -> None:
+        """A link to a peer reported ``departure``."""
+        if departure is Departure.CRASHED or departure is Departure.SHUT_DOWN:
+            with self._lock:
+                self._seen = time.monotonic()
+
+    def settled(self) -> None:
+        """This process's RPC ended with a completed graceful shutdown: nothing of it follows a failure."""
+        with self._lock:
+            self._seen = None
+
+    def wait(self) -> None:
+        """At interpreter exit: let a failed peer's process exit first (see the class)."""
+        with self._lock:
+            seen = self._seen
+        if seen is not None:
+            time.sleep(max(0.0, seen + FOLLOW_ON_EXIT_GRACE - time.monotonic()))
+
+
+FOLLOW_ON_EXIT = FollowOnExit()
 #: seconds dead user RRefs' deletes are gathered before the timer sends them (see schedule_rref_delete)
 DELETE_WAIT = 0.01
 
@@ -286,6 +333,8 @@ class GlooWorld(World):
         if not self._mark_stopped():
             return
         atexit.unregister(self._close_at_exit)
+        if graceful:
+            FOLLOW_ON_EXIT.settled()
         self._stop_watching()
         deadline = time.monotonic() + _CLOSE_WAIT
         links = list(self.links.values())
@@ -402,6 +451,7 @@ class GlooWorld(World):
 
     def _peer_failed(self, peer: int, exc: BaseException) -> None:
         departure, detail = _departure_of(exc, self._auth is not None)
+        FOLLOW_ON_EXIT.peer_failed(departure)
         agent = self.agent
         if agent is None:
             with self._lock:
@@ -433,4 +483,5 @@ def _departure_of(exc: BaseException, keyed: bool) -> tuple[Departure, str]:
         return Departure.SILENT, str(exc)
     if isinstance(exc, AuthenticationError):
         return Departure.REFUSED, str(exc)
-    return Departure.CRASHED, f"{exc}. {_KEYED_CLOSE}" if keyed else str(exc)
+    broken = str(link_broken(exc))  # twinrpc's words for gloo's bare errors
+    return Departure.CRASHED, f"{broken}. {_KEYED_CLOSE}" if keyed else broken

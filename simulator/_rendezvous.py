@@ -115,7 +115,7 @@ class Rendezvous:
         done.wait()
         _check_keys(name, worker.rank, keys, arrived)
         infos, roster = self._roster(generation, arrived)
-        world = SimWorld(worker, options.num_worker_threads)
+        world = SimWorld(worker, options.num_worker_threads, generation)
         worker.world = world
         self._heartbeats_of(worker.rank, options)
         return world, infos[worker.rank], roster
@@ -187,7 +187,7 @@ class Rendezvous:
             if other is not worker and other.world is not None:
                 other.world.peer_joined(worker.rank)
         infos = [WorkerInfo(n, r) for r, n in sorted(group.members.items())]
-        world = SimWorld(worker, options.num_worker_threads)
+        world = SimWorld(worker, options.num_worker_threads, generation)
         world.membership = DynamicMember(group, worker.rank)
         worker.world = world
         self._heartbeats_of(worker.rank, options)

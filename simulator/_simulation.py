@@ -167,7 +167,8 @@ class Simulation:
         self.workers: list[SimWorker] = []
         monitor = RRefMonitor(self) if config.monitors else None
         #: the trace observer and the RRef monitors (simulator/_observers.py)
-        self.observers = RunObservers(monitor, TraceObserver(self, monitor) if config.trace else None)
+        tracer = TraceObserver(self, monitor.generation(0) if monitor is not None else None)
+        self.observers = RunObservers(monitor, tracer if config.trace else None)
         #: crashes and departures (simulator/_crashes.py)
         self.crashes = Crashes(
             self.sched, self.trace, self.network, self.workers, self.observers.stop_monitors

@@ -86,9 +86,11 @@ class SimWorld(World):
 
     clock_name = "simulated"
 
-    def __init__(self, worker: SimWorker, num_worker_threads: int) -> None:
+    def __init__(self, worker: SimWorker, num_worker_threads: int, generation: int = 0) -> None:
         sim = worker.sim
         self.worker = worker
+        #: the worker's k-th init_rpc joins generation k's group (simulator/_rendezvous.py)
+        self.generation = generation
         self.sched = sim.sched
         self.trace = sim.trace
         #: the message path every send takes (simulator/_network/_links.py)
@@ -187,7 +189,7 @@ class SimWorld(World):
     def observers(self) -> ProtocolObservers:
         """The trace (simulator/_traces/_observer.py), which forwards RRef events to the online monitors
         (simulator/_checks/_monitors.py); the monitors alone when the trace is off."""
-        return self._observers.protocol_observers()
+        return self._observers.protocol_observers(self.generation)
 
     def schedule_rref_delete(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` on a task after a seeded delay in [0, gc_delay): when a dead user RRef's

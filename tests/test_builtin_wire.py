@@ -50,7 +50,8 @@ def _both(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
     encoded = wire.encode_call(func, args, kwargs)
     assert encoded is not None, "expected the compact encoding to apply"
     assert encoded[0][0] == wire.MAGIC
-    return _decode(*encoded), _decode(*serialize.dumps((func, args, kwargs)))
+    # pickled as the agent pickles a builtin call: its Parameters as tensors
+    return _decode(*encoded), _decode(*serialize.dumps((func, args, kwargs), link_parameters=True))
 
 
 def _same(a: Any, b: Any, tensors_a: list[torch.Tensor], tensors_b: list[torch.Tensor]) -> None:

@@ -39,6 +39,11 @@ TORCH_PRIVATE = {
     "_C",
     "_jit_resolve_packet",
     "_VariableFunctionsClass",  # what a pickle names as the owner of torch.add (twinrpc._unpickle_allow)
+    # how PyTorch's PyRRef decides whether RRef(value) is fetched through TorchScript (twinrpc._rref)
+    "_jit_internal",
+    "_state",
+    "_get_script_class",
+    "_jit_try_infer_type",
 }
 
 

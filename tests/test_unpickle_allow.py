@@ -95,6 +95,12 @@ def test_an_allowed_module_does_not_open_the_modules_it_imported_or_dunders() ->
         _loads([1, 2].__len__, UnpickleAllowlist(["builtins.*"]))  # getattr(owner, dunder)
 
 
+def _tagged_parameter() -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.ones(2))
+    p.tag = "encoder"  # type: ignore[attr-defined]
+    return p
+
+
 @pytest.mark.parametrize(
     "value",
     [
@@ -105,6 +111,8 @@ def test_an_allowed_module_does_not_open_the_modules_it_imported_or_dunders() ->
         (torch.float64, torch.sparse_coo),
         ValueError("remote"),
         serialize.SerializationError("remote"),
+        torch.nn.Parameter(torch.ones(2), requires_grad=False),
+        _tagged_parameter(),
     ],
     ids=[
         "strided view",
@@ -114,14 +122,16 @@ def test_an_allowed_module_does_not_open_the_modules_it_imported_or_dunders() ->
         "dtype and layout",
         "builtin error",
         "twinrpc error",
+        "parameter",
+        "parameter with attributes",
     ],
 )
 def test_what_twinrpc_itself_sends_needs_no_pattern(value: object) -> None:
     out = _loads(value, UnpickleAllowlist([]))
     if isinstance(value, torch.Tensor):
-        assert isinstance(out, torch.Tensor) and torch.equal(
-            out.detach().to_dense(), value.detach().to_dense()
-        )
+        assert type(out) is type(value) and out.requires_grad == value.requires_grad
+        assert getattr(out, "tag", None) == getattr(value, "tag", None)
+        assert torch.equal(out.detach().to_dense(), value.detach().to_dense())
     elif isinstance(value, BaseException):
         assert type(out) is type(value) and out.args == value.args
     else:

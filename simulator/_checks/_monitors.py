@@ -17,6 +17,11 @@ Invariants (requirement IDs from spec/rref.md and spec/shutdown.md):
   deletion sent to it.
 - ``SHUT-1`` (no leaks): after a graceful shutdown an owner has no fork left, except the forks of
   ``remote()`` calls that timed out (PyTorch leaks those too, ERR-5).
+
+Each generation of groups (a worker's k-th ``init_rpc`` joins generation k, ``simulator/_rendezvous.py``)
+is checked on its own: a worker that shuts RPC down and initialises it again numbers its RRefs from
+the start again, so the same ids name other RRefs in the next generation, and an RRef of the previous
+one that dies later is still that generation's.
 """
 
 from __future__ import annotations
@@ -35,12 +40,48 @@ _Key = tuple[GloballyUniqueId, GloballyUniqueId]  # (rref id, fork id)
 
 
 class RRefMonitor:
-    """The RRef monitors of one simulation (``Simulation(monitors=True)``, the default)."""
+    """The RRef monitors of one simulation (``Simulation(monitors=True)``, the default): one
+    ``GenerationMonitor`` per generation of groups, reporting here."""
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
         self.violations: list[MonitorViolation] = []
         self.events = 0
+        #: why checking stopped (a worker crashed: the invariants assume no worker dies), or None
+        self.stopped: str | None = None
+        self._generations: dict[int, GenerationMonitor] = {}
+
+    def generation(self, generation: int) -> GenerationMonitor:
+        """The monitor of the RRefs of generation ``generation``'s groups (what its workers report to)."""
+        monitor = self._generations.get(generation)
+        if monitor is None:
+            monitor = self._generations[generation] = GenerationMonitor(self)
+        return monitor
+
+    def stop(self, why: str) -> None:
+        """Stop checking for the rest of the run (``Simulation.crash``); recorded in the trace."""
+        if self.stopped is None:
+            self.stopped = why
+            for monitor in self._generations.values():
+                monitor.forget_users()  # no G1 reports for users that die with a crashed worker
+            self.sim.trace.record(self.sim.sched.now, -1, "monitors-off", why)
+
+    def fail(self, requirement: str, invariant: str, message: str) -> None:
+        """Report a violation (nothing once stopped); the scheduler raises the first one."""
+        if self.stopped is not None:
+            return
+        violation = MonitorViolation(requirement, invariant, self.sim.sched.now, message)
+        self.violations.append(violation)
+        self.sim.trace.record(self.sim.sched.now, -1, "violation", str(violation))
+        if self.sim.sched.failure is None:
+            self.sim.sched.failure = violation
+
+
+class GenerationMonitor:
+    """The RRef invariants of one generation's groups: the ``RRefObserver`` of their workers."""
+
+    def __init__(self, monitor: RRefMonitor) -> None:
+        self.monitor = monitor
         self._users: dict[GloballyUniqueId, dict[GloballyUniqueId, int]] = {}  # rref -> fork -> rank
         # rref -> forks its owner has registered or received (indexed by rref: an owner dropping its
         # value forgets them in O(its forks), not O(every fork of the run))
@@ -53,28 +94,17 @@ class RRefMonitor:
         self._timed_out: set[_Key] = set()
         self._freed: dict[GloballyUniqueId, int] = {}  # rref -> the owner rank that dropped it
         self._refs: dict[_Key, weakref.ref[UserState]] = {}
-        #: why checking stopped (a worker crashed: the invariants assume no worker dies), or None
-        self.stopped: str | None = None
 
-    def stop(self, why: str) -> None:
-        """Stop checking for the rest of the run (``Simulation.crash``); recorded in the trace."""
-        if self.stopped is None:
-            self.stopped = why
-            self._refs.clear()  # no G1 reports for users that die with a crashed worker
-            self.sim.trace.record(self.sim.sched.now, -1, "monitors-off", why)
+    def forget_users(self) -> None:
+        """Stop watching the user RRefs' lives (the monitors stopped)."""
+        self._refs.clear()
 
     def _fail(self, requirement: str, invariant: str, message: str) -> None:
-        if self.stopped is not None:
-            return
-        violation = MonitorViolation(requirement, invariant, self.sim.sched.now, message)
-        self.violations.append(violation)
-        self.sim.trace.record(self.sim.sched.now, -1, "violation", str(violation))
-        if self.sim.sched.failure is None:
-            self.sim.sched.failure = violation
+        self.monitor.fail(requirement, invariant, message)
 
     # -- events (RRefObserver) -----------------------------------------------------------------
     def user_created(self, rank: int, state: UserState) -> None:
-        self.events += 1
+        self.monitor.events += 1
         rid, fid = state.rref_id, state.fork_id
         if rid in self._freed:
             self._fail(
@@ -109,7 +139,7 @@ class RRefMonitor:
         self._dead.discard(key)
 
     def user_deleted(self, rank: int, state: UserState, notified: bool) -> None:
-        self.events += 1
+        self.monitor.events += 1
         rid, fid = state.rref_id, state.fork_id
         key = (rid, fid)
         if key in self._dead:
@@ -136,21 +166,21 @@ class RRefMonitor:
             self._deleting[key] = (rank, state.owner)
 
     def child_forked(self, rank: int, parent: UserState, child_fork_id: GloballyUniqueId) -> None:
-        self.events += 1
+        self.monitor.events += 1
         parent_key = (parent.rref_id, parent.fork_id)
         self._children.setdefault(parent_key, set()).add(child_fork_id)
         self._parent_of[(parent.rref_id, child_fork_id)] = parent_key
         self._in_flight.setdefault(parent.rref_id, set()).add(child_fork_id)
 
     def fork_known(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
-        self.events += 1
+        self.monitor.events += 1
         self._known.setdefault(rref_id, set()).add(fork_id)
         self._child_settled(rref_id, fork_id)  # e.g. a phantom fork reached the owner
 
     def fork_abandoned(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         """A fork was undone before its message left (pickling the message failed): no child is
         pending any more, and the owner no longer counts it."""
-        self.events += 1
+        self.monitor.events += 1
         self._child_settled(rref_id, fork_id)
         known = self._known.get(rref_id)
         if known is not None:
@@ -168,7 +198,7 @@ class RRefMonitor:
             children.discard(fork_id)
 
     def delete_heard(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
-        self.events += 1
+        self.monitor.events += 1
         key = (rref_id, fork_id)
         self._deleting.pop(key, None)
         known = self._known.get(rref_id)
@@ -178,11 +208,11 @@ class RRefMonitor:
                 del self._known[rref_id]
 
     def owner_registered(self, rank: int, state: OwnerState) -> None:
-        self.events += 1
+        self.monitor.events += 1
         self._freed.pop(state.rref_id, None)
 
     def owner_dropped(self, rank: int, state: OwnerState) -> None:
-        self.events += 1
+        self.monitor.events += 1
         rid = state.rref_id
         users = self._users.get(rid, {})
         live = {f: r for f, r in users.items() if (rid, f) not in self._timed_out}
@@ -207,7 +237,7 @@ class RRefMonitor:
     def closed(
         self, rank: int, graceful: bool, leaks: list[tuple[GloballyUniqueId, list[GloballyUniqueId]]]
     ) -> None:
-        self.events += 1
+        self.monitor.events += 1
         if not graceful:
             return
         unheard = sorted((k, src) for k, (src, owner) in self._deleting.items() if owner == rank)

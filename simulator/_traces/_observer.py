@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from twinrpc._rref import GloballyUniqueId, OwnerState, UserState
 
 if TYPE_CHECKING:
-    from .._checks._monitors import RRefMonitor
+    from .._checks._monitors import GenerationMonitor
     from .._simulation import Simulation
 
 
@@ -24,11 +24,12 @@ def _gid(g: GloballyUniqueId) -> str:
 class TraceObserver:
     """One per simulation: the ``RRefObserver`` and ``AutogradObserver`` of every worker's agent."""
 
-    def __init__(self, sim: Simulation, monitor: RRefMonitor | None) -> None:
+    def __init__(self, sim: Simulation, monitor: GenerationMonitor | None) -> None:
         self.sim = sim
         self.trace = sim.trace
         self.sched = sim.sched
-        #: the online monitors to forward RRef events to; cleared when they stop (a crash)
+        #: the online monitors of one generation to forward RRef events to (one trace observer per
+        #: generation, simulator/_observers.py); cleared when they stop (a crash)
         self.monitor = monitor
 
     def _rec(self, rank: int, event: str, detail: str) -> None:

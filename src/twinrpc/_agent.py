@@ -36,7 +36,14 @@ from ._errors import (
 )
 from ._future import Future, add_internal_callback, then_internal
 from ._message import CONTROL_KINDS, REQUEST_KINDS, Kind, Message
-from ._rref import GloballyUniqueId, OwnerState, RRef, UserState, wrap_rref
+from ._rref import (
+    GloballyUniqueId,
+    OwnerState,
+    RRef,
+    UserState,
+    fetched_through_torchscript,
+    wrap_rref,
+)
 from ._rref_context import ForkRecorder, RRefContext
 from ._shutdown import ShutdownProtocol
 from ._unpickle_allow import UnpickleAllowlist
@@ -214,7 +221,11 @@ class RpcAgent:
             if context_id is not None and kind in AUTOGRAD_KINDS:  # hook: the request joins the context
                 payload, tensors = self.autograd.dumps_request(context_id, dst, kind, obj, fork)
             else:
-                payload, tensors = _serialize.dumps(obj, fork)
+                # a builtin operator's Parameter arguments travel as tensors, as PyTorch's builtin
+                # calls (TorchScript) send them; the builtin wire sends them so too
+                func = obj[0] if kind is Kind.CALL else obj[2] if kind is Kind.REMOTE_CALL else None
+                builtin = func is not None and _is_builtin(func)
+                payload, tensors = _serialize.dumps(obj, fork, link_parameters=builtin)
         except BaseException:
             rrefs.unfork(fork.forks)  # nothing is sent
             raise
@@ -536,7 +547,10 @@ class RpcAgent:
                 self._run(msg, func, args, kwargs, on_value=owner)
             elif kind is Kind.RREF_FETCH:
                 owner = self.rrefs.get_or_create_owner(obj)
-                add_internal_callback(owner.value, lambda f: self._reply_from(msg, f))
+                add_internal_callback(
+                    owner.value,
+                    lambda f: self._reply_from(msg, f, link_parameters=fetched_through_torchscript(owner)),
+                )
             elif kind is Kind.RREF_TYPE:
                 owner = self.rrefs.get_or_create_owner(obj)
                 add_internal_callback(owner.value, lambda f: self._reply_from(msg, f, transform=type))
@@ -573,7 +587,10 @@ class RpcAgent:
             else:
                 self._finish_run(msg, result, None, on_value)
             return
-        if not (isinstance(result, (Future, torch.futures.Future))):
+        # Every future torch makes is a torch._C.Future: torch.futures.Future(), what its then() and
+        # collect_all() return, and twinrpc's own (a torch.futures.Future subclass). PyTorch accepts
+        # them all (RPC-14).
+        if not isinstance(result, torch._C.Future):
             err = RuntimeError(
                 "Functions decorated with @rpc.async_function must return a torch.futures.Future "
                 f"object, but got {type(result)}"
@@ -609,23 +626,37 @@ class RpcAgent:
             self.reply_error(msg, exc)
 
     def _reply_from(
-        self, msg: Message, f: Future[Any], transform: Callable[[Any], Any] | None = None
+        self,
+        msg: Message,
+        f: Future[Any],
+        transform: Callable[[Any], Any] | None = None,
+        *,
+        link_parameters: bool = False,
     ) -> None:
         try:
             value = f.wait()
         except BaseException as exc:
             self.reply_error(msg, exc)
             return
-        self.reply(msg, value if transform is None else transform(value))
+        self.reply(msg, value if transform is None else transform(value), link_parameters=link_parameters)
 
-    def reply(self, msg: Message, value: Any) -> None:
+    def reply(self, msg: Message, value: Any, *, link_parameters: bool = False) -> None:
+        """Send ``value`` back for ``msg``; ``link_parameters``: see ``twinrpc._serialize.dumps``."""
         fork = ForkRecorder(self.rrefs, msg.src)
         try:
             # hook: the reply to a request served inside an autograd context joins it (DAG-4)
-            linked = self.autograd.dumps_reply(msg, value, fork) if self.autograd.replies else None
+            linked = (
+                self.autograd.dumps_reply(msg, value, fork, link_parameters=link_parameters)
+                if self.autograd.replies
+                else None
+            )
             if linked is None and msg.payload[:1] == _COMPACT:  # a builtin call's result, without pickle
                 linked = _builtin_wire.encode_value(value)
-            payload, tensors = linked if linked is not None else _serialize.dumps(value, fork)
+            payload, tensors = (
+                linked
+                if linked is not None
+                else _serialize.dumps(value, fork, link_parameters=link_parameters)
+            )
         except BaseException as exc:
             self.rrefs.unfork(fork.forks)  # this reply is not sent: an error reply goes instead
             self.reply_error(

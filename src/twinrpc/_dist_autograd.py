@@ -487,14 +487,18 @@ class DistAutogradContainer:
         else:
             func = obj[0] if kind is Kind.CALL else obj[2]
             args, kwargs = (obj[1], obj[2]) if kind is Kind.CALL else (obj[3], obj[4])
-            if _is_builtin(func) and not (_any_requires_grad(args) or _any_requires_grad(kwargs)):
+            builtin = _is_builtin(func)
+            if builtin and not (_any_requires_grad(args) or _any_requires_grad(kwargs)):
                 return _serialize.dumps(obj, fork)  # builtins join only with tensors requiring grad
             what = f"{'remote' if kind is Kind.REMOTE_CALL else 'rpc'} call of {_func_name(func)}"
         peer = self.agent.worker_by_id(dst).name
         message_id = self.new_message_id()
         grads: list[torch.Tensor] = []
         payload = _serialize.dumps(
-            AutogradEnvelope(context_id, message_id, self.rank, False, obj), fork, grads
+            AutogradEnvelope(context_id, message_id, self.rank, False, obj),
+            fork,
+            grads,
+            link_parameters=kind is not Kind.RREF_FETCH and builtin,  # a builtin's Parameters join
         )
         with ctx.lock:
             ctx.known_workers.add(dst)
@@ -523,7 +527,7 @@ class DistAutogradContainer:
         return body, CURRENT_CONTEXT.set(env.context_id)
 
     def dumps_reply(
-        self, msg: Message, value: Any, fork: Callable[[Any], Any]
+        self, msg: Message, value: Any, fork: Callable[[Any], Any], *, link_parameters: bool = False
     ) -> tuple[bytes, list[torch.Tensor]] | None:
         """Pickle the reply to a request served inside a context (None: not such a request)."""
         entry = self.replies.pop((msg.src, msg.id), None)
@@ -536,7 +540,10 @@ class DistAutogradContainer:
         message_id = self.new_message_id()
         grads: list[torch.Tensor] = []
         payload = _serialize.dumps(
-            AutogradEnvelope(context_id, message_id, self.rank, True, value), fork, grads
+            AutogradEnvelope(context_id, message_id, self.rank, True, value),
+            fork,
+            grads,
+            link_parameters=link_parameters,
         )
         if grads:
             peer = self.agent.worker_by_id(msg.src).name

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import torch
+
 from ._current import current_agent, maybe_current_agent
 from ._errors import RPCError
 from ._future import Future
@@ -61,18 +63,43 @@ class OwnerState:
     owners as "pending futures" in its debug info.
     """
 
-    __slots__ = ("__weakref__", "created", "rref_id", "type_future", "type_result", "value")
+    __slots__ = (
+        "__weakref__",
+        "created",
+        "from_value",
+        "rref_id",
+        "type_future",
+        "type_result",
+        "value",
+    )
 
     def __init__(self, rref_id: GloballyUniqueId, *, created: bool = True) -> None:
         self.rref_id = rref_id
         self.value: Future[Any] = Future()
         self.created = created
+        #: made by ``RRef(value)`` (see :func:`fetched_through_torchscript`)
+        self.from_value = False
         #: the cached ``_get_type`` future (RREF-7: the same Future on every non-blocking call)
         self.type_future: Future[type] | None = None
         #: what the first successful ``_get_type`` call returned (PyTorch caches it, see RRef._get_type)
         self.type_result: Any = None
 
     is_owner = True
+
+
+def fetched_through_torchscript(owner: OwnerState) -> bool:
+    """Whether PyTorch fetches ``owner``'s value through TorchScript rather than pickle: an
+    ``RRef(value)`` of a value TorchScript can type (a tensor, a list or dict of tensors, a number),
+    not of an instance of a Python class it has not scripted, as PyTorch's ``PyRRef`` decides
+    (torch/csrc/distributed/rpc/py_rref.cpp, ``tryInferTypeWithTypeHint``). An ``nn.Parameter`` in
+    such a value arrives as a plain tensor, recorded for autograd like any tensor (RPC-9)."""
+    if not owner.from_value:
+        return False
+    value = owner.value.value()  # an RRef(value) owner is complete from the start
+    cls = type(value)
+    if torch._jit_internal.can_compile_class(cls) and torch.jit._state._get_script_class(cls) is None:
+        return False  # PyTorch does not infer a Python class's type (it would try to script it)
+    return bool(torch._C._jit_try_infer_type(value).success())
 
 
 class UserState:

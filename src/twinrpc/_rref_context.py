@@ -151,6 +151,7 @@ class RRefContext:
     def new_local_owner(self, value: Any) -> OwnerState:
         """``RRef(value)``: an owner that enters the owner map only when first forked (RREF-3)."""
         state = OwnerState(self.new_id())
+        state.from_value = True
         state.value.set_result(value)
         return state
 

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from ._errors import SerializationError, serialization_error
-from ._future import Future
 from ._rref import RRef
 from ._unpickle_allow import UnpickleAllowlist
 
@@ -78,7 +77,8 @@ class LoadState:
                 fn()
 
 
-_FUTURE_TYPES = (torch.futures.Future, Future)
+#: every future torch makes (what then() and collect_all() return too), twinrpc's included
+_FUTURE_TYPES = torch._C.Future
 #: what pickle sends by reference and the pickler has no hook for: checked first, as each isinstance
 #: below costs about half a microsecond (torch's metaclasses)
 _BY_REFERENCE = frozenset({types.FunctionType, types.BuiltinFunctionType, type})
@@ -200,6 +200,9 @@ class _RpcPickler(pickle.Pickler):
     _fork_rref: Callable[[Any], Any] | None = None
     #: distributed autograd hook: collects the (undetached) tensors that require grad
     _grad_tensors: list[torch.Tensor] | None = None
+    #: send an ``nn.Parameter`` as the tensor it is (recorded for autograd like any tensor) rather
+    #: than as torch pickles it; see :func:`dumps`
+    _link_parameters = False
 
     def reducer_override(self, obj: Any) -> Any:
         tp = type(obj)
@@ -224,8 +227,11 @@ class _RpcPickler(pickle.Pickler):
         return NotImplemented
 
     def _reduce_tensor(self, t: torch.Tensor) -> Any:
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            return NotImplemented  # subclasses: torch's own reduce, whose parts come back here
+        tp = type(t)
+        if tp is not torch.Tensor and (tp is not torch.nn.Parameter or not self._link_parameters):
+            # subclasses, and Parameters as PyTorch's RPC pickler sends them: torch's own reduce,
+            # whose parts come back here (a Parameter's is its detached ``data``, RPC-9)
+            return NotImplemented
         if t.layout is not _STRIDED:
             return self._reduce_sparse(t)
         if not t.is_cpu:
@@ -302,10 +308,16 @@ def dumps(
     obj: Any,
     fork_rref: Callable[[Any], Any] | None = None,
     grad_tensors: list[torch.Tensor] | None = None,
+    *,
+    link_parameters: bool = False,
 ) -> tuple[bytes, list[torch.Tensor]]:
     """Pickle ``obj`` for an RPC: returns the payload bytes and the out-of-band storages.
 
     ``grad_tensors``, when given, receives every tensor that requires grad (distributed autograd).
+    An ``nn.Parameter`` arrives as an ``nn.Parameter`` with its ``requires_grad``, rebuilt from its
+    detached data as PyTorch's pickler sends it, so it is never recorded for autograd (RPC-9);
+    ``link_parameters`` sends it as the tensor it is instead, as PyTorch sends a builtin operator's
+    arguments (DAG-4).
 
     Raises:
         SerializationError: ``obj`` cannot travel (unpicklable, a lambda, a CUDA tensor, a Future).
@@ -320,6 +332,7 @@ def dumps(
         buf, pickler = idle
     pickler._fork_rref = fork_rref
     pickler._grad_tensors = grad_tensors
+    pickler._link_parameters = link_parameters
     try:
         pickler.dump(obj)
     except SerializationError:
@@ -333,6 +346,7 @@ def dumps(
         pickler.storages = None
         del pickler._storage_index, pickler._keepalive
     pickler._fork_rref = pickler._grad_tensors = None
+    pickler._link_parameters = False
     pickler.clear_memo()
     buf.seek(0)
     buf.truncate()

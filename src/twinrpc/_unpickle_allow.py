@@ -68,6 +68,11 @@ _TWINRPC_GLOBALS = frozenset(
         ("twinrpc.nn._remote_module", "forward_async"),
         ("twinrpc.nn._remote_module", "forward"),
         ("torch.serialization", "_get_layout"),
+        # an nn.Parameter, as torch pickles it (Parameter.__reduce_ex__): its data, requires_grad,
+        # an empty OrderedDict of hooks and maybe its attributes
+        ("torch._utils", "_rebuild_parameter"),
+        ("torch._utils", "_rebuild_parameter_with_state"),
+        ("collections", "OrderedDict"),
         ("torch", "Size"),
         # the owner of torch's builtin operators: loading it runs nothing, and each operator taken
         # from it goes through the checked getattr (``"torch.add"``)
