@@ -71,6 +71,10 @@ def test_pages_hold_no_inline_python_only_included_files():
         )
 
 
+# Included by the docs and run elsewhere: examples/tutorials/rnn.py and examples/tutorials/ddp_rpc.py
+# (tests/test_tutorial_programs.py runs each PyTorch example program in three worlds).
+
+
 def test_every_included_file_exists_and_is_run_here():
     this = Path(__file__).read_text(encoding="utf-8")
     for page in _pages():
