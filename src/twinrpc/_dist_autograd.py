@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import get_gradient_edge
 
 from . import _serialize
 from ._control_channel import RetryPolicy
@@ -62,8 +62,8 @@ def context_not_found(context_id: int) -> RuntimeError:
 
 
 class _LeafEdge(torch.autograd.Function):
-    """Its node's only edge is the gradient edge of its input: of a sparse leaf too, which
-    ``get_gradient_edge`` cannot find (it goes through ``view_as``, which sparse layouts lack)."""
+    """Its node's only edge is the gradient edge of its input, for any layout: ``get_gradient_edge``
+    cannot find a sparse tensor's (it goes through ``view_as``, which sparse layouts lack)."""
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
@@ -74,28 +74,35 @@ class _LeafEdge(torch.autograd.Function):
         return grad
 
 
-def _gradient_edge(t: torch.Tensor) -> Any:
-    if t.layout == torch.strided or t.grad_fn is not None:
-        return get_gradient_edge(t)
+def _gradient_edge(t: torch.Tensor) -> tuple[Any, int, Any]:
+    """``t``'s gradient edge and what keeps its node alive. A Python node (a custom Function's, a
+    received tensor's recv node) is owned by the C++ graph only: without a holder, it dies with the
+    last tensor that refers to it, e.g. a received tensor that is only passed on to another worker."""
+    if t.layout == torch.strided:
+        edge = get_gradient_edge(t)
+        return edge.node, edge.output_nr, edge.ownership_token
     with torch.enable_grad():
-        node, nr = _LeafEdge.apply(t).grad_fn.next_functions[0]  # type: ignore[no-untyped-call]
-    return GradientEdge(node, nr)
+        holder = _LeafEdge.apply(t)  # type: ignore[no-untyped-call]
+    node, nr = holder.grad_fn.next_functions[0]
+    return node, nr, holder
 
 
 class SendRpcBackward:
     """A send function: the gradients of ``tensors`` come back from ``peer`` (DAG-4).
 
-    Its ``next_functions`` are the tensors' gradient edges, as PyTorch's SendRpcBackward node.
+    Its ``next_functions`` are the tensors' gradient edges, as PyTorch's SendRpcBackward node, and it
+    keeps their nodes alive as that node's edges do.
     """
 
-    __slots__ = ("autograd_message_id", "next_functions", "peer", "what")
+    __slots__ = ("_holders", "autograd_message_id", "next_functions", "peer", "what")
 
     def __init__(self, message_id: int, peer: int, tensors: list[torch.Tensor], what: str) -> None:
         self.autograd_message_id = message_id
         self.peer = peer
         self.what = what
         edges = [_gradient_edge(t) for t in tensors]
-        self.next_functions: tuple[tuple[Any, int], ...] = tuple((e.node, e.output_nr) for e in edges)
+        self.next_functions: tuple[tuple[Any, int], ...] = tuple((node, nr) for node, nr, _ in edges)
+        self._holders = [holder for _, _, holder in edges if holder is not None]
 
     @staticmethod
     def name() -> str:

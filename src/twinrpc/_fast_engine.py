@@ -250,7 +250,7 @@ class GraphPass:
     def _accumulate(self, leaves: list[tuple[Any, torch.Tensor]]) -> None:
         """Run the ready leaves' AccumulateGrad nodes in one engine call (as roots), into the context:
         their hooks see every leaf's gradient in the context, as in bulk mode."""
-        with context_grads_in_leaves(self.ctx, [node.variable for node, _ in leaves]):
+        with context_grads_in_leaves(self.ctx, [node for node, _ in leaves]):
             _run_engine([GradientEdge(node, 0) for node, _ in leaves], [g for _, g in leaves], False)
 
     def _contribute(self, node: Any, nr: int, g: torch.Tensor | None, ready: list[Any]) -> None:
@@ -276,7 +276,7 @@ class GraphPass:
         terminals = [n for n in self.region.get(key, ()) if _is_terminal(n)]
         if not outputs or not terminals:
             return
-        leaves = [n.variable for n in terminals if type(n) is _ACC_TYPE]
+        leaves = [n for n in terminals if type(n) is _ACC_TYPE]
         recvs = [n for n in terminals if type(n) is RECV_NODE_TYPE]
         taken: dict[Any, torch.Tensor | None] = {}
         handles = [node.register_prehook(_Take(taken, node)) for node in recvs]
