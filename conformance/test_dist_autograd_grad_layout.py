@@ -300,3 +300,69 @@ def test_a_sparse_gradient_with_non_contiguous_parts_is_copied_for_each_leaf(wor
     assert (got["a_is_fn_grad"], got["b_is_fn_grad"], got["a_is_b"]) == (False, False, False)
     row = [[0.0] * 3, [0.5 * 8 * passes] * 3] + [[0.0] * 3] * 8
     assert got["dense"] == [row, row]
+
+
+# -- gradients that come back over RPC ---------------------------------------------------------------
+def _times_two(t: torch.Tensor) -> torch.Tensor:
+    return t * 2.0
+
+
+def _owned_leaf() -> torch.Tensor:
+    return torch.ones(2, 3, requires_grad=True)
+
+
+def _through_identity_times_three(rref: Any) -> torch.Tensor:
+    _reset()
+    return _Identity.apply(rref.local_value(), False) * 3.0  # type: ignore[no-any-return]
+
+
+def _owner_report(rref: Any, cid: int, backend: str) -> dict[str, Any]:
+    if backend == "torch":
+        import torch.distributed.autograd as da
+    else:
+        import twinrpc.autograd as da
+    g = da.get_gradients(cid)[rref.local_value()]
+    return {"adopted": g.data_ptr() == _Identity.seen[0], "value": g.tolist()}
+
+
+def _across_rpc(ctx: Any, where: str) -> dict[str, Any]:
+    """``where``: the leaf's gradient comes back over RPC and reaches it through a Function
+    (``behind_send``); the Function's output is used here and sent too, so its gradient is the sum
+    of both (``used_here_and_sent``); the leaf lives on the callee (``on_the_owner``)."""
+    rpc, da = ctx.rpc, ctx.dist_autograd
+    _reset()
+    x = torch.ones(2, 3, requires_grad=True)
+    with da.context() as cid:
+        if where == "on_the_owner":
+            w = rpc.remote(ctx.name(1), _owned_leaf)
+            loss = rpc.rpc_sync(ctx.name(1), _through_identity_times_three, args=(w,)).sum()
+            da.backward(cid, [loss])
+            return rpc.rpc_sync(ctx.name(1), _owner_report, args=(w, cid, ctx.backend))  # type: ignore[no-any-return]
+        z = _Identity.apply(x, False)
+        loss = rpc.rpc_sync(ctx.name(1), _times_two, args=(z,)).sum()
+        if where == "used_here_and_sent":
+            loss = loss + z.sum()
+        da.backward(cid, [loss], retain_graph=True)
+        first = da.get_gradients(cid)[x]
+        adopted, ptr = first.data_ptr() == _Identity.seen[0], first.data_ptr()
+        da.backward(cid, [loss])
+        again = da.get_gradients(cid)[x]
+        return {"adopted": adopted, "in_place": again.data_ptr() == ptr, "value": again.tolist()}
+
+
+@pytest.mark.spec("DAG-19", "DAG-6")
+@pytest.mark.parametrize("where", ["behind_send", "used_here_and_sent"])
+def test_a_gradient_that_comes_back_over_rpc_is_adopted_and_later_passes_add_in_place(
+    world: Any, where: str
+) -> None:
+    """The send function gives its gradients away: a Function between it and the leaf returns a
+    tensor nothing else holds, also when it is the sum of a local and a remote gradient."""
+    got = world.run_on(0, _across_rpc, where)
+    per_pass = 2.0 if where == "behind_send" else 3.0
+    assert got == {"adopted": True, "in_place": True, "value": [[2 * per_pass] * 3] * 2}
+
+
+@pytest.mark.spec("DAG-19", "DAG-6")
+def test_a_gradient_sent_to_the_owner_of_a_leaf_is_adopted_there(world: Any) -> None:
+    got = world.run_on(0, _across_rpc, "on_the_owner")
+    assert got == {"adopted": True, "value": [[3.0] * 3] * 2}

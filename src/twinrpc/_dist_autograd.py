@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch.autograd.graph import get_gradient_edge
 
 from . import _serialize
 from ._control_channel import RetryPolicy
@@ -61,48 +60,53 @@ def context_not_found(context_id: int) -> RuntimeError:
     return RuntimeError(f"Could not find autograd context with id: {context_id}")
 
 
-class _LeafEdge(torch.autograd.Function):
-    """Its node's only edge is the gradient edge of its input, for any layout: ``get_gradient_edge``
-    cannot find a sparse tensor's (it goes through ``view_as``, which sparse layouts lack)."""
+class Handoff(torch.autograd.Function):
+    """A node whose only edge is the gradient edge of its input, for any layout (``get_gradient_edge``
+    cannot find a sparse tensor's: it goes through ``view_as``, which sparse layouts lack).
+
+    Its output keeps that edge's node alive: a Python node (a custom Function's, a received tensor's
+    recv node) is owned by the C++ graph only, and would die with the last tensor referring to it, e.g.
+    a received tensor that is only passed on to another worker. A pass hands the node the gradient for
+    the edge in ``pending`` instead of as the engine's root gradient, which the engine holds for the
+    whole call: that way the nodes behind it may adopt the gradient when nothing else holds it, as
+    behind PyTorch's send function, which gives its gradients away (DAG-19). The output, a scalar
+    that keeps none of the input's data, is also the root gradient the engine is started with.
+    """
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
-        return t.detach()
+        ctx.pending = None
+        return torch.zeros(())
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+        pending, ctx.pending = ctx.pending, None
+        return grad if pending is None else pending
 
 
-def _gradient_edge(t: torch.Tensor) -> tuple[Any, int, Any]:
-    """``t``'s gradient edge and what keeps its node alive. A Python node (a custom Function's, a
-    received tensor's recv node) is owned by the C++ graph only: without a holder, it dies with the
-    last tensor that refers to it, e.g. a received tensor that is only passed on to another worker."""
-    if t.layout == torch.strided:
-        edge = get_gradient_edge(t)
-        return edge.node, edge.output_nr, edge.ownership_token
+def handoff(t: torch.Tensor) -> torch.Tensor:
+    """A :class:`Handoff` output for ``t`` (also inside ``torch.no_grad``)."""
     with torch.enable_grad():
-        holder = _LeafEdge.apply(t)  # type: ignore[no-untyped-call]
-    node, nr = holder.grad_fn.next_functions[0]
-    return node, nr, holder
+        return Handoff.apply(t)  # type: ignore[no-any-return,no-untyped-call]
 
 
 class SendRpcBackward:
     """A send function: the gradients of ``tensors`` come back from ``peer`` (DAG-4).
 
-    Its ``next_functions`` are the tensors' gradient edges, as PyTorch's SendRpcBackward node, and it
-    keeps their nodes alive as that node's edges do.
+    Its ``next_functions`` are the tensors' gradient edges, as PyTorch's SendRpcBackward node; a
+    :class:`Handoff` per tensor keeps each edge's node alive and takes the gradient that comes back.
     """
 
-    __slots__ = ("_holders", "autograd_message_id", "next_functions", "peer", "what")
+    __slots__ = ("autograd_message_id", "handoffs", "next_functions", "peer", "what")
 
     def __init__(self, message_id: int, peer: int, tensors: list[torch.Tensor], what: str) -> None:
         self.autograd_message_id = message_id
         self.peer = peer
         self.what = what
-        edges = [_gradient_edge(t) for t in tensors]
-        self.next_functions: tuple[tuple[Any, int], ...] = tuple((node, nr) for node, nr, _ in edges)
-        self._holders = [holder for _, _, holder in edges if holder is not None]
+        self.handoffs = tuple(handoff(t) for t in tensors)
+        self.next_functions: tuple[tuple[Any, int], ...] = tuple(
+            h.grad_fn.next_functions[0] for h in self.handoffs
+        )
 
     @staticmethod
     def name() -> str:
