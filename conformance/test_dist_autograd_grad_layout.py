@@ -93,15 +93,11 @@ class _SparseIdentity(Function):
         return grad, None
 
 
-class _SparseNonContiguous(Function):
+class _SparseNonContiguous(_Sum):
     """``a + b``; its backward hands both inputs one sparse gradient whose indices and values are
     expanded (non-contiguous)."""
 
     seen: list[int] = []
-
-    @staticmethod
-    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return a + b
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,13 +115,17 @@ def _reset() -> None:
     _SparseIdentity.views = []
 
 
+def _two_leaves(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two random leaves of one shape, with every Function's records cleared."""
+    _reset()
+    torch.manual_seed(0)
+    return torch.randn(rows, cols, requires_grad=True), torch.randn(rows, cols, requires_grad=True)
+
+
 # -- dense -------------------------------------------------------------------------------------------
 def _dense_cases(ctx: Any) -> dict[str, Any]:
     da = ctx.dist_autograd
-    _reset()
-    torch.manual_seed(0)
-    a = torch.randn(5, 6, requires_grad=True)
-    b = torch.randn(5, 6, requires_grad=True)
+    a, b = _two_leaves(5, 6)
     out: dict[str, Any] = {}
     with da.context() as cid:  # an expanded gradient, through a function that hands it on to two leaves
         da.backward(cid, [_Expanded.apply(_Sum.apply(a, b))])
@@ -234,10 +234,7 @@ _OFFSETS = torch.tensor([0, 4])
 
 def _sparse_cases(ctx: Any, passes: int) -> dict[str, Any]:
     da = ctx.dist_autograd
-    _reset()
-    torch.manual_seed(0)
-    a = torch.randn(10, 3, requires_grad=True)
-    b = torch.randn(10, 3, requires_grad=True)
+    a, b = _two_leaves(10, 3)
     out: dict[str, Any] = {}
     for keep_views in (False, True):
         _reset()
