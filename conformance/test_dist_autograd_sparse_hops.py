@@ -189,3 +189,34 @@ def test_gradients_keep_each_tensors_dtype(world: Any, sparse: bool) -> None:
     out = world.run_on(0, _different_dtypes, sparse)
     _assert_close(out["got"], out["local"])
     assert [g[1] for g in out["got"]] == ["torch.float32", "torch.float64"]
+
+
+# -- values used here and sent on (PyTorch's test_backwards_nested_python_udf_sparse) -----------------
+def _nested_udf(backend: str, t1: torch.Tensor, t2: torch.Tensor, dst: str) -> torch.Tensor:
+    """Received tensors used here and also sent on to ``dst``: their gradient is the sum of both."""
+    t3, t4 = t1 * t2, t1 + t2
+    res = rpc_module(backend).rpc_sync(dst, torch.add, args=(t3, t4))
+    return t1 * t2 * t3 * t4 * res  # type: ignore[no-any-return]
+
+
+def _nested_udf_program(ctx: Any, sparse: bool) -> dict[str, Any]:
+    rpc, da = ctx.rpc, ctx.dist_autograd
+    t1, t2 = _tensor(sparse, True), _tensor(sparse, True)
+    with da.context() as cid:
+        loss = _total(rpc.rpc_sync(ctx.name(1), _nested_udf, args=(ctx.backend, t1, t2, ctx.name(2))))
+        da.backward(cid, [loss])
+        grads = da.get_gradients(cid)
+        got = [_record(grads[t1]), _record(grads[t2])]
+    l1, l2 = _tensor(sparse, True), _tensor(sparse, True)
+    t3, t4 = l1 * l2, l1 + l2
+    _total(l1 * l2 * t3 * t4 * (t3 + t4)).backward()
+    return {"got": got, "local": [_record(l1.grad), _record(l2.grad)]}
+
+
+@pytest.mark.spec("DAG-14", "DAG-9")
+@pytest.mark.parametrize("sparse", [True, False])
+def test_received_tensors_used_there_and_sent_on_get_the_sum_of_both_gradients(
+    world: Any, sparse: bool
+) -> None:
+    out = world.run_on(0, _nested_udf_program, sparse, world_size=3)
+    _assert_close(out["got"], out["local"])
