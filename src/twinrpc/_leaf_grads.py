@@ -55,7 +55,8 @@ def context_grads_in_leaves(ctx: DistAutogradContext, nodes: Sequence[Any]) -> I
                 saved.append(leaf.grad)
                 leaf.grad = ctx.grads.get(leaf)
         handed: list[torch.Tensor | None] = []
-        holds = _hold_until_the_call_ends(nodes, handed)
+        # one leaf shares its gradient with no other: nothing to hold
+        holds = _hold_until_the_call_ends(nodes, handed) if len(nodes) > 1 else []
         try:
             yield
         finally:
