@@ -220,3 +220,54 @@ def test_received_tensors_used_there_and_sent_on_get_the_sum_of_both_gradients(
 ) -> None:
     out = world.run_on(0, _nested_udf_program, sparse, world_size=3)
     _assert_close(out["got"], out["local"])
+
+
+# -- a remote EmbeddingBag with sparse gradients, two passes (PyTorch's test_embedding_bag_with_no_grad_tensors)
+def _embedding_bag() -> torch.nn.EmbeddingBag:
+    torch.manual_seed(5)
+    return torch.nn.EmbeddingBag(16, 16, mode="sum", sparse=True)
+
+
+def _bag_forward(
+    rref: Any, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    return rref.local_value()(indices, offsets, weights)  # type: ignore[no-any-return]
+
+
+def _bag_gradient(backend: str, rref: Any, cid: int) -> Any:
+    if backend == "torch":
+        import torch.distributed.autograd as da
+    else:
+        import twinrpc.autograd as da
+    return da.get_gradients(cid)[rref.local_value().weight]
+
+
+def _embedding_bag_program(ctx: Any, passes: int) -> dict[str, Any]:
+    rpc, da = ctx.rpc, ctx.dist_autograd
+    indices, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
+    weights = torch.rand(8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    bag = rpc.remote(ctx.name(1), _embedding_bag)
+    with da.context() as cid:
+        res = rpc.rpc_sync(ctx.name(1), _bag_forward, args=(bag, indices, offsets, weights))
+        for i in range(passes):
+            da.backward(cid, [res.sum()], retain_graph=i < passes - 1)
+        remote = rpc.rpc_sync(ctx.name(1), _bag_gradient, args=(ctx.backend, bag, cid))  # a sparse result
+        weights_grad = da.get_gradients(cid)[weights]
+    local, lw = _embedding_bag(), weights.detach().clone().requires_grad_()
+    out = local(indices, offsets, lw)
+    for i in range(passes):
+        out.sum().backward(retain_graph=i < passes - 1)
+    return {
+        "got": [_record(remote), _record(weights_grad)],
+        "local": [_record(local.weight.grad), _record(lw.grad)],
+    }
+
+
+@pytest.mark.spec("DAG-14", "DAG-8", "RPC-19")
+@pytest.mark.parametrize("passes", [2, 3])
+def test_a_remote_sparse_embedding_bag_accumulates_its_sparse_gradient_over_passes(
+    world: Any, passes: int
+) -> None:
+    out = world.run_on(0, _embedding_bag_program, passes)
+    _assert_close(out["got"], out["local"])
+    assert out["got"][0][0] == "torch.sparse_coo"
