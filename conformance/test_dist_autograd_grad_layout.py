@@ -363,3 +363,47 @@ def test_a_gradient_that_comes_back_over_rpc_is_adopted_and_later_passes_add_in_
 def test_a_gradient_sent_to_the_owner_of_a_leaf_is_adopted_there(world: Any) -> None:
     got = world.run_on(0, _across_rpc, "on_the_owner")
     assert got == {"adopted": True, "value": [[3.0] * 3] * 2}
+
+
+# -- a property over where the gradient comes from -----------------------------------------------------
+def _drawn_case(ctx: Any, over_rpc: bool, expanded: bool, keep: bool, passes: int) -> dict[str, Any]:
+    """The leaf's gradient passes through ``_Identity`` (which may ``keep`` it); before that it is
+    the expanded gradient of ``sum()`` or the fresh one of an indexing (``expanded``), computed here
+    or on worker1 (``over_rpc``, where ``* 2`` makes any gradient fresh and contiguous)."""
+    rpc, da = ctx.rpc, ctx.dist_autograd
+    _reset()
+    x = torch.ones(2, 3, requires_grad=True)
+    with da.context() as cid:
+        z = _Identity.apply(x, keep)
+        if over_rpc:
+            z = rpc.rpc_sync(ctx.name(1), _times_two, args=(z,))
+        loss = z.sum() if expanded else z[1][0]
+        for i in range(passes):
+            da.backward(cid, [loss], retain_graph=i < passes - 1)
+            if i == 0:
+                first = da.get_gradients(cid)[x]
+                adopted, ptr = first.data_ptr() == _Identity.seen[0], first.data_ptr()
+        g = da.get_gradients(cid)[x]
+        return {"adopted": adopted, "in_place": g.data_ptr() == ptr, "value": g.tolist()}
+
+
+@pytest.mark.spec("DAG-19", "DAG-8", "DAG-9")
+def test_adoption_follows_who_holds_the_gradient_and_its_layout(world: Any) -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(
+        max_examples=12,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+        derandomize=True,
+    )
+    @given(over_rpc=st.booleans(), expanded=st.booleans(), keep=st.booleans(), passes=st.integers(1, 3))
+    def check(over_rpc: bool, expanded: bool, keep: bool, passes: int) -> None:
+        got = world.run_on(0, _drawn_case, over_rpc, expanded, keep, passes)
+        scale = passes * (2.0 if over_rpc else 1.0)
+        value = [[scale] * 3] * 2 if expanded else [[0.0] * 3, [scale, 0.0, 0.0]]
+        fresh = over_rpc or not expanded  # an expanded gradient is copied into the leaf's layout
+        assert got == {"adopted": fresh and not keep, "in_place": True, "value": value}
+
+    check()
