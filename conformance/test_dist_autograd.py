@@ -369,7 +369,7 @@ def _signal_done(graceful: bool) -> None:
     _UNUSED_SEND_DONE.append(graceful)
 
 
-def _unused_send(ctx: Any) -> Any:
+def _unused_send(ctx: Any, sparse: bool) -> Any:
     ctx.init_rpc()
     da, rpc = ctx.dist_autograd, ctx.rpc
     if ctx.rank == 1:  # serve until rank 0 has its answer, then leave as it does
@@ -378,14 +378,18 @@ def _unused_send(ctx: Any) -> Any:
             ctx.sleep(0.05)
         rpc.shutdown(graceful=_UNUSED_SEND_DONE[0])
         return None
-    t1 = torch.rand(3, 3, requires_grad=True)
-    t2 = torch.rand(3, 3, requires_grad=True)
+    t1, t2 = (torch.rand(3, 3) for _ in range(2))
+    if sparse:  # PyTorch's _run_test_backward_unused_send_function_in_thread with sparse tensors
+        t1, t2 = t1.to_sparse(), t2.to_sparse()
+    t1.requires_grad_()
+    t2.requires_grad_()
+    total = torch.sparse.sum if sparse else torch.sum
     box: list[Any] = []
 
     def run() -> None:
         with da.context() as cid:
             rpc.rpc_sync(ctx.name(1), torch.add, args=(t1, t2))
-            box.append(outcome(lambda: da.backward(cid, [torch.mul(t1, t2).sum()])))
+            box.append(outcome(lambda: da.backward(cid, [total(torch.mul(t1, t2))])))
 
     if ctx.simulated:  # one OS thread runs every worker: a blocked thread would stop them all
         run()
@@ -400,9 +404,10 @@ def _unused_send(ctx: Any) -> Any:
     return result
 
 
-@pytest.mark.spec("DAG-7")
-def test_a_send_the_loss_does_not_use_raises_naming_the_rpc(world: Any) -> None:
-    result = world.spawn(_unused_send)[0]
+@pytest.mark.spec("DAG-7", "DAG-14")
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_send_the_loss_does_not_use_raises_naming_the_rpc(world: Any, sparse: bool) -> None:
+    result = world.spawn(_unused_send, sparse)[0]
     assert result != "hung", "backward hung on an unused send function (PyTorch FAST mode)"
     kinds, msg = result
     assert "RuntimeError" in kinds

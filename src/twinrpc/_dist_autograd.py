@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from . import _serialize
 from ._control_channel import RetryPolicy
@@ -61,41 +60,53 @@ def context_not_found(context_id: int) -> RuntimeError:
     return RuntimeError(f"Could not find autograd context with id: {context_id}")
 
 
-class _LeafEdge(torch.autograd.Function):
-    """Its node's only edge is the gradient edge of its input: of a sparse leaf too, which
-    ``get_gradient_edge`` cannot find (it goes through ``view_as``, which sparse layouts lack)."""
+class Handoff(torch.autograd.Function):
+    """A node whose only edge is the gradient edge of its input, for any layout (``get_gradient_edge``
+    cannot find a sparse tensor's: it goes through ``view_as``, which sparse layouts lack).
+
+    Its output keeps that edge's node alive: a Python node (a custom Function's, a received tensor's
+    recv node) is owned by the C++ graph only, and would die with the last tensor referring to it, e.g.
+    a received tensor that is only passed on to another worker. A pass hands the node the gradient for
+    the edge in ``pending`` instead of as the engine's root gradient, which the engine holds for the
+    whole call: that way the nodes behind it may adopt the gradient when nothing else holds it, as
+    behind PyTorch's send function, which gives its gradients away (DAG-20). The output, a scalar
+    that keeps none of the input's data, is also the root gradient the engine is started with.
+    """
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
-        return t.detach()
+        ctx.pending = None
+        return torch.zeros(())
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+        pending, ctx.pending = ctx.pending, None
+        return grad if pending is None else pending
 
 
-def _gradient_edge(t: torch.Tensor) -> Any:
-    if t.layout == torch.strided or t.grad_fn is not None:
-        return get_gradient_edge(t)
+def handoff(t: torch.Tensor) -> torch.Tensor:
+    """A :class:`Handoff` output for ``t`` (also inside ``torch.no_grad``)."""
     with torch.enable_grad():
-        node, nr = _LeafEdge.apply(t).grad_fn.next_functions[0]  # type: ignore[no-untyped-call]
-    return GradientEdge(node, nr)
+        return Handoff.apply(t)  # type: ignore[no-any-return,no-untyped-call]
 
 
 class SendRpcBackward:
     """A send function: the gradients of ``tensors`` come back from ``peer`` (DAG-4).
 
-    Its ``next_functions`` are the tensors' gradient edges, as PyTorch's SendRpcBackward node.
+    Its ``next_functions`` are the tensors' gradient edges, as PyTorch's SendRpcBackward node; a
+    :class:`Handoff` per tensor keeps each edge's node alive and takes the gradient that comes back.
     """
 
-    __slots__ = ("autograd_message_id", "next_functions", "peer", "what")
+    __slots__ = ("autograd_message_id", "handoffs", "next_functions", "peer", "what")
 
     def __init__(self, message_id: int, peer: int, tensors: list[torch.Tensor], what: str) -> None:
         self.autograd_message_id = message_id
         self.peer = peer
         self.what = what
-        edges = [_gradient_edge(t) for t in tensors]
-        self.next_functions: tuple[tuple[Any, int], ...] = tuple((e.node, e.output_nr) for e in edges)
+        self.handoffs = tuple(handoff(t) for t in tensors)
+        self.next_functions: tuple[tuple[Any, int], ...] = tuple(
+            h.grad_fn.next_functions[0] for h in self.handoffs
+        )
 
     @staticmethod
     def name() -> str:

@@ -42,6 +42,7 @@ from ._dist_autograd import (
     RecvRpcBackward,
     SendRpcBackward,
     context_not_found,
+    handoff,
 )
 from ._fork import on_fork_survivor
 from ._future import Future, add_internal_callback
@@ -238,6 +239,8 @@ class GraphPass:
             self._quiescent()
 
     def _process(self, key: Any, grads: list[torch.Tensor | None]) -> None:
+        """Run what the gradients of one seed make runnable. ``grads`` is emptied: a gradient that
+        nothing but the pass holds may be adopted by a leaf (DAG-20)."""
         if self.unsupported is not None:
             raise self.unsupported
         if key == _ROOT:
@@ -251,9 +254,10 @@ class GraphPass:
             self._run_region(key, edges, grads)
             return
         ready: list[Any] = []
-        for (node, nr), g in zip(edges, grads, strict=True):
+        for i, (node, nr) in enumerate(edges):
             if node is not None:
-                self._contribute(node, nr, g, ready)
+                self._contribute(node, nr, grads[i], ready)
+        grads.clear()
         try:
             while ready:
                 self._execute(ready.pop(), ready)
@@ -263,10 +267,21 @@ class GraphPass:
             self._accumulate(leaves)
 
     def _accumulate(self, leaves: list[tuple[Any, torch.Tensor]]) -> None:
-        """Run the ready leaves' AccumulateGrad nodes in one engine call (as roots), into the context:
-        their hooks see every leaf's gradient in the context, as in bulk mode."""
-        with context_grads_in_leaves(self.ctx, self.leaves):
-            _run_engine([GradientEdge(node, 0) for node, _ in leaves], [g for _, g in leaves], False)
+        """Run the ready leaves' AccumulateGrad nodes in one engine call, into the context: their
+        hooks see every leaf's gradient in the context, as in bulk mode. Each gradient is handed
+        over through a :class:`Handoff` and ``leaves`` is emptied, so a leaf may adopt it."""
+        nodes = [node for node, _ in leaves]
+        handoffs = [handoff(node.variable) for node in nodes]
+        for i, h in enumerate(handoffs):
+            h.grad_fn.pending = leaves[i][1]
+        leaves.clear()
+        roots = [GradientEdge(h.grad_fn, 0) for h in handoffs]
+        try:
+            with context_grads_in_leaves(self.ctx, self.leaves):
+                _run_engine(roots, handoffs, False)
+        finally:
+            for root in roots:
+                root.node.pending = None
 
     def _contribute(self, node: Any, nr: int, g: torch.Tensor | None, ready: list[Any]) -> None:
         buf = self.buffers.get(node)
@@ -283,28 +298,48 @@ class GraphPass:
     # -- bulk mode -------------------------------------------------------------------------------
     def _run_region(self, key: Any, edges: list[tuple[Any, int]], grads: list[torch.Tensor | None]) -> None:
         """One engine call for the region: its leaves' AccumulateGrad nodes run (hooks included) into
-        the context, and a pre-hook on each recv node takes the gradient it is handed."""
-        outputs: dict[tuple[Any, int], torch.Tensor | None] = {}
-        for (node, nr), g in zip(edges, grads, strict=True):
-            if node is not None and g is not None:
-                outputs[(node, nr)] = _add(outputs.get((node, nr)), g)
+        the context, and a pre-hook on each recv node takes the gradient it is handed. A send
+        function's gradients go in through its :class:`Handoff` nodes, one per edge (summed when a
+        message carried one tensor twice), and ``grads`` is emptied (DAG-20); the roots' gradients
+        are the engine's root gradients, as in PyTorch's engine."""
+        outputs: dict[tuple[Any, int], list[Any]] = {}  # edge -> [its first slot, summed gradient]
+        for i, edge in enumerate(edges):
+            if edge[0] is not None and grads[i] is not None:
+                entry = outputs.get(edge)
+                if entry is None:
+                    outputs[edge] = [i, grads[i]]
+                else:
+                    entry[1] = _add(entry[1], grads[i])
+        grads.clear()
         terminals = [n for n in self.region.get(key, ()) if _is_terminal(n)]
         if not outputs or not terminals:
             return
+        if key == _ROOT:
+            roots = [GradientEdge(n, nr) for n, nr in outputs]
+            root_grads = [entry[1] for entry in outputs.values()]
+        else:
+            handoffs = self.sends[key].handoffs
+            roots, root_grads = [], []
+            for entry in outputs.values():
+                h = handoffs[entry[0]]
+                h.grad_fn.pending = entry.pop()
+                roots.append(GradientEdge(h.grad_fn, 0))
+                root_grads.append(h)
+        outputs.clear()
         recvs = [n for n in terminals if type(n) is RECV_NODE_TYPE]
         taken: dict[Any, torch.Tensor | None] = {}
         handles = [node.register_prehook(_Take(taken, node)) for node in recvs]
         try:
             with context_grads_in_leaves(self.ctx, self.leaves):
                 _run_engine(
-                    [GradientEdge(n, nr) for n, nr in outputs],
-                    list(outputs.values()),  # type: ignore[arg-type]  # None was filtered out above
-                    self.retain_graph,
-                    inputs=[GradientEdge(n, 0) for n in terminals],
+                    roots, root_grads, self.retain_graph, inputs=[GradientEdge(n, 0) for n in terminals]
                 )
         finally:
             for handle in handles:
                 handle.remove()
+            if key != _ROOT:  # a handoff the engine did not reach must not keep its gradient
+                for root in roots:
+                    root.node.pending = None
         for node in recvs:
             self._recv_slot_done(node, taken.get(node))
 
@@ -607,7 +642,8 @@ def on_gradient_request(container: DistAutogradContainer, msg: Message, obj: Any
             if hold:
                 gp.active = True
                 gp.held = msg
-            gp.inbox.append((message_id, list(grads)))
+            # the message's own list, which the pass empties: nothing else holds the gradients
+            gp.inbox.append((message_id, grads if isinstance(grads, list) else list(grads)))
             start = not gp.running
             gp.running = gp.running or start
     if copy:

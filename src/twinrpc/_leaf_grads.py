@@ -13,7 +13,11 @@ the average back). twinrpc gets the same by letting the real AccumulateGrad node
   parameters at the end of the call in which the last of them got its gradient);
 * PyTorch's own accumulation rules decide when a gradient is copied: an incoming gradient that is
   shared, non-contiguous or expanded (stride 0) is cloned, one exclusively owned is adopted, and a
-  later pass adds in place, so no two gradients of a context share memory;
+  later pass adds in place, so no two gradients of a context share memory. PyTorch's distributed
+  engine captures every leaf's gradient and holds the captures until the engine call ends, so a
+  tensor handed to two leaves is shared for both (both are cloned) where local autograd lets the
+  last one adopt it: a post-hook on each leaf's node keeps what it was handed until the call ends
+  (:func:`_hold_until_the_call_ends`), which makes the real AccumulateGrad see the same references;
 * the leaf's own ``.grad`` is put back afterwards: a distributed backward leaves it untouched.
 
 The swap holds one lock per worker, so two passes that reach the same leaf (two trainers' backward
@@ -27,9 +31,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
     from ._dist_autograd import DistAutogradContext
@@ -41,21 +46,43 @@ _SWAP_LOCK = threading.RLock()
 
 
 @contextmanager
-def context_grads_in_leaves(ctx: DistAutogradContext, leaves: Sequence[torch.Tensor]) -> Iterator[None]:
-    """For the block, each leaf's ``.grad`` is its gradient in ``ctx``; after it, whatever the block
-    left there is the context's gradient and ``.grad`` is what it was before."""
+def context_grads_in_leaves(ctx: DistAutogradContext, nodes: Sequence[Any]) -> Iterator[None]:
+    """For the block, the ``.grad`` of each leaf (of each AccumulateGrad node in ``nodes``) is its
+    gradient in ``ctx``; after it, whatever the block left there is the context's gradient and
+    ``.grad`` is what it was before."""
+    leaves = [node.variable for node in nodes]
     with _SWAP_LOCK:
         saved: list[torch.Tensor | None] = []
         with ctx.lock:
             for leaf in leaves:
                 saved.append(leaf.grad)
                 leaf.grad = ctx.grads.get(leaf)
+        handed: list[torch.Tensor | None] = []
+        # one leaf shares its gradient with no other: nothing to hold
+        holds = _hold_until_the_call_ends(nodes, handed) if len(nodes) > 1 else []
         try:
             yield
         finally:
+            for hold in holds:
+                hold.remove()
+            handed.clear()
             with ctx.lock:
                 for leaf, old in zip(leaves, saved, strict=True):
                     grad = leaf.grad
                     if grad is not None:
                         ctx.grads[leaf] = grad
                     leaf.grad = old
+
+
+def _hold_until_the_call_ends(
+    nodes: Sequence[Any], handed: list[torch.Tensor | None]
+) -> list[RemovableHandle]:
+    """Post-hooks that append to ``handed`` the gradient each node was handed. AccumulateGrad adopts
+    a gradient only if nothing else refers to it (a post-hook is one expected reference), so the one
+    node handed a tensor that another node of the call was handed too clones it, as in PyTorch's
+    ``DistAccumulateGradCaptureHook``, whose engine still holds the other node's capture."""
+
+    def hold(grad_inputs: Any, grad_outputs: Any) -> None:
+        handed.append(grad_outputs[0])
+
+    return [node.register_hook(hold) for node in nodes]
