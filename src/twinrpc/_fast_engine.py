@@ -277,7 +277,7 @@ class GraphPass:
         leaves.clear()
         roots = [GradientEdge(h.grad_fn, 0) for h in handoffs]
         try:
-            with context_grads_in_leaves(self.ctx, self.leaves):
+            with context_grads_in_leaves(self.ctx, self.leaves, nodes):
                 _run_engine(roots, handoffs, False)
         finally:
             for root in roots:
@@ -330,7 +330,9 @@ class GraphPass:
         taken: dict[Any, torch.Tensor | None] = {}
         handles = [node.register_prehook(_Take(taken, node)) for node in recvs]
         try:
-            with context_grads_in_leaves(self.ctx, self.leaves):
+            with context_grads_in_leaves(
+                self.ctx, self.leaves, [n for n in terminals if type(n) is _ACC_TYPE]
+            ):
                 _run_engine(
                     roots, root_grads, self.retain_graph, inputs=[GradientEdge(n, 0) for n in terminals]
                 )

@@ -46,11 +46,13 @@ _SWAP_LOCK = threading.RLock()
 
 
 @contextmanager
-def context_grads_in_leaves(ctx: DistAutogradContext, nodes: Sequence[Any]) -> Iterator[None]:
-    """For the block, the ``.grad`` of each leaf (of each AccumulateGrad node in ``nodes``) is its
-    gradient in ``ctx``; after it, whatever the block left there is the context's gradient and
-    ``.grad`` is what it was before."""
-    leaves = [node.variable for node in nodes]
+def context_grads_in_leaves(
+    ctx: DistAutogradContext, leaves: Sequence[torch.Tensor], nodes: Sequence[Any]
+) -> Iterator[None]:
+    """For the block, the ``.grad`` of each of ``leaves`` (every leaf the pass reaches on this worker)
+    is its gradient in ``ctx``; after it, whatever the block left there is the context's gradient and
+    ``.grad`` is what it was before. ``nodes``: the AccumulateGrad nodes this engine call runs, whose
+    handed gradients are held until it ends."""
     with _SWAP_LOCK:
         saved: list[torch.Tensor | None] = []
         with ctx.lock:
