@@ -45,7 +45,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from twinrpc._errors import AuthenticationError
 from twinrpc.rpc.options import auth_key_of as job_key
@@ -66,6 +65,7 @@ from ._framing import (
     TAG_BYTES,
     USED_AT,
 )
+from ._stores import WrappedStore
 
 #: how an authenticated store value starts: lets a worker without a key recognise one
 MARK = b"twinrpc-mac1:"
@@ -315,10 +315,6 @@ class JobAuth:
         return LinkAuth(FrameAuth(link_key, me, peer), self._bound(store, link_key, "link"))
 
 
-def _as_bytes(value: str | bytes) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)
-
-
 def refuse_marked(value: bytes, what: str) -> None:
     """For a worker without a key: refuse a store entry that a keyed worker wrote.
 
@@ -332,25 +328,25 @@ def refuse_marked(value: bytes, what: str) -> None:
         )
 
 
-class AuthStore(dist.Store):  # type: ignore[misc,name-defined]  # torch's stubs lack Store
+class AuthStore(WrappedStore):
     """A store whose values carry a MAC: ``MARK``, the 16-byte tag over the entry's name (as this
     store sees it, prefixes included) and value, then the value. Reads check it and raise
     :class:`AuthenticationError` naming the entry; writes add it. Empty values and ``add`` counters
     pass unchanged (see the module docstring). Thread safety: as the wrapped store."""
 
     def __init__(self, inner: Any, mac: _StoreMac, keep: list[AuthStore]) -> None:
-        super().__init__()
-        self._inner = inner
+        super().__init__(inner)
         self._mac = mac
         self._keep = keep
 
-    def _wrap(self, key: str, value: str | bytes) -> bytes:
-        raw = _as_bytes(value)
+    def _encode(self, key: str, value: str | bytes) -> bytes:
+        # deterministic, so compare_set knows the stored form of ``expected``
+        raw = super()._encode(key, value)
         if not raw:
             return raw
         return MARK + self._mac.tag(key, raw) + raw
 
-    def _unwrap(self, key: str, stored: bytes) -> bytes:
+    def _decode(self, key: str, stored: bytes) -> bytes:
         if not stored:
             return stored
         if not stored.startswith(MARK):
@@ -365,53 +361,6 @@ class AuthStore(dist.Store):  # type: ignore[misc,name-defined]  # torch's stubs
                 f"authentication failed: the rendezvous entry {key!r} was {self._mac.stale}; it was not used"
             )
         return value
-
-    def set(self, key: str, value: str | bytes) -> None:
-        self._inner.set(key, self._wrap(key, value))
-
-    def get(self, key: str) -> bytes:
-        return self._unwrap(key, self._inner.get(key))
-
-    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        for key, value in zip(keys, values, strict=True):
-            self.set(key, value)
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        return [self.get(key) for key in keys]
-
-    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        # the MAC is deterministic, so the stored form of ``expected`` is known
-        found = self._inner.compare_set(key, self._wrap(key, expected), self._wrap(key, desired))
-        return self._unwrap(key, found)
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self._inner.add(key, amount))
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self._inner.check(keys))
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        if timeout is None:
-            self._inner.wait(keys)
-        else:
-            self._inner.wait(keys, timeout)
-
-    def delete_key(self, key: str) -> bool:
-        return bool(self._inner.delete_key(key))
-
-    deleteKey = delete_key  # the name torch's C++ side looks up
-
-    def num_keys(self) -> int:
-        return int(self._inner.num_keys())
-
-    getNumKeys = num_keys  # the name torch's C++ side looks up
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._inner.set_timeout(timeout)
-
-    @property
-    def timeout(self) -> timedelta:
-        return self._inner.timeout  # type: ignore[no-any-return]
 
     def clone(self) -> AuthStore:
         clone = AuthStore(self._inner.clone(), self._mac, self._keep)

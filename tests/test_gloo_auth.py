@@ -23,6 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _gloo_pair import WAIT, Inbox
+from _gloo_pair import end_links as _end
+from _gloo_pair import wait_failed as _wait_failed
 from _spawn_world import bad_peer_world, report, run_world
 from twinrpc.impl._auth import MARK, AuthenticationError, AuthStore, FrameAuth, JobAuth, job_key
 from twinrpc.impl._framing import (
@@ -202,24 +204,6 @@ class _Unpickling(Inbox):
         if msg.payload:
             pickle.loads(msg.payload)
         super().__call__(msg)
-
-
-def _wait_failed(link: PeerLink) -> BaseException:
-    deadline = time.monotonic() + WAIT
-    while link.failed is None:
-        assert time.monotonic() < deadline, "the link did not fail"
-        time.sleep(0.005)
-    return link.failed
-
-
-def _end(*links: PeerLink) -> None:
-    for link in links:
-        link.closing = True
-    for link in links:
-        link.abandon()
-    for link in links:
-        link.join(WAIT)
-        link.join_threads(WAIT)  # also gives back the same-host rings (the process has a budget)
 
 
 def _inject_unsealed(link: PeerLink, payload: bytes) -> None:

@@ -1,29 +1,36 @@
 """An attacker without the job key between the workers (impl/_auth.py): it replays store entries it
-recorded in an earlier run of the same job, and relays a link, changing bytes of a tensor in flight.
+recorded in an earlier run of the same job, and changes a byte of a tensor on the wire.
 
-The worlds run in this process (gloo pairs in threads), with the attacker's store and relay in the
-middle; each attack must end in an :class:`AuthenticationError`: nothing connects to the attacker,
-nothing altered is delivered, and the other links go on.
+The worlds run in this process (gloo pairs in threads), with the attacker's store (and listener) or
+its hand on the wire in the middle; each attack must end in an :class:`AuthenticationError`: nothing
+connects to the attacker, nothing altered is delivered, and the other links go on.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from _gloo_pair import WAIT, Inbox
+from _gloo_pair import WAIT, Inbox, end_links, wait_failed
 from twinrpc.impl import _rendezvous
 from twinrpc.impl._auth import MARK, AuthenticationError, JobAuth
 from twinrpc.impl._link import PeerLink, make_pair_group
+from twinrpc.impl._pair import TAG
 from twinrpc.impl._rendezvous import Joined, join
+from twinrpc.impl._stores import WrappedStore, scrub_gloo_address
 from twinrpc.impl._world import GlooWorld
 
 from twinrpc._message import Kind, Message
@@ -33,56 +40,16 @@ KEY = b"the job's key"
 WORKERS = [WorkerInfo("worker0", 0), WorkerInfo("worker1", 1)]
 
 
-class _Store(dist.Store):  # type: ignore[misc,name-defined]
+class _Store(WrappedStore):
     """A store in the attacker's hands: ``serve(name, value)`` decides what a read of ``name`` returns
     (the attacker wrote it back after the worker's own write); everything else passes through."""
 
     def __init__(self, inner: Any, serve: Callable[[str, bytes], bytes]) -> None:
-        super().__init__()
-        self._inner = inner
+        super().__init__(inner)
         self._serve = serve
 
-    def set(self, key: str, value: Any) -> None:
-        self._inner.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        return self._serve(key, self._inner.get(key))
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        return [self.get(k) for k in keys]
-
-    def multi_set(self, keys: list[str], values: list[Any]) -> None:
-        for k, v in zip(keys, values, strict=True):
-            self.set(k, v)
-
-    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        return self._inner.compare_set(key, expected, desired)  # type: ignore[no-any-return]
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self._inner.add(key, amount))
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self._inner.check(keys))
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
-
-    def delete_key(self, key: str) -> bool:
-        return bool(self._inner.delete_key(key))
-
-    deleteKey = delete_key
-
-    def num_keys(self) -> int:
-        return int(self._inner.num_keys())
-
-    getNumKeys = num_keys
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._inner.set_timeout(timeout)
-
-    @property
-    def timeout(self) -> timedelta:
-        return self._inner.timeout  # type: ignore[no-any-return]
+    def _decode(self, key: str, stored: bytes) -> bytes:
+        return self._serve(key, stored)
 
 
 def _gloo_port_at(value: bytes) -> int:
@@ -142,7 +109,16 @@ class _Listener:
     def __init__(self, port: int) -> None:
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("", port))
+        deadline = time.monotonic() + WAIT
+        while True:  # the earlier run's gloo listener there may take a moment to close
+            try:
+                self.sock.bind(("", port))
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                gc.collect()
+                time.sleep(0.1)
         self.sock.listen()
         self.sock.settimeout(0.2)
         self.connected = 0
@@ -165,17 +141,27 @@ class _Listener:
         self.sock.close()
 
 
-def test_a_pair_entry_recorded_in_an_earlier_run_is_refused_and_nothing_connects_to_the_attacker() -> None:
-    # An earlier run of the same job (same key), whose store the attacker could read.
-    earlier = dist.HashStore()
-    worlds, errors = _worlds([earlier, earlier])
+def _earlier_run(path: str) -> None:
+    """In a process of its own (so that its gloo listeners are gone when it exits): an earlier run of
+    the job, over a FileStore at ``path`` that the attacker reads afterwards."""
+    store = dist.FileStore(path, -1)  # type: ignore[attr-defined]
+    worlds, errors = _worlds([store, store])
     assert not errors, errors
-    pair = "twinrpc/0/pair/0-1"
-    recorded = {k: earlier.get(k) for k in (f"{pair}/nonce/0", f"{pair}/0/0")}  # rank 0's nonce, address
     for world in worlds.values():
         world.stop()
-    del worlds
-    gc.collect()  # the earlier run's gloo listeners close: the attacker listens at rank 0's old port
+    os._exit(0)
+
+
+def test_a_pair_entry_recorded_in_an_earlier_run_is_refused_and_nothing_connects_to_the_attacker(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "earlier")
+    earlier = dist.FileStore(path, -1)  # type: ignore[attr-defined]  # keeps the file after the run
+    code = f"import sys; sys.path[:0] = {sys.path!r}; import {__name__} as t; t._earlier_run({path!r})"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    pair = "twinrpc/0/pair/0-1"
+    recorded = {k: earlier.get(k) for k in (f"{pair}/nonce/0", f"{pair}/0/0")}  # rank 0's nonce, address
+    # The attacker listens where rank 0 listened in the earlier run (that process has exited).
     attacker = _Listener(_port_of(recorded[f"{pair}/0/0"]))
     try:
         # This run: worker1 reads rank 0's entries as the attacker wrote them back.
@@ -219,82 +205,37 @@ def test_names_recorded_in_an_earlier_run_are_refused(monkeypatch: pytest.Monkey
 
 
 # ---------------------------------------------------------------------------------------------------
-# A relay on the link
+# Data changed in flight
 # ---------------------------------------------------------------------------------------------------
-#: the bytes of a float32 7.0, as the tensor below sends them
-_SEVEN = struct.pack("<f", 7.0)
+class _OnTheWire:
+    """The sender's gloo group as seen through an attacker on the wire: every frame goes out as
+    sent, except that one byte of the first data frame of ``size`` bytes is changed (in a copy:
+    the sender's tensor stays as it was)."""
 
-
-class _Relay:
-    """Forwards one TCP connection to ``port`` both ways, changing one byte the first time a run of
-    float32 7.0s passes (the storage of the tensor sent)."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen()
+    def __init__(self, pg: Any, size: int) -> None:
+        self._pg = pg
+        self._size = size
         self.changed = 0
-        self._lock = threading.Lock()
-        threading.Thread(target=self._serve, daemon=True).start()
 
-    def _serve(self) -> None:
-        try:
-            inbound, _ = self.sock.accept()
-        except OSError:
-            return
-        outbound = socket.create_connection(("127.0.0.1", self.port))
-        for a, b in ((inbound, outbound), (outbound, inbound)):
-            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        if tag != TAG and tensors[0].numel() == self._size and not self.changed:
+            self.changed += 1
+            tensors = [tensors[0].clone()]
+            tensors[0][self._size // 2] ^= 0x10
+        return self._pg.send(tensors, dst, tag)
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                at = data.find(_SEVEN * 64)
-                if at >= 0:
-                    with self._lock:
-                        if not self.changed:
-                            self.changed += 1
-                            data = data[: at + 130] + bytes([data[at + 130] ^ 0x10]) + data[at + 131 :]
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pg, name)
 
 
-def _relayed(store: Any, peer_in_pair: int, relays: list[_Relay]) -> Any:
-    """``store`` as gloo sees it when the network routes a pair's connection through the attacker:
-    the peer's address (rank ``peer_in_pair`` of the pair; authenticated), then a relay to it in its
-    place."""
-
-    def serve(name: str, value: bytes) -> bytes:
-        if not name.endswith(f"/0/{peer_in_pair}") or not value:
-            return value
-        at = _gloo_port_at(value)
-        relay = _Relay(struct.unpack_from(">H", value, at)[0])
-        relays.append(relay)
-        return value[:at] + struct.pack(">H", relay.sock.getsockname()[1]) + value[at + 2 :]
-
-    return _Store(store, serve)
-
-
-def _links(
-    store: Any, me: int, peer: int, inbox: Inbox, relays: list[_Relay] | None
-) -> tuple[PeerLink, PeerLink]:
-    """``me``'s keyed link to ``peer`` and back (``peer`` delivers to ``inbox``), started; with
-    ``relays``, the pair's connection runs through the attacker's relay."""
+def _links(store: Any, me: int, peer: int, inbox: Inbox) -> tuple[PeerLink, PeerLink]:
+    """``me``'s keyed link to ``peer`` and back (``peer`` delivers to ``inbox``), started."""
     auth = JobAuth(KEY)
 
     def make(rank: int) -> PeerLink:
         other = peer if rank == me else me
         link = auth.link(store, rank, other)
-        pair_store = link.store if relays is None else _relayed(link.store, int(other > rank), relays)
-        pg = make_pair_group(pair_store, rank, other)
+        pg = make_pair_group(link.store, rank, other)
         deliver = inbox if rank == peer else (lambda m: None)
         out = PeerLink(rank, other, pg, deliver, lambda p, exc: None, auth=link.frames)
         out.peer_name = f"'worker{other}' (rank {other})"
@@ -307,46 +248,56 @@ def _links(
     return made[me], made[peer]
 
 
-def _wait_failed(link: PeerLink) -> BaseException:
-    import time
-
-    deadline = time.monotonic() + WAIT
-    while link.failed is None:
-        assert time.monotonic() < deadline, "the link did not fail"
-        time.sleep(0.005)
-    return link.failed
-
-
 def test_a_storage_changed_in_flight_fails_the_link_naming_the_peer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """worker0 -> worker1 runs through the relay, worker2 -> worker1 does not (both keyed, over
-    gloo alone: TWINRPC_SHM=0). One byte of the 16 KiB storage that worker0 sends is changed: the
-    message is not delivered, worker1's link from worker0 fails naming authentication and worker0,
-    and worker2's messages still arrive."""
+    """worker0 -> worker1 crosses the attacker, worker2 -> worker1 does not (both keyed, over gloo
+    alone: TWINRPC_SHM=0). One byte of the 16 KiB storage of 7.0s that worker0 sends is changed on
+    the way: the message is not delivered, worker1's link from worker0 fails naming authentication
+    and worker0, and worker2's messages still arrive."""
     monkeypatch.setenv("TWINRPC_SHM", "0")
     store = JobAuth(KEY).wrap(dist.HashStore())
     inbox = Inbox()
-    relays: list[_Relay] = []
-    sender, victim = _links(dist.PrefixStore("a", store), 0, 1, inbox, relays)  # type: ignore[attr-defined]
-    friend, victim2 = _links(dist.PrefixStore("b", store), 2, 1, inbox, None)  # type: ignore[attr-defined]
+    sender, victim = _links(dist.PrefixStore("a", store), 0, 1, inbox)  # type: ignore[attr-defined]
+    friend, victim2 = _links(dist.PrefixStore("b", store), 2, 1, inbox)  # type: ignore[attr-defined]
+    storage = torch.full((4096,), 7.0).view(torch.uint8)
+    wire = _OnTheWire(sender.sender._pg, storage.numel())
+    sender.sender._pg = wire
     try:
-        seven = torch.full((4096,), 7.0)
-        storage = seven.view(torch.uint8)
         sender.send(Message(Kind.CALL, 1, 0, 1, b"before"))
         inbox.wait_for(1)
-        sender.send(Message(Kind.CALL, 2, 0, 1, b"seven", [storage]))
-        error = _wait_failed(victim)
+        sender.send(Message(Kind.CALL, 2, 0, 1, b"sevens", [storage]))
+        error = wait_failed(victim)
         friend.send(Message(Kind.CALL, 3, 2, 1, b"after, from worker2"))
         got = inbox.wait_for(2)
         print(error)
-        assert sum(r.changed for r in relays) == 1, "the relay did not see the storage"
+        assert wire.changed == 1 and bool((storage.view(torch.float32) == 7.0).all())
         assert [m.payload for m in got] == [b"before", b"after, from worker2"]
         assert isinstance(error, AuthenticationError)
         assert "authentication failed" in str(error) and "'worker0' (rank 0)" in str(error)
         assert victim2.failed is None and friend.failed is None
     finally:
-        for link in (sender, victim, friend, victim2):
-            link.closing = True
-        for link in (sender, victim, friend, victim2):
-            link.abandon()
-            link.join(WAIT)
-            link.join_threads(WAIT)
+        end_links(sender, victim, friend, victim2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the store learns
+# ---------------------------------------------------------------------------------------------------
+def test_gloo_address_entries_carry_no_uninitialised_memory_of_the_worker() -> None:
+    """gloo fills 16 of a sockaddr_storage's 128 bytes for an IPv4 address and copies the rest from
+    memory it never initialised (pointers into the worker, seen in tests); the pair's entries reach
+    the store with that tail zeroed, and the pair still connects."""
+    raw = dist.HashStore()
+    groups, errors = _in_threads(lambda rank: make_pair_group(raw, rank, 1 - rank), [0, 1])
+    assert not errors, errors
+    for rank in (0, 1):
+        entry = raw.get(f"pair/0-1/0/{rank}")
+        at = _gloo_port_at(entry) - 2  # the sockaddr_storage
+        assert struct.unpack_from("<H", entry, at)[0] == socket.AF_INET
+        assert entry[at + 16 : at + 128] == bytes(112), entry[at + 16 : at + 128]
+    sent, got = torch.arange(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+    work = groups[1].pg.recv([got], 0, 9)
+    groups[0].pg.send([sent], 1, 9).wait()
+    work.wait()
+    assert torch.equal(got, sent)
+    # what scrubbing leaves alone: any other shape of value
+    for value in (b"", b"worker0", struct.pack("<Q", 1 << 40) + b"x" * 20, b"\x02" + b"\xff" * 200):
+        assert scrub_gloo_address(value) == value
