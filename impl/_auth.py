@@ -147,7 +147,8 @@ class FrameAuth:
         h.update(_CONTEXT.pack(src, dst, seq))
         mac = self._poly(h.digest())
         for part in parts:
-            view = memoryview(part.numpy() if isinstance(part, torch.Tensor) else part).cast("B")
+            data: Any = part.numpy() if isinstance(part, torch.Tensor) else part
+            view = memoryview(data).cast("B")
             for at in range(0, len(view), _DATA_CHUNK):
                 mac.update(view[at : at + _DATA_CHUNK])
         return bytes(mac.finalize())

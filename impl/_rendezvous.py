@@ -227,11 +227,12 @@ def join(
     auth: JobAuth | None = None,
 ) -> Joined:
     """Rendezvous as a member of a static group, exchange names (refusing duplicates) and return the
-    world's workers. With ``auth`` every entry is authenticated with the job key.
+    world's workers. With ``auth`` every entry is authenticated with the job key, and the names are
+    bound to this run (every rank posts a fresh nonce first: JobAuth.run).
 
     Blocks until every worker has joined, for at most ``rpc_timeout`` seconds (0: half an hour). A
     worker whose key differs from another's (or who has none while another has one) still posts its
-    name, so that every worker finds the mismatch once all have joined, rather than waiting.
+    nonce, so that every worker finds the mismatch once all have posted theirs, rather than waiting.
 
     Raises:
         LaunchError: bad launch input (see the module docstring); nothing was opened.
