@@ -200,6 +200,7 @@ def bench(session: nox.Session) -> None:
     )
     session.run("python", "benchmarks/bench_wakeups.py", "--json", f"{results}/bench_wakeups.json")
     session.run("python", "benchmarks/bench_two_hosts.py", "--json", f"{results}/bench_two_hosts.json")
+    session.run("python", "benchmarks/bench_auth.py", "--two-hosts", "--json", f"{results}/bench_auth.json")
     session.run("python", "benchmarks/render_results.py", "--results", results)
     session.run("python", "benchmarks/bench_reply_hop.py")
     session.run("python", "benchmarks/bench_ps.py")

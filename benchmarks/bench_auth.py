@@ -9,9 +9,16 @@ says what the key costs a call even when other programs share the machine and wa
 wander. Reported: medians over all rounds and the keyed / unkeyed ratios.
 
 ``--mac`` first times the two MAC constructions the design chose between on header frames (keyed
-BLAKE2b and HMAC-SHA256): a typical header's used bytes and a full 4 KiB frame.
+BLAKE2b and HMAC-SHA256): a typical header's used bytes and a full 4 KiB frame; and, for tensor data,
+keyed BLAKE2b against Poly1305 over 64 MiB.
 
-Run: ``nox -s bench`` or ``python benchmarks/bench_auth.py [--rounds R] [--calls N] [--mac]``.
+``--two-hosts`` measures large tensors instead, where the key MACs every byte: identity round trips
+of 1, 16 and 64 MiB between two network namespaces (``bench_two_hosts.py``'s setup, same-host path
+off), a pair with the key against a pair without, in alternating rounds; ``--json`` writes them for
+the results page. Needs root and iproute2.
+
+Run: ``nox -s bench`` or ``python benchmarks/bench_auth.py [--rounds R] [--calls N] [--mac]
+[--two-hosts [--json FILE]]``.
 """
 
 from __future__ import annotations
@@ -132,6 +139,68 @@ def _mac_costs() -> None:
             us = min(timeit.repeat(tag, number=20_000, repeat=5)) / 20_000 * 1e6
             row.append(f"{name} {us:.2f}")
         print(f"  {used:>5} B used: " + ", ".join(row))
+    from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+    data = bytes(64 << 20)
+    print("MAC over 64 MiB of tensor data (ms; min of 3):")
+    row = []
+    for name, make in (
+        ("keyed BLAKE2b-128", lambda: hashlib.blake2b(data, key=key, digest_size=16).digest()),
+        ("HMAC-SHA256", lambda: hmac.new(key, data, "sha256").digest()),
+        ("Poly1305", lambda: Poly1305.generate_tag(key, data)),
+    ):
+        row.append(f"{name} {min(timeit.repeat(make, number=1, repeat=3)) * 1e3:.0f}")
+    print("  " + ", ".join(row))
+
+
+def _two_hosts(rounds: int, calls: int, json_path: str) -> int:
+    """Identity round trips of TWO_HOSTS_SIZES between two network namespaces, with and without a key."""
+    import _netns
+    import _results
+    from bench_gloo import Pair as SystemPair
+    from bench_gloo import figures, make_plan, run_rounds
+
+    reason = _netns.why_not()
+    if reason is not None:
+        print(f"bench_auth --two-hosts: skipped: {reason}")
+        return 0
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ctx = mp.get_context("spawn")
+    plan = make_plan({"bw"}, calls, TWO_HOSTS_SIZES)
+    systems = ("twinrpc-keyed", "twinrpc")
+    with _netns.two_hosts() as hosts, tempfile.TemporaryDirectory(prefix="bench_auth-") as tmp:
+        pairs = {s: SystemPair(ctx, s, tmp, hosts=hosts, port=29600 + i) for i, s in enumerate(systems)}
+        try:
+            for p in pairs.values():
+                p.wait_ready(120)
+            shm = pairs["twinrpc-keyed"].run("shm", 1)  # the same for both pairs
+            per_round, wall = run_rounds(pairs, plan, rounds)
+        finally:
+            for p in pairs.values():
+                p.stop()
+    print(
+        f"job key cost on large tensors between network namespaces {hosts[0].netns} and "
+        f"{hosts[1].netns}: {rounds} alternating rounds in {wall:.0f} s; same-host path {shm}"
+    )
+    found = figures(per_round, plan, "twinrpc-keyed", "twinrpc", {})
+    for f in found:
+        print("  " + _results.describe(f))
+    if json_path:
+        doc = _results.document(
+            "bench_auth",
+            "twinrpc with a job key against twinrpc without one, between two network namespaces",
+            f"python benchmarks/bench_auth.py --two-hosts --rounds {rounds} --calls {calls}",
+            found,
+            rounds=rounds,
+            extra={"shared_memory": shm},
+        )
+        _results.write(json_path, doc)
+        print(f"  written: {json_path}")
+    return 0
+
+
+#: the tensor sizes of --two-hosts
+TWO_HOSTS_SIZES = (1 << 20, 16 << 20, 64 << 20)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,9 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=2000, help="calls per measurement")
     parser.add_argument("--mac", action="store_true", help="also time the MAC constructions alone")
+    parser.add_argument(
+        "--two-hosts", action="store_true", help="large tensors between two network namespaces instead"
+    )
+    parser.add_argument("--json", default="", help="with --two-hosts: write the figures to this file")
     args = parser.parse_args(argv)
     if args.mac:
         _mac_costs()
+    if args.two_hosts:
+        return _two_hosts(args.rounds, args.calls, args.json)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         pairs = [Pair(ctx, False, tmp), Pair(ctx, True, tmp)]

@@ -73,7 +73,9 @@ def _init(system: str, rank: int, init_method: str) -> Any:
         return None
     rpc = _rpc_module(system)
     if system.startswith("twinrpc"):
-        opts = rpc.RpcBackendOptions(init_method=init_method)
+        # twinrpc-keyed: with a job key (bench_auth.py --two-hosts)
+        key = b"bench job key" if system == "twinrpc-keyed" else None
+        opts = rpc.RpcBackendOptions(init_method=init_method, auth_key=key)
     else:
         opts = rpc.TensorPipeRpcBackendOptions(init_method=init_method)
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)

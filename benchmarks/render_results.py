@@ -22,11 +22,23 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "explanation" / "benchmark-results.md"
 #: the order of the page's sections (a benchmark not listed comes after, by name)
-ORDER = ("bench_gloo", "bench_dist_autograd", "bench_wakeups", "bench_two_hosts", "bench_calibration")
+ORDER = (
+    "bench_gloo",
+    "bench_dist_autograd",
+    "bench_wakeups",
+    "bench_two_hosts",
+    "bench_auth",
+    "bench_calibration",
+)
 #: how the page names a system
-NAMES = {"twinrpc": "twinrpc", "tensorpipe": "TensorPipe", "gloo": "raw gloo"}
+NAMES = {
+    "twinrpc": "twinrpc",
+    "twinrpc-keyed": "twinrpc with a job key",
+    "tensorpipe": "TensorPipe",
+    "gloo": "raw gloo",
+}
 #: where a benchmark's two workers run (the summary's first column)
-WHERE = {"bench_two_hosts": "two hosts"}
+WHERE = {"bench_two_hosts": "two hosts", "bench_auth": "two hosts"}
 
 
 def _num(v: float) -> str:

@@ -1,26 +1,37 @@
 """Authenticated frames and rendezvous entries: the job key (``auth_key`` / ``TWINRPC_AUTH_KEY``).
 
-With a key, nothing a process without it sends is unpickled, and nothing it writes to the store is
-believed:
+With a key, nothing a process without it sends is unpickled or built into a tensor, and nothing it
+writes to the store is believed, nor anything recorded in an earlier run and written back:
 
 * **Rendezvous entries.** The store is wrapped (:class:`AuthStore`): every value twinrpc and gloo write
   through it carries a MAC over the entry's full key and value, and every value read is checked before
-  use, so a process without the key can neither list itself as a worker nor point a worker's gloo pair
-  at another address. An empty value carries none (it is how an entry is cleared, which a process with
-  store access can do anyway by deleting it); ``add`` counters cannot carry one either.
-* **Frames.** Each link derives its own key from the job key and two random nonces the pair exchanges
-  through the (authenticated) store, so frames recorded in one run mean nothing in another. Every header
-  frame carries a tag over its meaningful bytes (the fixed fields, the messages and the riders), the
-  direction (sender and receiver ranks) and its sequence number on the link, which are hashed in the
-  tag's own place (one contiguous run of bytes to hash); the sequence number is not sent: both sides count header frames, so a frame replayed, reordered or dropped fails the check. A
-  payload that travels as a frame of its own has its tag in the header. The receiver checks a header's
-  tag before decoding it and a payload's tag before handing it on, so a frame that fails is dropped
-  without unpickling a byte, and the link to its sender fails with :class:`AuthenticationError`.
-* **Not covered:** tensor storages sent as frames of their own (their sizes, in the header, are); and
-  secrecy (frames are authenticated, not encrypted).
+  use. An empty value carries none (it is how an entry is cleared, which a process with store access
+  can do anyway by deleting it); ``add`` counters cannot carry one either.
+* **Bound to this run.** A MAC over name and value alone is the same in every run with the same key,
+  so entries a worker acts on are MACed a second time under a key only this run has, made from fresh
+  random nonces of the very workers that read them: a static group's names under the *run key*
+  (every rank posts a nonce first, and the run key hashes all of them: :meth:`JobAuth.run`), and each
+  pair's entries (gloo's addresses, the same-host offers) under the *link key*, made from the two
+  peers' nonces (:meth:`JobAuth.link`, exchanged before the pair's gloo group is made). A reader's own
+  nonce is new, so an entry written in any earlier run, or an earlier torchrun attempt, or with a
+  nonce replayed in place of a peer's, fails its check: the reader raises and connects nowhere.
+* **Frames.** Every header frame carries a tag (keyed BLAKE2b under the link key) over its meaningful
+  bytes (the fixed fields, the messages and the riders), the direction (sender and receiver ranks) and
+  its sequence number on the link, which are hashed in the tag's own place (one contiguous run of bytes
+  to hash); the sequence number is not sent: both sides count header frames, so a frame replayed,
+  reordered or dropped fails the check. What a header's first message sends apart from it (its payload
+  in a frame of its own or in the same-host ring, its storages in frames of their own) has a *data
+  tag* in the header: Poly1305 (from ``cryptography``, about 3 GB/s against BLAKE2b's 0.8) under a
+  one-time key drawn from the link key, the direction and the header's sequence number. The receiver
+  checks a header's tag before decoding it and the data tag before unpickling the payload or handing
+  a storage on, so a frame that fails is dropped unused, and the link to its sender fails with
+  :class:`AuthenticationError`.
+* **Not covered:** storages that travel through the same-host ring (shared memory only processes of
+  the same user can map, which can read the job key anyway); and secrecy (frames are authenticated,
+  not encrypted).
 
-The MAC is keyed BLAKE2b with 16-byte tags (measured against HMAC-SHA256 on a header's used bytes:
-1.3 us against 2.7 us a frame; see benchmarks/bench_auth.py for what the key costs a call).
+Measured: a header's tag 1.3 us (HMAC-SHA256: 2.7 us); see benchmarks/bench_auth.py for what the key
+costs a call and a large tensor.
 """
 
 from __future__ import annotations
@@ -29,10 +40,11 @@ import hashlib
 import hmac
 import os
 import struct
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
+import torch
 
 from twinrpc._errors import AuthenticationError
 from twinrpc.rpc.options import auth_key_of as job_key
@@ -42,7 +54,9 @@ from ._framing import (
     _FLAGS_AT,
     _TRAILER,
     FLAG_INLINE,
+    FLAG_INLINE_TENSORS,
     FLAG_RIDERS,
+    FLAG_SHM,
     HEADER_BYTES,
     MAX_RIDER_BYTES,
     PAYLOAD_TAG_AT,
@@ -51,6 +65,7 @@ from ._framing import (
     TAG_BYTES,
     USED_AT,
 )
+from ._stores import WrappedStore
 
 #: how an authenticated store value starts: lets a worker without a key recognise one
 MARK = b"twinrpc-mac1:"
@@ -60,18 +75,48 @@ _USED = struct.Struct("<H")
 _CONTEXT = struct.Struct("<iiQ")
 _FLAGS_USED = struct.Struct("<H2xH")  # from the flags' offset: flags, kind (skipped), used
 _NAME_LEN = struct.Struct("<I")
+#: bytes of a data frame hashed per call: the GIL is free between two (Poly1305 holds it)
+_DATA_CHUNK = 4 << 20
+_NONCE_BYTES = 16
 
-__all__ = ["AuthStore", "AuthenticationError", "FrameAuth", "JobAuth", "job_key", "refuse_marked"]
+__all__ = [
+    "AuthStore",
+    "AuthenticationError",
+    "DataTag",
+    "FrameAuth",
+    "JobAuth",
+    "LinkAuth",
+    "job_key",
+    "refuse_marked",
+    "sent_apart",
+]
+
+#: what a header's check hands on for the data sent apart from it: the data tag it carries and the
+#: header's sequence number (which the one-time key is drawn from)
+DataTag = tuple[bytes, int]
+
+
+def _poly1305() -> Any:
+    try:
+        from cryptography.hazmat.primitives.poly1305 import Poly1305
+    except ImportError as exc:  # a dependency of twinrpc's: only a broken install lacks it
+        raise ImportError(
+            "twinrpc's job key authenticates tensor data with Poly1305 from the 'cryptography' package, "
+            "which is not installed: pip install cryptography"
+        ) from exc
+    return Poly1305
 
 
 class FrameAuth:
     """One link's frame MACs (see the module docstring). The sender and the receiver each call their
     own methods under their own locks; nothing here changes after construction."""
 
-    __slots__ = ("_base", "_me", "_peer")
+    __slots__ = ("_base", "_data_base", "_me", "_peer", "_poly")
 
     def __init__(self, link_key: bytes, me: int, peer: int) -> None:
         self._base = hashlib.blake2b(key=link_key, digest_size=TAG_BYTES)
+        self._data_base = hashlib.blake2b(key=link_key, digest_size=32, person=b"twinrpc-data")
+        self._poly = _poly1305()
         self._me = me
         self._peer = peer
 
@@ -94,27 +139,41 @@ class FrameAuth:
             h.update(view[start:])
         return h.digest()
 
-    def _payload_tag(self, payload: bytes) -> bytes:
-        h = self._base.copy()
-        h.update(b"payload")
-        h.update(payload)
-        return h.digest()
+    def _data_tag(self, src: int, dst: int, seq: int, parts: Sequence[Any]) -> bytes:
+        """The data tag of the ``seq``-th header from ``src`` to ``dst``: Poly1305 over ``parts`` (the
+        payload and storages sent apart, in order; their sizes are in the header, so the run of bytes
+        is unambiguous) under a key used for this header only."""
+        h = self._data_base.copy()
+        h.update(_CONTEXT.pack(src, dst, seq))
+        mac = self._poly(h.digest())
+        for part in parts:
+            data: Any = part.numpy() if isinstance(part, torch.Tensor) else part
+            view = memoryview(data).cast("B")
+            for at in range(0, len(view), _DATA_CHUNK):
+                mac.update(view[at : at + _DATA_CHUNK])
+        return bytes(mac.finalize())
 
-    def seal(self, view: memoryview, seq: int, used: int, payload: bytes) -> None:
+    def seal(
+        self, view: memoryview, seq: int, used: int, payload: bytes, storages: Sequence[torch.Tensor] = ()
+    ) -> None:
         """Tag the header frame in ``view`` (its leading part ends at ``used``), our ``seq``-th on this
-        link; ``payload``: its first message's, tagged too unless the header carries it inline
-        (``FLAG_INLINE``), since then it travels apart from the header."""
+        link. ``payload`` and ``storages``: its first message's; what of them travels apart from the
+        header (by its flags: a payload not inline, storages neither inline nor in the same-host ring)
+        gets the data tag."""
         _USED.pack_into(view, USED_AT, used)
         (flags,) = _FLAGS.unpack_from(view, _FLAGS_AT)
-        if not flags & FLAG_INLINE:
-            view[PAYLOAD_TAG_AT:SIZES_AT] = self._payload_tag(payload)
+        parts = sent_apart(
+            bool(flags & FLAG_INLINE), bool(flags & (FLAG_INLINE_TENSORS | FLAG_SHM)), payload, storages
+        )
+        if parts:
+            view[PAYLOAD_TAG_AT:SIZES_AT] = self._data_tag(self._me, self._peer, seq, parts)
         tag = self._header_tag(view, self._me, self._peer, seq, flags, used)
         assert tag is not None  # our own encoder keeps the riders after the leading part
         view[TAG_AT:PAYLOAD_TAG_AT] = tag
 
-    def check_header(self, view: memoryview, seq: int, peer_name: str) -> bytes:
-        """Check the peer's ``seq``-th header frame, before anything in it is decoded; returns the tag
-        its separate payload frame (if any) must match.
+    def check_header(self, view: memoryview, seq: int, peer_name: str) -> DataTag:
+        """Check the peer's ``seq``-th header frame, before anything in it is decoded; returns what the
+        data sent apart from it (if any) must match (for :meth:`check_data`).
 
         Raises:
             AuthenticationError: naming the peer; nothing in the frame may be used.
@@ -130,68 +189,131 @@ class FrameAuth:
                 f"the way, or the workers were started with different keys); it was dropped unread and "
                 f"the link to {peer_name} is closed"
             )
-        return bytes(view[PAYLOAD_TAG_AT:SIZES_AT])
+        return bytes(view[PAYLOAD_TAG_AT:SIZES_AT]), seq
 
-    def check_payload(self, payload: bytes, tag: bytes, msg_id: int, peer_name: str) -> None:
-        """Check a payload frame against the tag its (checked) header carried, before it is unpickled.
+    def check_data(self, parts: Sequence[Any], expected: DataTag, msg_id: int, peer_name: str) -> None:
+        """Check what a message sent apart from its (checked) header, ``parts`` as :func:`sent_apart`
+        lists them, before the payload is unpickled or a tensor is built from a storage.
 
         Raises:
             AuthenticationError: naming the peer.
         """
-        if not hmac.compare_digest(self._payload_tag(payload), tag):
+        tag, seq = expected
+        if not hmac.compare_digest(self._data_tag(self._peer, self._me, seq, parts), tag):
             raise AuthenticationError(
-                f"authentication failed: the payload frame of message {msg_id} from {peer_name} does not "
-                f"match the MAC in its header; it was dropped unread and the link to {peer_name} is closed"
+                f"authentication failed: the data of message {msg_id} from {peer_name} (its payload or "
+                "tensor storages, sent after its header) does not match the MAC in its header (altered "
+                f"on the way); it was dropped unused and the link to {peer_name} is closed"
             )
 
 
-class JobAuth:
-    """The job key of this process: wraps rendezvous stores and derives each link's key."""
+def sent_apart(
+    payload_inline: bool, storages_inline: bool, payload: Any, storages: Sequence[Any]
+) -> list[Any]:
+    """What of a header's first message travels apart from the header: the payload unless inline,
+    then the storages unless inline or in the same-host ring (``storages_inline``; empty ones send
+    nothing)."""
+    parts = [] if payload_inline else [payload]
+    if not storages_inline:
+        parts += [s for s in storages if len(s)]
+    return parts
 
-    def __init__(self, key: bytes) -> None:
-        # BLAKE2b takes keys of up to 64 bytes: a job key of any length is hashed to one first.
-        self._master = hashlib.blake2b(key, digest_size=32, person=b"twinrpc-job").digest()
-        self._store_mac = hashlib.blake2b(key=self._master, digest_size=TAG_BYTES, person=b"twinrpc-store")
-        #: every AuthStore made: C++ holds them by a pointer that does not keep the Python half alive
-        self._stores: list[AuthStore] = []
 
-    def wrap(self, store: Any) -> AuthStore:
-        """``store`` with every value authenticated (see AuthStore)."""
-        wrapped = AuthStore(store, self)
-        self._stores.append(wrapped)
-        return wrapped
+class _StoreMac:
+    """The MAC of store entries under one key; ``stale`` says, for an error, why an entry may fail."""
+
+    __slots__ = ("_base", "stale")
+
+    def __init__(self, key: bytes, person: bytes, stale: str) -> None:
+        self._base = hashlib.blake2b(key=key, digest_size=TAG_BYTES, person=person)
+        self.stale = stale
 
     def tag(self, name: str, value: bytes) -> bytes:
-        h = self._store_mac.copy()
+        h = self._base.copy()
         raw = name.encode()
         h.update(_NAME_LEN.pack(len(raw)))
         h.update(raw)
         h.update(value)
         return h.digest()
 
-    def link(self, store: Any, me: int, peer: int) -> FrameAuth:
-        """The frame MACs of the link between ``me`` and ``peer``: each side posts a random nonce to
-        ``store`` (authenticated) and reads the other's (waiting for it at most the store's timeout).
+
+class LinkAuth:
+    """What a pair's nonce exchange gives: the link's frame MACs, and the pair's store bound to the
+    link (gloo's addresses and the same-host offers go through it)."""
+
+    __slots__ = ("frames", "store")
+
+    def __init__(self, frames: FrameAuth, store: AuthStore) -> None:
+        self.frames = frames
+        self.store = store
+
+
+class JobAuth:
+    """The job key of this process: wraps rendezvous stores, and binds them to a run or a link."""
+
+    def __init__(self, key: bytes) -> None:
+        # BLAKE2b takes keys of up to 64 bytes: a job key of any length is hashed to one first.
+        self._master = hashlib.blake2b(key, digest_size=32, person=b"twinrpc-job").digest()
+        self._store_mac = _StoreMac(
+            self._master,
+            b"twinrpc-store",
+            "not written with this worker's key (workers started with different keys, or a process "
+            "without the key wrote it)",
+        )
+        #: every AuthStore made: C++ holds them by a pointer that does not keep the Python half alive
+        self._stores: list[AuthStore] = []
+
+    def wrap(self, store: Any) -> AuthStore:
+        """``store`` with every value authenticated (see AuthStore)."""
+        return self._wrap(store, self._store_mac)
+
+    def _wrap(self, store: Any, mac: _StoreMac) -> AuthStore:
+        wrapped = AuthStore(store, mac, self._stores)
+        self._stores.append(wrapped)
+        return wrapped
+
+    def _derive(self, person: bytes, *parts: object) -> bytes:
+        text = " ".join(str(p) for p in parts).encode()
+        return hashlib.blake2b(text, key=self._master, digest_size=32, person=person).digest()
+
+    def _bound(self, store: Any, key: bytes, what: str) -> AuthStore:
+        stale = (
+            f"not written in this run of the {what} (recorded in an earlier run or attempt and written "
+            "back, or a nonce of another run put in place of a peer's), or workers started with "
+            "different keys"
+        )
+        return self._wrap(store, _StoreMac(key, b"twinrpc-bound", stale))
+
+    def run(self, store: Any, rank: int, world_size: int, timeout: timedelta) -> AuthStore:
+        """``store`` bound to this run of a static group: post a fresh nonce as ``nonce/<rank>``,
+        wait for every rank's, and MAC under a key hashed from all of them (see the module docstring).
+
+        Raises:
+            AuthenticationError: a rank's nonce is not authenticated with this job's key.
+            RuntimeError: not every rank posted its nonce within ``timeout`` (the caller says who).
+        """
+        mine = os.urandom(_NONCE_BYTES).hex()
+        store.set(f"nonce/{rank}", mine)
+        keys = [f"nonce/{r}" for r in range(world_size)]
+        store.wait(keys, timeout)
+        nonces = [mine if r == rank else store.get(k).decode() for r, k in enumerate(keys)]
+        return self._bound(store, self._derive(b"twinrpc-run", world_size, *nonces), "group")
+
+    def link(self, store: Any, me: int, peer: int) -> LinkAuth:
+        """The link between ``me`` and ``peer``: each side posts a fresh nonce to ``store`` and reads
+        the other's (waiting for it at most the store's timeout); the link key hashes both. Call it
+        before the pair's gloo group is made, over the returned store.
 
         Raises:
             AuthenticationError: the peer's nonce is not authenticated with this job's key.
         """
         low, high = min(me, peer), max(me, peer)
-        mine = os.urandom(16).hex()
+        mine = os.urandom(_NONCE_BYTES).hex()
         store.set(f"pair/{low}-{high}/nonce/{me}", mine)
         theirs = store.get(f"pair/{low}-{high}/nonce/{peer}").decode()
         nonces = (mine, theirs) if me == low else (theirs, mine)
-        link_key = hashlib.blake2b(
-            f"{low} {high} {nonces[0]} {nonces[1]}".encode(),
-            key=self._master,
-            digest_size=32,
-            person=b"twinrpc-link",
-        ).digest()
-        return FrameAuth(link_key, me, peer)
-
-
-def _as_bytes(value: str | bytes) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)
+        link_key = self._derive(b"twinrpc-link", low, high, *nonces)
+        return LinkAuth(FrameAuth(link_key, me, peer), self._bound(store, link_key, "link"))
 
 
 def refuse_marked(value: bytes, what: str) -> None:
@@ -207,24 +329,25 @@ def refuse_marked(value: bytes, what: str) -> None:
         )
 
 
-class AuthStore(dist.Store):  # type: ignore[misc,name-defined]  # torch's stubs lack Store
-    """A store whose values carry the job key's MAC: ``MARK``, the 16-byte tag over the entry's name
-    (as this store sees it, prefixes included) and value, then the value. Reads check it and raise
+class AuthStore(WrappedStore):
+    """A store whose values carry a MAC: ``MARK``, the 16-byte tag over the entry's name (as this
+    store sees it, prefixes included) and value, then the value. Reads check it and raise
     :class:`AuthenticationError` naming the entry; writes add it. Empty values and ``add`` counters
     pass unchanged (see the module docstring). Thread safety: as the wrapped store."""
 
-    def __init__(self, inner: Any, auth: JobAuth) -> None:
-        super().__init__()
-        self._inner = inner
-        self._auth = auth
+    def __init__(self, inner: Any, mac: _StoreMac, keep: list[AuthStore]) -> None:
+        super().__init__(inner)
+        self._mac = mac
+        self._keep = keep
 
-    def _wrap(self, key: str, value: str | bytes) -> bytes:
-        raw = _as_bytes(value)
+    def _encode(self, key: str, value: str | bytes) -> bytes:
+        # deterministic, so compare_set knows the stored form of ``expected``
+        raw = super()._encode(key, value)
         if not raw:
             return raw
-        return MARK + self._auth.tag(key, raw) + raw
+        return MARK + self._mac.tag(key, raw) + raw
 
-    def _unwrap(self, key: str, stored: bytes) -> bytes:
+    def _decode(self, key: str, stored: bytes) -> bytes:
         if not stored:
             return stored
         if not stored.startswith(MARK):
@@ -234,60 +357,13 @@ class AuthStore(dist.Store):  # type: ignore[misc,name-defined]  # torch's stubs
             )
         start = len(MARK)
         tag, value = stored[start : start + TAG_BYTES], stored[start + TAG_BYTES :]
-        if not hmac.compare_digest(tag, self._auth.tag(key, value)):
+        if not hmac.compare_digest(tag, self._mac.tag(key, value)):
             raise AuthenticationError(
-                f"authentication failed: the rendezvous entry {key!r} was not written with this worker's "
-                "key (workers started with different keys, or a process without the key wrote it); it "
-                "was not used"
+                f"authentication failed: the rendezvous entry {key!r} was {self._mac.stale}; it was not used"
             )
         return value
 
-    def set(self, key: str, value: str | bytes) -> None:
-        self._inner.set(key, self._wrap(key, value))
-
-    def get(self, key: str) -> bytes:
-        return self._unwrap(key, self._inner.get(key))
-
-    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        for key, value in zip(keys, values, strict=True):
-            self.set(key, value)
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        return [self.get(key) for key in keys]
-
-    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        # the MAC is deterministic, so the stored form of ``expected`` is known
-        found = self._inner.compare_set(key, self._wrap(key, expected), self._wrap(key, desired))
-        return self._unwrap(key, found)
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self._inner.add(key, amount))
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self._inner.check(keys))
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        if timeout is None:
-            self._inner.wait(keys)
-        else:
-            self._inner.wait(keys, timeout)
-
-    def delete_key(self, key: str) -> bool:
-        return bool(self._inner.delete_key(key))
-
-    deleteKey = delete_key  # the name torch's C++ side looks up
-
-    def num_keys(self) -> int:
-        return int(self._inner.num_keys())
-
-    getNumKeys = num_keys  # the name torch's C++ side looks up
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._inner.set_timeout(timeout)
-
-    @property
-    def timeout(self) -> timedelta:
-        return self._inner.timeout  # type: ignore[no-any-return]
-
     def clone(self) -> AuthStore:
-        return self._auth.wrap(self._inner.clone())
+        clone = AuthStore(self._inner.clone(), self._mac, self._keep)
+        self._keep.append(clone)
+        return clone

@@ -384,11 +384,11 @@ class Header(Record):
     """A decoded header frame: its first message (the Record fields), the frame's own fields, the
     riders before it and the further messages after it (``more``)."""
 
-    __slots__ = ("ack", "closing", "graceful", "more", "payload_tag", "riders", "src")
+    __slots__ = ("ack", "closing", "data_tag", "graceful", "more", "riders", "src")
 
-    #: with a job key: the tag the payload frame that follows must match (set by the receiver, which
-    #: checked the header's own tag before decoding it; see _auth.FrameAuth)
-    payload_tag: bytes
+    #: with a job key: what the data sent apart from the header must match (set by the receiver,
+    #: which checked the header's own tag before decoding it; see _auth.FrameAuth.check_data)
+    data_tag: tuple[bytes, int]
 
     def __init__(
         self, buf: memoryview, expected_src: int, dst: int, frame: torch.Tensor | None = None

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ._same_host import Rings, connect
+from ._stores import ScrubbedAddresses
 
 _log = logging.getLogger("twinrpc.impl")
 
@@ -31,11 +32,13 @@ class PairGroup:
     """What connecting to a peer made: the pair's gloo process group and the same-host rings (see
     ``_same_host``; both None between hosts)."""
 
-    __slots__ = ("pg", "rings")
+    __slots__ = ("_store", "pg", "rings")
 
-    def __init__(self, pg: Any, rings: Rings | None = None) -> None:
+    def __init__(self, pg: Any, rings: Rings | None = None, store: Any = None) -> None:
         self.pg = pg
         self.rings = rings if rings is not None else Rings()
+        #: the Python store under ``pg``: C++ holds it by a pointer that does not keep it alive
+        self._store = store
 
 
 class Pair:
@@ -81,13 +84,15 @@ _LINK_OP_TIMEOUT = timedelta(days=30)
 def make_pair_group(store: Any, me: int, peer: int) -> PairGroup:
     """The 2-rank gloo process group of the pair (me, peer), over its own key prefix, and the
     same-host rings when both run on one host (``_same_host.connect``); the event-loop thread gloo
-    starts for it runs at a lower priority (see LOOP_NICENESS)."""
+    starts for it runs at a lower priority (see LOOP_NICENESS). gloo's address entries go to the
+    store scrubbed (``_stores.ScrubbedAddresses``)."""
     low, high = min(me, peer), max(me, peer)
     prefix = dist.PrefixStore(f"pair/{low}-{high}", store)  # type: ignore[attr-defined]
+    scrubbed = ScrubbedAddresses(prefix)  # no uninitialised bytes of ours in the store
     before = _gloo_loop_threads()
-    pg = dist.ProcessGroupGloo(prefix, 0 if me == low else 1, 2, _LINK_OP_TIMEOUT)
+    pg = dist.ProcessGroupGloo(scrubbed, 0 if me == low else 1, 2, _LINK_OP_TIMEOUT)
     _lower_priority(_gloo_loop_threads() - before)
-    return PairGroup(pg, connect(prefix, me, peer))
+    return PairGroup(pg, connect(prefix, me, peer), scrubbed)
 
 
 #: How much nicer than the process the event-loop thread of each pair's gloo device runs. gloo's loop

@@ -25,7 +25,7 @@ from twinrpc._future import CALLBACK_ROLE
 from twinrpc._message import Kind, Message
 
 from . import _framing
-from ._auth import AuthenticationError, FrameAuth
+from ._auth import AuthenticationError, FrameAuth, sent_apart
 from ._framing import (
     FrameError,
     FrameTooLarge,
@@ -386,14 +386,14 @@ class Receiver:
         state = self._state
         auth = self._auth
         # with a key, the frame is checked before anything of it is decoded
-        payload_tag = None if auth is None else auth.check_header(self._ring[i][1], slot, state.peer_name)
+        data_tag = None if auth is None else auth.check_header(self._ring[i][1], slot, state.peer_name)
         try:
             header = Header(self._ring[i][1], state.peer, state.me, self._ring[i][0])
         except FrameError:
             self._repost_queue.append(i)
             raise
-        if payload_tag is not None:
-            header.payload_tag = payload_tag
+        if data_tag is not None:
+            header.data_tag = data_tag
         if not header.closing:
             self._repost_queue.append(i)  # posted again after this message is handled (_repost)
             self.peer_acked = header.ack
@@ -549,8 +549,15 @@ class Receiver:
                                 self._recv_data(size) if size else torch.empty(0, dtype=torch.uint8)
                                 for size in record.sizes
                             ]
-                    if self._auth is not None and record.inline_payload is None:  # before it is unpickled
-                        self._auth.check_payload(payload, header.payload_tag, record.id, state.peer_name)
+                    if self._auth is not None:  # before the payload is unpickled, a tensor built
+                        apart = sent_apart(
+                            record.inline_payload is not None,
+                            record.inline_tensors is not None or record.positions is not None,
+                            payload,
+                            tensors,
+                        )
+                        if apart:
+                            self._auth.check_data(apart, header.data_tag, record.id, state.peer_name)
                 except AuthenticationError as exc:
                     self._refuse(exc)
                     return False

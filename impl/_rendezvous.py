@@ -227,11 +227,12 @@ def join(
     auth: JobAuth | None = None,
 ) -> Joined:
     """Rendezvous as a member of a static group, exchange names (refusing duplicates) and return the
-    world's workers. With ``auth`` every entry is authenticated with the job key.
+    world's workers. With ``auth`` every entry is authenticated with the job key, and the names are
+    bound to this run (every rank posts a fresh nonce first: JobAuth.run).
 
     Blocks until every worker has joined, for at most ``rpc_timeout`` seconds (0: half an hour). A
     worker whose key differs from another's (or who has none while another has one) still posts its
-    name, so that every worker finds the mismatch once all have joined, rather than waiting.
+    nonce, so that every worker finds the mismatch once all have posted theirs, rather than waiting.
 
     Raises:
         LaunchError: bad launch input (see the module docstring); nothing was opened.
@@ -249,7 +250,8 @@ def join(
     try:
         mark_kind(store, "static")
     except AuthenticationError as exc:
-        store.set(mine, name)  # the others find the mismatch in our name instead of waiting for it
+        # the others find the mismatch in our nonce instead of waiting for it
+        store.set(f"nonce/{rank}", os.urandom(16).hex())
         raise _auth_failed(name, rank, init_method, exc) from exc
     if store.check([mine]):
         # Only this process writes its own name key, so it is left over from an earlier run.
@@ -259,16 +261,35 @@ def join(
             "it, which RPC's shutdown does not promise; PyTorch leaves it behind too); delete the file or "
             "use a new init_method for each run"
         )
-    store.set(mine, name)
+
+    # Every rank posts a fresh nonce first: with a key, the names are MACed under a key hashed from
+    # all of them, so an entry of an earlier run fails (impl/_auth.py, JobAuth.run); without one the
+    # nonces are only waited for, so that a keyed peer finds this worker as soon as the others.
+    nonces = [f"nonce/{r}" for r in range(world_size)]
     keys = [f"name/{r}" for r in range(world_size)]
+    waiting = nonces
+    names_store: Any = store
     try:
+        if auth is None:
+            store.set(nonces[rank], os.urandom(16).hex())
+            store.wait(nonces, timeout)
+            for r, k in enumerate(nonces):
+                refuse_marked(store.get(k), f"rank {r}'s nonce")
+        else:
+            names_store = auth.run(store, rank, world_size, timeout)
+        names_store.set(mine, name)
+        waiting = keys
         store.wait(keys, timeout)
+    except AuthenticationError as exc:
+        raise _auth_failed(name, rank, init_method, exc) from exc
     except RuntimeError as exc:
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        store.delete_key(mine)  # so that a later attempt on the same store is not taken for stale
+        missing = [r for r, k in enumerate(waiting) if not store.check([k])]
+        # so that a later attempt on the same store is not taken for stale
+        store.delete_key(mine)
+        store.delete_key(nonces[rank])
         # Drop our store now, not when the traceback goes: a FileStore deletes its file when its
         # last user closes it, so a failed attempt does not leave a stale file behind.
-        del store, root
+        del store, root, names_store
         raise RPCTimeoutError(
             f"init_rpc as '{name}' (rank {rank}) timed out after {seconds:g} s waiting for rank(s) "
             f"{missing} of a world of {world_size} to join at {init_method!r}; start every worker with "
@@ -277,7 +298,7 @@ def join(
     names = []
     for r, k in enumerate(keys):
         try:
-            raw = store.get(k)
+            raw = names_store.get(k)
             if auth is None:
                 refuse_marked(raw, f"rank {r}'s name")
         except AuthenticationError as exc:

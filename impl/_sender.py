@@ -274,7 +274,7 @@ class Sender:
             seq = self.headers_sent
             self.headers_sent = seq + 1
             if self._auth is not None:
-                self._auth.seal(self._view, seq, enc.used, first.msg.payload)
+                self._auth.seal(self._view, seq, enc.used, first.msg.payload, first.msg.tensors)
             try:
                 # the go-aheads for the message's large frames: posted before the header, so the
                 # receiver's go-ahead never waits for us (a receiver thread must not block in a send)

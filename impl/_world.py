@@ -21,6 +21,7 @@ from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MI
 from ._auth import FrameAuth
 from ._dynamic_group import StoreGroup
 from ._link import THREAD_ROLE, PeerLink, PeerShutDown, PeerSilent, link_broken, make_pair_group
+from ._pair import PairGroup
 from ._pool import CallbackRunner, RequestPool
 from ._rendezvous import Joined
 from ._timer import TimerThread
@@ -146,8 +147,8 @@ class GlooWorld(World):
             if peer != self.rank and peer not in joined.stopped:
                 if self._group is not None:  # a member connects once it has read our join notice
                     self._group.wait_ready(peer, silence)
-                pg = make_pair_group(pair_store, self.rank, peer)
-                self.links[peer] = self._make_link(peer, pg, self._link_auth(pair_store, peer))
+                pg, auth = self._connect(pair_store, peer)
+                self.links[peer] = self._make_link(peer, pg, auth)
         self._store = joined.store
         for link in self.links.values():
             link.start(self._pool.run_job, self._callbacks.submit)
@@ -166,9 +167,19 @@ class GlooWorld(World):
             self._timer.call_later(heartbeat_interval, self._heartbeat_tick)
         atexit.register(self._close_at_exit)
 
-    def _link_auth(self, pair_store: Any, peer: int) -> FrameAuth | None:
-        """With a job key, the frame MACs of the link to ``peer`` (a nonce exchange on the store)."""
-        return None if self._auth is None else self._auth.link(pair_store, self.rank, peer)
+    def _connect(self, pair_store: Any, peer: int) -> tuple[PairGroup, FrameAuth | None]:
+        """The pair's gloo group and same-host rings for ``peer``; with a job key, the link's frame
+        MACs too, from a nonce exchange made first: the pair's entries (gloo's addresses, the
+        same-host offers) are then MACed under the link's key, so none of an earlier run is taken."""
+        if self._auth is None:
+            return make_pair_group(pair_store, self.rank, peer), None
+        try:
+            link = self._auth.link(pair_store, self.rank, peer)
+            return make_pair_group(link.store, self.rank, peer), link.frames
+        except AuthenticationError as exc:
+            raise AuthenticationError(
+                f"connecting to {self.workers[peer].name!r} (rank {peer}): {exc}; nothing connected"
+            ) from exc
 
     def _make_link(self, peer: int, pg: Any, auth: FrameAuth | None) -> PeerLink:
         link = PeerLink(
@@ -195,8 +206,7 @@ class GlooWorld(World):
                 continue  # the joiner's connect to us fails (bounded by its store timeout)
             info = notice.member.info
             try:
-                pg = make_pair_group(notice.pair_store, self.rank, info.id)
-                auth = self._link_auth(notice.pair_store, info.id)
+                pg, auth = self._connect(notice.pair_store, info.id)
             except Exception as exc:
                 _log.warning("twinrpc: could not connect to %s joining the group: %s", info, exc)
                 continue

@@ -4,6 +4,7 @@ gloo world's link layer without starting processes."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -84,3 +85,24 @@ def started_links() -> Iterator[tuple[PeerLink, PeerLink, Inbox]]:
     yield sender, listener, inbox
     close_links(sender, listener)
     assert not failures, failures
+
+
+def wait_failed(link: PeerLink) -> BaseException:
+    """The error ``link`` failed with, once it has (at most WAIT seconds)."""
+    deadline = time.monotonic() + WAIT
+    while link.failed is None:
+        assert time.monotonic() < deadline, "the link did not fail"
+        time.sleep(0.005)
+    return link.failed
+
+
+def end_links(*links: PeerLink) -> None:
+    """End links at once, whatever state they are in (some failed): all marked closing, their pairs'
+    connections closed, their threads joined and their same-host rings given back."""
+    for link in links:
+        link.closing = True
+    for link in links:
+        link.abandon()
+    for link in links:
+        link.join(WAIT)
+        link.join_threads(WAIT)  # also gives back the same-host rings (the process has a budget)

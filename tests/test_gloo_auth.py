@@ -23,6 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _gloo_pair import WAIT, Inbox
+from _gloo_pair import end_links as _end
+from _gloo_pair import wait_failed as _wait_failed
 from _spawn_world import bad_peer_world, report, run_world
 from twinrpc.impl._auth import MARK, AuthenticationError, AuthStore, FrameAuth, JobAuth, job_key
 from twinrpc.impl._framing import (
@@ -81,7 +83,7 @@ def _sealed(auth: FrameAuth, seq: int, msg: Message, riders: list[Message] | Non
     enc = FrameEncoder(view)
     enc.first(msg, 0, riders)
     enc.add(Message(Kind.CALL, 50, 0, 1, b"a further message"))
-    auth.seal(view, seq, enc.used, msg.payload)
+    auth.seal(view, seq, enc.used, msg.payload, msg.tensors)
     return view
 
 
@@ -121,15 +123,28 @@ def test_every_meaningful_byte_of_a_header_is_covered_and_the_unused_rest_is_not
     receiver.check_header(view, 0, PEER)
 
 
-def test_a_payload_frame_must_match_the_tag_its_header_carries() -> None:
+def test_data_sent_apart_must_match_the_tag_its_header_carries() -> None:
+    """A payload frame and the storages' frames: each byte counts, and so do their order and the
+    header's sequence number (the data tag's one-time key is drawn from it)."""
     key = b"k" * 32
     sender, receiver = FrameAuth(key, 0, 1), FrameAuth(key, 1, 0)
     payload = b"p" * 5000  # does not fit in the header: travels as a frame of its own
-    view = _sealed(sender, 3, Message(Kind.CALL, 1, 0, 1, payload))
+    storages = [torch.arange(200, dtype=torch.uint8), torch.full((3000,), 7, dtype=torch.uint8)]
+    view = _sealed(sender, 3, Message(Kind.CALL, 1, 0, 1, payload, storages))
     tag = receiver.check_header(view, 3, PEER)
-    receiver.check_payload(payload, tag, 1, PEER)
-    with pytest.raises(AuthenticationError, match="payload frame of message 1 from 'worker0'"):
-        receiver.check_payload(payload[:-1] + b"q", tag, 1, PEER)
+    receiver.check_data([payload, *storages], tag, 1, PEER)
+    flipped = storages[1].clone()
+    flipped[1234] ^= 1
+    for parts in (
+        [payload[:-1] + b"q", *storages],
+        [payload, storages[0], flipped],
+        [payload, storages[1], storages[0]],
+        [payload, storages[0]],
+    ):
+        with pytest.raises(AuthenticationError, match="data of message 1 from 'worker0'"):
+            receiver.check_data(parts, tag, 1, PEER)
+    with pytest.raises(AuthenticationError):
+        receiver.check_data([payload, *storages], (tag[0], 4), 1, PEER)
 
 
 def test_store_values_are_authenticated_by_name_and_value() -> None:
@@ -165,9 +180,11 @@ def _keyed_links(
     links: dict[int, PeerLink] = {}
 
     def make(rank: int, other: int, deliver: Any) -> None:
-        pg = make_pair_group(store, rank, other)
-        frames = auth.link(store, rank, other)
-        links[rank] = PeerLink(rank, other, pg, deliver, lambda p, exc: failures.append(exc), auth=frames)
+        link = auth.link(store, rank, other)  # first: the pair's entries are bound to the link's key
+        pg = make_pair_group(link.store, rank, other)
+        links[rank] = PeerLink(
+            rank, other, pg, deliver, lambda p, exc: failures.append(exc), auth=link.frames
+        )
 
     threads = [
         threading.Thread(target=make, args=(me, peer, lambda m: None)),
@@ -190,24 +207,6 @@ class _Unpickling(Inbox):
         if msg.payload:
             pickle.loads(msg.payload)
         super().__call__(msg)
-
-
-def _wait_failed(link: PeerLink) -> BaseException:
-    deadline = time.monotonic() + WAIT
-    while link.failed is None:
-        assert time.monotonic() < deadline, "the link did not fail"
-        time.sleep(0.005)
-    return link.failed
-
-
-def _end(*links: PeerLink) -> None:
-    for link in links:
-        link.closing = True
-    for link in links:
-        link.abandon()
-    for link in links:
-        link.join(WAIT)
-        link.join_threads(WAIT)  # also gives back the same-host rings (the process has a budget)
 
 
 def _inject_unsealed(link: PeerLink, payload: bytes) -> None:
