@@ -216,8 +216,8 @@ def _fuzz(shared: dict[str, Any]) -> dict[str, Any]:
         sent = _damage(payload, tensors, edits, storages)
         assume(not _memo_bomb(sent[0]))
         note(f"{requests[which][0]}: {len(payload)} -> {len(sent[0])} B {sent[0]!r}, storages {storages}")
-        with mock.patch.object(_serialize, "dumps", lambda obj, fork=None, grads=None: sent):
-            fut = agent.request(1, Kind.CALL, None, WAIT)
+        with mock.patch.object(_serialize, "dumps", lambda obj, fork=None, grads=None, **_: sent):
+            fut = agent.request(1, Kind.CALL, (None, (), {}), WAIT)  # dumps is patched: any call
         try:
             fut.wait()
             outcome = "ran"

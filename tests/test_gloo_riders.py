@@ -125,8 +125,9 @@ def test_riders_waiting_on_a_link_that_fails_are_reported() -> None:
     reported: list[tuple[int, str]] = []
     assert sender.defer(_cleanup(1), lambda msg, exc: reported.append((msg.id, str(exc))))
     sender.fail(RuntimeError("the pair broke"))
-    assert reported == [(1, "the pair broke")]
-    assert [str(e) for e in failures] == ["the pair broke"]
+    # in twinrpc's words first, the transport's after (impl/_link.py link_broken)
+    assert reported == [(1, "its connection to this worker failed; gloo said: the pair broke")]
+    assert [str(e) for e in failures] == ["its connection to this worker failed; gloo said: the pair broke"]
 
 
 def _never(msg: Message, exc: BaseException) -> None:
