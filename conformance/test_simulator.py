@@ -207,7 +207,9 @@ def _fails_on_one(rank: int) -> int:
 @pytest.mark.spec("SIM-1")
 def test_run_returns_each_workers_value_or_error() -> None:
     """Simulator-only: it inspects Simulation.run's per-worker outcomes, which only the simulated world has."""
-    result = Simulation(world_size=3, seed=0).run(_fails_on_one)
+    with pytest.raises(KeyError, match="worker 1 failed"):  # run raises a worker's error by default
+        Simulation(world_size=3, seed=0).run(_fails_on_one)
+    result = Simulation(world_size=3, seed=0).run(_fails_on_one, check=False)
     assert [o.value for o in result.outcomes] == [0, None, 2]
     assert isinstance(result.outcomes[1].error, KeyError)
     with pytest.raises(KeyError, match="worker 1 failed"):
