@@ -5,7 +5,7 @@ while a request slot is free runs the request itself, at once, while the link's 
 waiting in gloo, goes on receiving (an idle pool thread is started only if none is left). That saves the
 thread hop (and, under load, the scheduler wake-up latency) between receiving a request and running it,
 as the simulator's delivery task becoming the pool task does. A brief request (a builtin operator on a
-few plain arguments, ``Message.brief``) runs on the receiver without it handing its role off at all
+few plain arguments, ``World.submit``'s ``brief``) runs on the receiver without it handing its role off at all
 (``run_inline``): it cannot block, so the link is never left without a receiver. Either way it holds a
 slot while it runs, and queued requests still wait their turn, in order, when every slot is busy.
 """

@@ -484,15 +484,14 @@ class RpcAgent:
     def _submit_builtin(self, msg: Message) -> None:
         """A builtin operator call in the compact encoding: decoded here (it runs no user code and
         never blocks), then served on the request pool, or on this very thread if the world can and
-        the call is brief (``Message.brief``). One that cannot be decoded is served as any request,
+        the call is brief (``World.submit``'s ``brief``). One that cannot be decoded is served as any request,
         whose decoding fails again and replies with the error."""
         try:
             call, load = _serialize.loads(msg.payload, msg.tensors, msg.src, None, True, self.unpickle_allow)
         except BaseException:
             self.world.submit(self._serve, msg)
             return
-        msg.brief = _builtin_wire.is_brief(call)
-        self.world.submit(self._serve_loaded, msg, call, load)
+        self.world.submit(self._serve_loaded, msg, call, load, brief=_builtin_wire.is_brief(call))
 
     def _serve_loaded(self, msg: Message, obj: Any, load: _serialize.LoadState) -> None:
         try:

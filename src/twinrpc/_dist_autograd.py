@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -31,6 +31,7 @@ from ._rref import agent_of, owner_allowlist
 if TYPE_CHECKING:
     from ._agent import RpcAgent
     from ._fast_engine import GraphPass
+    from ._world import AutogradObserver
 
 _log = logging.getLogger("twinrpc")
 
@@ -47,14 +48,6 @@ _MAX_WORKER_ID = 65535
 #: kNumCleanupContextRetries = 20`` and the default ``RpcRetryOptions`` (``rpcRetryDuration`` 1000 ms,
 #: ``retryBackoff`` 1.5), each attempt an RPC with the agent's default timeout
 CLEANUP_RETRY = RetryPolicy(ack_wait=None, spacing=1.0, backoff=1.5, max_retries=20)
-
-
-class AutogradObserver(Protocol):
-    """What the simulator's trace is told about distributed autograd (``event``: context-created,
-    context-released, send-recorded, recv-recorded, backward-started, backward-finished,
-    gradient-sent). Only set in simulations; ``None`` (no cost) in the real world."""
-
-    def autograd_event(self, rank: int, event: str, context_id: int, detail: str) -> None: ...
 
 
 def context_not_found(context_id: int) -> RuntimeError:

@@ -65,11 +65,6 @@ class Message:
     #: it may wait briefly to travel with the next message to ``dst`` (the gloo world's riders; the
     #: simulator sends it as any other, so traces do not depend on it). Order per link is kept.
     deferrable: bool = False
-    #: a hint to the world, not sent: this request is short and never blocks (a builtin operator on a
-    #: few plain arguments, ``twinrpc._builtin_wire.is_brief``), so the world may run it on the thread
-    #: that received it rather than hand that thread's role to another first; it still takes one of
-    #: the request pool's ``num_worker_threads`` slots (the gloo world; the simulator ignores it).
-    brief: bool = False
 
     @property
     def nbytes(self) -> int:

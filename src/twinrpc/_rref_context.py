@@ -33,7 +33,7 @@ import itertools
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ._errors import RPCError, RPCTimeoutError, WorkerUnavailableError
 from ._future import Future, add_internal_callback, then_internal, wait_bounded
@@ -52,6 +52,7 @@ from ._serialize import LoadState
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
+    from ._world import RRefObserver
 
 _log = logging.getLogger("twinrpc")
 
@@ -70,26 +71,6 @@ _LEAK_WARNING = (
     "after this, these leaks could result in memory leaks on RRef owners. Please make sure all RRefs "
     "are out of scope and Python GC has deleted them before calling shutdown(): \n"
 )
-
-
-class RRefObserver(Protocol):
-    """What the simulator's online monitors (``simulator/_checks/_monitors.py``) and its trace are told.
-    ``rank`` is the worker whose context reports the event. Only set in simulations; ``None`` (no
-    cost) in the real world."""
-
-    def user_created(self, rank: int, state: UserState) -> None: ...
-    def user_confirmed(self, rank: int, state: UserState) -> None: ...
-    def user_deleted(self, rank: int, state: UserState, notified: bool) -> None: ...
-    def child_forked(self, rank: int, parent: UserState, child_fork_id: GloballyUniqueId) -> None: ...
-    def fork_known(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None: ...
-    def fork_abandoned(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None: ...
-    def delete_heard(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None: ...
-    def owner_registered(self, rank: int, state: OwnerState) -> None: ...
-    def owner_dropped(self, rank: int, state: OwnerState) -> None: ...
-    def closed(
-        self, rank: int, graceful: bool, leaks: list[tuple[GloballyUniqueId, list[GloballyUniqueId]]]
-    ) -> None:
-        """The worker's RRef context closed (shutdown); ``leaks``: owned rref ids with live forks."""
 
 
 class ForkRecorder:
