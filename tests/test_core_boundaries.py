@@ -36,7 +36,6 @@ TORCH_PRIVATE = {
     "_backward_hooks",
     "_backward_cls",
     "_builtins",
-    "_find_builtin",
     "_get_builtin_table",
     "_C",
     "_jit_resolve_packet",

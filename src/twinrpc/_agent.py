@@ -46,6 +46,7 @@ from ._rref import (
 )
 from ._rref_context import ForkRecorder, RRefContext
 from ._shutdown import ShutdownProtocol
+from ._torch_builtins import is_builtin
 from ._unpickle_allow import UnpickleAllowlist
 from ._worker_info import Roster, WorkerInfo
 from ._world import World
@@ -76,13 +77,6 @@ class _RemoteException:
     message: str
     #: the error is a SerializationError standing for ``exc_type`` (see _errors.serialization_error)
     serialization: bool = False
-
-
-def _is_builtin(func: Any) -> bool:
-    try:
-        return torch.jit._builtins._find_builtin(func) is not None  # type: ignore[no-untyped-call]
-    except Exception:
-        return False
 
 
 class RpcAgent:
@@ -195,11 +189,6 @@ class RpcAgent:
         return list(self.workers)
 
     # -- client side ----------------------------------------------------------------------------
-    def effective_timeout(self, timeout: float) -> float:
-        if timeout is None or timeout < 0:
-            return self.rpc_timeout
-        return float(timeout)
-
     def request(
         self, dst: int, kind: Kind, obj: Any, timeout: float, deferrable: bool = False
     ) -> Future[Any]:
@@ -224,7 +213,7 @@ class RpcAgent:
                 # a builtin operator's Parameter arguments travel as tensors, as PyTorch's builtin
                 # calls (TorchScript) send them; the builtin wire sends them so too
                 func = obj[0] if kind is Kind.CALL else obj[2] if kind is Kind.REMOTE_CALL else None
-                builtin = func is not None and _is_builtin(func)
+                builtin = func is not None and is_builtin(func)
                 payload, tensors = _serialize.dumps(obj, fork, link_parameters=builtin)
         except BaseException:
             rrefs.unfork(fork.forks)  # nothing is sent
@@ -576,7 +565,7 @@ class RpcAgent:
         try:
             result = func(*args, **kwargs)
         except Exception as exc:
-            if _is_builtin(func) and not isinstance(exc, RuntimeError):
+            if is_builtin(func) and not isinstance(exc, RuntimeError):
                 exc = RuntimeError(f"{type(exc).__name__}: {exc}").with_traceback(exc.__traceback__)
             self._finish_run(msg, None, exc, on_value)
             return

@@ -27,6 +27,7 @@ from ._errors import NotInitializedError, ShutdownError, WorkerUnavailableError
 from ._future import Future, add_internal_callback
 from ._message import Kind, Message
 from ._rref import agent_of, owner_allowlist
+from ._torch_builtins import is_builtin
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
@@ -268,13 +269,6 @@ class _RecvHook:
         return entry.attach(t)
 
 
-def _is_builtin(func: Any) -> bool:
-    try:
-        return torch.jit._builtins._find_builtin(func) is not None  # type: ignore[no-untyped-call]
-    except Exception:
-        return False
-
-
 def _any_requires_grad(obj: Any, depth: int = 0) -> bool:
     if isinstance(obj, torch.Tensor):
         return obj.requires_grad
@@ -480,7 +474,7 @@ class DistAutogradContainer:
         else:
             func = obj[0] if kind is Kind.CALL else obj[2]
             args, kwargs = (obj[1], obj[2]) if kind is Kind.CALL else (obj[3], obj[4])
-            builtin = _is_builtin(func)
+            builtin = is_builtin(func)
             if builtin and not (_any_requires_grad(args) or _any_requires_grad(kwargs)):
                 return _serialize.dumps(obj, fork)  # builtins join only with tensors requiring grad
             what = f"{'remote' if kind is Kind.REMOTE_CALL else 'rpc'} call of {_func_name(func)}"

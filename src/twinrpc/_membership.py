@@ -9,8 +9,8 @@ member has it in its membership. A leaver, holding the token, tells every other 
 leaves, waits for its own outstanding calls, removes its name from the store and stops: the others keep
 working, and a call to it by name or rank raises "could not find destination" as for any unknown worker.
 
-The world provides the store's part as a ``twinrpc._world.GroupMembership`` (``world.membership``); a world of a
-static group has none.
+The world provides the store's part as a ``twinrpc._world.GroupMembership`` (``world.membership``);
+a world of a static group has none.
 """
 
 from __future__ import annotations

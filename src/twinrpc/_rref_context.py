@@ -534,10 +534,6 @@ class RRefContext:
             self.user_died(user)
         self._flush_deferred_deletes()
 
-    def delete_all_users(self) -> None:
-        """Delete every live user this worker holds, without waiting (see release_for_shutdown)."""
-        self.release_for_shutdown(0.0)
-
     def wait_owners_drained(self) -> Future[None]:
         """A future that completes when this worker owns no forked value any more."""
         with self._lock:

@@ -20,6 +20,7 @@ from .._future import Future
 from .._key_source import auth_key_of
 from .._membership import join_group
 from .._rref import RRef
+from .._torch_builtins import builtin_name
 from .._unpickle_allow import UnpickleAllowlist
 from .._worker_info import WorkerInfo, check_worker_name
 from .._world import JoinOptions
@@ -185,7 +186,7 @@ def _check_builtin_arguments(
 ) -> None:
     """A builtin operator's arguments must match one of its schemas, checked on the caller before
     anything is sent (RPC-3), with PyTorch's matcher and its message."""
-    qualified_name = _find_builtin(func)
+    qualified_name = builtin_name(func)
     if qualified_name is None or not isinstance(args, (tuple, list, type(None))):
         return  # not a builtin, or arguments the agent refuses with its own error
     if not isinstance(kwargs, (dict, type(None))):
@@ -199,28 +200,12 @@ def _check_builtin_arguments(
         ) from exc
 
 
-#: torch's table of builtin operators by ``id`` of the Python callable (torch.jit._builtins), fetched
-#: once: it is built on first use and only grows in place, and every rpc_sync looks its function up
-_builtins: dict[int, Any] | None = None
-
-
-def _find_builtin(func: Any) -> str | None:
-    global _builtins
-    table = _builtins
-    if table is None:
-        table = _builtins = torch.jit._builtins._get_builtin_table()  # type: ignore[no-untyped-call]
-    name = table.get(id(func))
-    return name if isinstance(name, str) else None
-
-
 def _check_call(
     to: str | int | WorkerInfo, func: Any, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None
 ) -> None:
     """What every call checks before anything is sent: a callable, and a builtin's arguments."""
     if not callable(func):
         raise TypeError("function should be callable.")
-    if _builtins is not None and id(func) not in _builtins:
-        return  # _find_builtin's answer, without the calls: not a builtin (most calls)
     _check_builtin_arguments(to, func, args, kwargs)
 
 
