@@ -35,7 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from twinrpc._errors import AuthenticationError
-from twinrpc.rpc.options import auth_key_of as job_key
+from twinrpc._key_source import auth_key_of as job_key
 
 from ._framing import (
     _FLAGS,

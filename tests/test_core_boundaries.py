@@ -19,7 +19,7 @@ from _private_reaches import private_reaches
 
 import twinrpc
 from twinrpc._message import Message
-from twinrpc._world import NO_OBSERVERS, TimerHandle, World, WorldEvents, installed_world
+from twinrpc._world import NO_OBSERVERS, JoinOptions, TimerHandle, World, WorldEvents, installed_world
 
 CORE = pathlib.Path(twinrpc.__file__).parent
 
@@ -140,10 +140,13 @@ def test_both_worlds_are_complete_worlds() -> None:
         )
 
 
-def _imports(path: pathlib.Path) -> Iterator[tuple[str, bool, int]]:
-    """Every twinrpc module ``path`` imports: (its absolute name, whether only for typing, line)."""
-    module = ".".join(("twinrpc", *path.relative_to(CORE).with_suffix("").parts))
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+def _imports(
+    path: pathlib.Path, root: pathlib.Path = CORE, package: str = "twinrpc"
+) -> Iterator[tuple[str, bool, int]]:
+    """Every twinrpc module ``path`` (in ``package``, whose folder is ``root``) imports: (its absolute
+    name, whether only for typing, line)."""
+    module = ".".join((package, *path.relative_to(root).with_suffix("").parts))
+    here = module if path.name == "__init__.py" else module.rpartition(".")[0]
     tree = ast.parse(path.read_text())
     typing_only = {
         id(inner)
@@ -155,7 +158,7 @@ def _imports(path: pathlib.Path) -> Iterator[tuple[str, bool, int]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = here.split(".")[: len(here.split(".")) - node.level + 1]
                 target = ".".join([*base, *([node.module] if node.module else [])])
             else:
                 target = node.module or ""
@@ -200,3 +203,34 @@ def test_the_default_world_is_the_installed_gloo_world() -> None:
     import twinrpc.impl
 
     assert installed_world() is twinrpc.impl.connect
+
+
+def test_the_worlds_join_reads_no_public_options() -> None:
+    """A world is told its options by ``init_rpc`` (``JoinOptions``), never reads ``twinrpc.rpc``."""
+    import twinrpc.impl
+    import twinrpc.simulator
+
+    impl = pathlib.Path(twinrpc.impl.__file__).parent
+    sim = pathlib.Path(twinrpc.simulator.__file__).parent
+    joins = [(p, impl, "twinrpc.impl") for p in sorted(impl.glob("*.py"))]
+    joins += [(sim / name, sim, "twinrpc.simulator") for name in ("_world.py", "_rendezvous.py")]
+    wrong = [
+        f"{path.name}:{line}: {name}"
+        for path, root, package in joins
+        for name, _typing, line in _imports(path, root, package)
+        if name == "twinrpc.rpc" or name.startswith("twinrpc.rpc.")
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_join_options_never_show_the_job_key() -> None:
+    options = JoinOptions(
+        rpc_timeout=1.0,
+        init_method="env://",
+        num_worker_threads=1,
+        heartbeat_interval=1.0,
+        heartbeat_misses=3,
+        unpickle_allow=None,
+        auth_key=b"secret",
+    )
+    assert "secret" not in repr(options)

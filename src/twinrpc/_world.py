@@ -26,7 +26,7 @@ import abc
 import functools
 import importlib.metadata
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
@@ -127,8 +127,9 @@ class JoinOptions:
     heartbeat_misses: int
     #: the module patterns this worker may unpickle beyond twinrpc's own; None: any global
     unpickle_allow: tuple[str, ...] | None
-    #: the job's key (``auth_key``, else the key file or variable, ``twinrpc._key_source``); None: none
-    auth_key: bytes | None
+    #: the job's key (``auth_key``, else the key file or variable, ``twinrpc._key_source``); None: none.
+    #: Never shown by repr (a secret).
+    auth_key: bytes | None = field(repr=False)
 
 
 class Connection(NamedTuple):
