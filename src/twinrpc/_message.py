@@ -48,7 +48,6 @@ REQUEST_KINDS = frozenset(
 RREF_CONTROL_KINDS = frozenset({Kind.RREF_USER_DELETE, Kind.RREF_FORK_REQUEST, Kind.RREF_CHILD_ACCEPT})
 #: what the control channel sends (resent until acked, handled once: twinrpc._rref_context)
 CONTROL_KINDS = RREF_CONTROL_KINDS | {Kind.CONTEXT_CLEANUP}
-COLLECTIVE_KINDS = frozenset({Kind.GATHER, Kind.SCATTER})
 
 
 @dataclass(slots=True)

@@ -56,9 +56,6 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("twinrpc")
 
-#: how long graceful shutdown waits for pending users/children to be confirmed (PyTorch: 100 s)
-PENDING_CONFIRM_TIMEOUT = 100.0
-
 #: TEST-ONLY switch: when True, a user that forks its RRef does NOT keep itself alive until the owner
 #: accepted the child, i.e. guarantee G2 is broken on purpose. The simulator's monitors and the
 #: property tests must catch this (tests/test_rref_properties.py). Never set it in real programs.
