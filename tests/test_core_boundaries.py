@@ -3,7 +3,9 @@
 The core's objects (agent, shutdown protocol, control channel, RRef context, distributed autograd)
 talk to each other through public methods only, and to their world only through what
 ``twinrpc._world.World`` declares: no object reaches into another's private state, and nothing probes
-a world for undeclared attributes with ``getattr``/``hasattr``. These tests read the core's source, so
+a world for undeclared attributes with ``getattr``/``hasattr``. The seam file itself stands on the
+core's plain data only, the core imports no world (it finds the real one by its entry point), and a
+world's join is told its options rather than reading ``twinrpc.rpc``. These tests read the source, so
 a shortcut across a seam fails here before it turns into a difference between the worlds.
 """
 
