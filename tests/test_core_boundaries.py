@@ -128,6 +128,10 @@ def test_a_world_that_lacks_a_required_method_cannot_be_made() -> None:
     without_send = type("WorldWithoutSend", (World,), {**members, "__init__": _MinimalWorld.__init__})
     with pytest.raises(TypeError, match="send"):
         without_send()
+    members.pop("clock_name")
+    without_clock = type("WorldWithoutClock", (World,), {**members, "__init__": _MinimalWorld.__init__})
+    with pytest.raises(TypeError, match="clock_name"):
+        without_clock()
     assert _MinimalWorld().membership is None  # the hook's default: a static group
 
 

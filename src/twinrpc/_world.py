@@ -221,11 +221,15 @@ class World(abc.ABC):
       gloo (they may block as ``on_message`` may).
     """
 
-    #: "simulated" or "wall-clock": how error messages describe durations.
-    clock_name: str
     #: this worker's handle on its dynamic group's store (LIFE-5, ``twinrpc._membership``); None in a
     #: static group. A world made by a dynamic join returns holding the group's membership token.
     membership: GroupMembership | None = None
+
+    @property
+    @abc.abstractmethod
+    def clock_name(self) -> str:
+        """ "simulated" or "wall-clock": how error messages describe durations (a class attribute of
+        each world)."""
 
     @abc.abstractmethod
     def now(self) -> float:
