@@ -8,12 +8,9 @@ and a timer thread. Bad launch input raises :class:`LaunchError` before anything
 
 from __future__ import annotations
 
-from typing import Any
+from twinrpc._world import Connection, JoinOptions
 
-from twinrpc._worker_info import WorkerInfo
-from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
-
-from ._auth import JobAuth, job_key
+from ._auth import JobAuth
 from ._exposure import raise_open_file_limit, warn_if_keyless_and_reachable
 from ._rendezvous import LaunchError, join, join_dynamic, store_endpoint
 from ._world import GlooWorld
@@ -22,9 +19,10 @@ __all__ = ["GlooWorld", "LaunchError", "connect"]
 
 
 def connect(
-    *, name: str, rank: int, world_size: int | None, options: Any, generation: int
-) -> tuple[GlooWorld, WorkerInfo, list[WorkerInfo]]:
-    """Join the gloo world as ``name``: a static group of ``world_size`` workers (blocks until every
+    *, name: str, rank: int, world_size: int | None, options: JoinOptions, generation: int
+) -> Connection:
+    """The gloo world's ``twinrpc._world.Connect`` (installed as the ``gloo`` world in pyproject.toml):
+    join the gloo world as ``name``: a static group of ``world_size`` workers (blocks until every
     worker has joined, at most ``rpc_timeout``), or without ``world_size`` a dynamic group (LIFE-5:
     returns connected to every current member, holding the group's membership token).
 
@@ -35,8 +33,7 @@ def connect(
         AuthenticationError: the workers were not all started with the same key (``auth_key`` or
             ``TWINRPC_AUTH_KEY``; see impl/_auth.py).
     """
-    key = job_key(options)
-    auth = JobAuth(key) if key is not None else None
+    auth = JobAuth(options.auth_key) if options.auth_key is not None else None
     raise_open_file_limit()
     if world_size:
         joined = join(name, rank, world_size, options.init_method, options.rpc_timeout, generation, auth)
@@ -46,8 +43,8 @@ def connect(
         world = GlooWorld(
             joined,
             options.num_worker_threads,
-            heartbeat_interval=getattr(options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL),
-            heartbeat_misses=getattr(options, "heartbeat_misses", DEFAULT_HEARTBEAT_MISSES),
+            heartbeat_interval=options.heartbeat_interval,
+            heartbeat_misses=options.heartbeat_misses,
             rpc_timeout=options.rpc_timeout,
         )
     except BaseException:
@@ -58,4 +55,4 @@ def connect(
     endpoint = store_endpoint(options.init_method)
     warn_if_keyless_and_reachable(None if endpoint is None else endpoint[0], auth is not None)
     me = next(w for w in joined.workers if w.id == joined.rank)
-    return world, me, joined.workers
+    return Connection(world, me, joined.workers)

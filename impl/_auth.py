@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from twinrpc._errors import AuthenticationError
-from twinrpc.rpc.options import auth_key_of as job_key
+from twinrpc._key_source import auth_key_of as job_key
 
 from ._framing import (
     _FLAGS,

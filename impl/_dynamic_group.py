@@ -63,7 +63,7 @@ def mark_kind(store: Any, kind: str) -> None:
 
 
 class StoreGroup:
-    """One member's handle on its dynamic group's keys (a ``twinrpc._membership.GroupMembership``)."""
+    """One member's handle on its dynamic group's keys (a ``twinrpc._world.GroupMembership``)."""
 
     def __init__(self, store: Any, info: WorkerInfo, timeout: timedelta) -> None:
         self.store = store

@@ -101,12 +101,10 @@ def make_pair_group(store: Any, me: int, peer: int) -> PairGroup:
 #: loop returns at once and epoll reports the same readable socket again. A lock holder preempted in
 #: its socket write (a loopback write wakes the peer, and with few cores the woken thread often takes
 #: the holder's core) then has the loop spinning on epoll_wait for the rest of its time slice, taking
-#: a core from the thread it waits for: 180,000 epoll_wait calls a second per process were counted in
-#: the distributed-autograd benchmark. At a lower priority the spinning loop yields to the holder:
-#: that benchmark went from 160 to 225 iterations/s on 2 cores. A loop that sleeps in epoll until data
-#: arrives is still scheduled soon when it wakes (the scheduler favours sleepers). The cost shows when
-#: other programs keep every core busy: there a 2-worker rpc_sync round trip took 406-489 us at the
-#: median against 362-412 us at the process's own priority (and 8 ms at niceness 19, hence not 19).
+#: a core from the thread it waits for. At a lower priority the spinning loop yields to the holder;
+#: a loop that sleeps in epoll until data arrives is still scheduled soon when it wakes (the scheduler
+#: favours sleepers). The cost shows when other programs keep every core busy, steeply so at niceness
+#: 19 (the figures: docs/explanation/benchmarks.md).
 LOOP_NICENESS = 10
 
 

@@ -5,7 +5,7 @@ while a request slot is free runs the request itself, at once, while the link's 
 waiting in gloo, goes on receiving (an idle pool thread is started only if none is left). That saves the
 thread hop (and, under load, the scheduler wake-up latency) between receiving a request and running it,
 as the simulator's delivery task becoming the pool task does. A brief request (a builtin operator on a
-few plain arguments, ``Message.brief``) runs on the receiver without it handing its role off at all
+few plain arguments, ``World.submit``'s ``brief``) runs on the receiver without it handing its role off at all
 (``run_inline``): it cannot block, so the link is never left without a receiver. Either way it holds a
 slot while it runs, and queued requests still wait their turn, in order, when every slot is busy.
 """
@@ -212,11 +212,10 @@ class CallbackRunner:
     ``rpc_sync`` back to the very peer whose reply ran it: on a receiver that would keep every later
     message from that peer, that reply included, waiting. So they only queue the callbacks here. One
     runner (an idle pool thread) at a time drains the queue: a burst of replies costs one wake-up,
-    not one per reply. Measured on 2 shared cores with 64 ``rpc_async(...).add_done_callback(...)``
-    calls in flight: 15-20% fewer calls/s than running the callbacks on the receiver, where handing
-    the receiver role off for each reply's callbacks (to run them on the same thread) cost a third;
-    replies without user callbacks pay nothing. A runner about to block on a twinrpc Future (``wait()``,
-    ``rpc_sync``, ``to_here``...) first hands the queue to a new runner (``CALLBACK_ROLE.on_block``),
+    not one per reply, which costs less than handing the receiver role off for each reply's callbacks
+    would (docs/explanation/benchmarks.md); replies without user callbacks pay nothing. A runner
+    about to block on a twinrpc Future (``wait()``, ``rpc_sync``, ``to_here``...) first hands the
+    queue to a new runner (``CALLBACK_ROLE.on_block``),
     so a callback that waits never holds up the ones queued behind it; one that blocks otherwise (a
     lock, a sleep) delays them until it returns, never a reply or a ``wait()``.
     """

@@ -47,9 +47,8 @@ _log = logging.getLogger("twinrpc.impl")
 #: frame); they are copied out of it. Larger frames are received in place into their own buffer.
 STAGED_BYTES = 1 << 20
 #: data frames over this size wait for the receiver's go-ahead (``READY_TAG``): the receiver posts their
-#: receive first, so gloo does not take them into a buffer of its own and copy them again (a 64 MiB
-#: echo between two processes: 95-112 ms without, 54-59 ms with); below it the go-ahead's round trip
-#: costs more than it saves (a 2 MiB echo: 2.1-2.2 ms without, 3.0 ms with)
+#: receive first, so gloo does not take them into a buffer of its own and copy them again; below it
+#: the go-ahead's round trip costs more than it saves (the figures: docs/explanation/benchmarks.md)
 GO_AHEAD_BYTES = 4 << 20
 #: header receives kept posted ahead: a gloo send waits until the peer has posted the matching
 #: receive, so with one posted header a stream of messages pays a notify round trip per message
@@ -57,8 +56,8 @@ RING = 16
 #: header slots a receiver lets wait for this worker's next send before it posts their receives
 #: again itself (see Receiver._repost): one is the usual backlog of a request and its reply; two mean
 #: messages arrive faster than this worker sends (many calls in flight), and a sender that posts
-#: receives for every reply would be the bottleneck (64 calls in flight: 2,100-2,500 calls/s with 4
-#: here, 2,550-2,950 with 2, the latency loop unchanged within noise)
+#: receives for every reply would be the bottleneck (4 here was measurably slower:
+#: docs/explanation/benchmarks.md)
 _REPOST_BATCH = 2
 #: threads per link in the receive loop: while one handles a message, another is already blocked in
 #: gloo on the next header, so a receiver that goes off to run a request (or to make a blocking send)
@@ -295,7 +294,7 @@ class Receiver:
         lands in the slot the receivers expect) and the staging buffer.
 
         Posting a receive is a socket write under the pair's lock that wakes the peer's event loop
-        (20-30 us of CPU), so it is kept off the critical path of a request and its reply: not done
+        (CPU on both sides), so it is kept off the critical path of a request and its reply: not done
         by the receiver that has just taken a frame (it delivers the message first), nor right after
         that (it would hold the GIL while the thread it woke runs), but after this worker's next send
         on the link, while the peer is busy with that message (repost_after_send). Receivers post

@@ -5,8 +5,8 @@ copy out of the same-host ring. A fresh buffer costs a page fault per page as th
 and training loops receive tensors of the same sizes over and over, dropping each before the next
 arrives. So the process keeps the buffers it handed out most recently, and when a receive needs a
 buffer of a size it keeps and nothing but this cache still refers to that buffer's storage, the
-receive writes into it instead of a fresh one. A 64 MiB echo between two processes on one host took
-42-44 ms with it against 54-56 ms without (through the same-host ring or over gloo alike).
+receive writes into it instead of a fresh one, without the page faults (the figures:
+docs/explanation/benchmarks.md).
 
 *Nothing but this cache* is checked with the storage's use count: a received tensor is a tensor of
 its own over the buffer's storage (``_serialize`` rebuilds it with ``set_``), and so is anything the
@@ -36,7 +36,7 @@ from ._framing import recv_buffer
 ENV_KEEP_BYTES = "TWINRPC_RECV_KEEP_BYTES"
 _DEFAULT_KEEP_BYTES = 256 << 20
 #: buffers smaller than this come from the allocator: it often hands back memory already touched
-#: there, and keeping them measured no faster (2-4 MiB echoes between two processes, interleaved)
+#: there, and keeping them measured no faster
 MIN_BYTES = 8 << 20
 #: kept buffers of one size at most (a receive looks through them for one no longer in use)
 _PER_SIZE = 4

@@ -221,7 +221,8 @@ class OutRing:
             off = positions[i] % cap
             if n:
                 # one memcpy on this thread: torch's copy_ splits a large copy over its intra-op
-                # threads, which on a small busy machine makes it two to three times slower
+                # threads, which on a small busy machine makes it slower
+                # (docs/explanation/benchmarks.md)
                 view[off : off + n] = t.numpy()  # type: ignore[call-overload]  # a contiguous uint8 buffer
             i += 1
         return positions

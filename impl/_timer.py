@@ -47,10 +47,9 @@ class TimerThread:
     Most timers are cancelled long before they are due (every RPC's timeout, every RRef control
     message's resend): cancelled ones at the head of the queue are dropped without waiting for their
     deadline, so they cost the thread no wake-up of its own. The others are dropped in bulk once they
-    outnumber the live timers: kept until their (60 s) deadline, they were the main long-lived garbage
-    of an RPC loop (about 7 objects per call), and their promotion into the garbage collector's oldest
-    generation set off full collections of ~90 ms each, two per 1,000 iterations of the
-    distributed-autograd benchmark.
+    outnumber the live timers: kept until their deadline, they were the main long-lived garbage of an
+    RPC loop, whose promotion into the garbage collector's oldest generation set off full collections
+    (the figures: docs/explanation/benchmarks.md).
     """
 
     def __init__(

@@ -7,16 +7,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twinrpc._departure import Departure
 from twinrpc._errors import AuthenticationError
-from twinrpc._membership import GroupMembership
 from twinrpc._message import Message
 from twinrpc._serialize import copy_storages
 from twinrpc._worker_info import WorkerInfo
-from twinrpc._world import TimerHandle, World, WorldEvents
-from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
+from twinrpc._world import GroupMembership, TimerHandle, World, WorldEvents
 
 from ._auth import FrameAuth
 from ._dynamic_group import StoreGroup
@@ -26,9 +24,6 @@ from ._pool import CallbackRunner, RequestPool
 from ._rendezvous import Joined
 from ._timer import TimerThread
 from ._trace import TraceRecorder
-
-if TYPE_CHECKING:
-    pass
 
 _log = logging.getLogger("twinrpc.impl")
 _CLOSE_WAIT = 10.0
@@ -100,9 +95,9 @@ class GlooWorld(World):
         joined: Joined,
         num_worker_threads: int,
         *,
-        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
-        heartbeat_misses: int = DEFAULT_HEARTBEAT_MISSES,
-        rpc_timeout: float = 0.0,
+        heartbeat_interval: float,
+        heartbeat_misses: int,
+        rpc_timeout: float,
     ) -> None:
         self.rank = joined.rank
         #: every worker this one has known, by rank (a departed worker stays, for error messages)
@@ -307,11 +302,11 @@ class GlooWorld(World):
         # twinrpc._fast_engine) should not cost an OS thread of its own each time.
         self._pool.run_job(lambda: fn(*args))
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+    def submit(self, fn: Callable[..., Any], *args: Any, brief: bool = False) -> None:
         receiving = THREAD_ROLE.link
         if receiving is not None:
-            if args and type(args[0]) is Message and args[0].brief:
-                # Short and never blocks (Message.brief): run it right here if a slot is free, and
+            if brief:
+                # Short and never blocks (the hint): run it right here if a slot is free, and
                 # stay the receiver (no other thread is woken to receive meanwhile).
                 self._pool.run_inline(fn, args)
             else:

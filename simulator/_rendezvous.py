@@ -14,13 +14,13 @@ long it lets a silent peer be before declaring it dead (``simulator/_faults/_eng
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from twinrpc._errors import AUTH_KEY_HINT, AuthenticationError
 from twinrpc._future import Future
 from twinrpc._membership import MIXED_GROUP_ERROR
 from twinrpc._worker_info import Roster, WorkerInfo
-from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES, auth_key_of
+from twinrpc._world import Connection, JoinOptions
 
 from ._dynamic_group import DynamicGroup, DynamicMember
 from ._world import SimWorld
@@ -82,11 +82,11 @@ class Rendezvous:
         name: str,
         rank: int,
         world_size: int | None,
-        options: Any,
+        options: JoinOptions,
         generation: int,
-    ) -> tuple[SimWorld, WorkerInfo, list[WorkerInfo] | Roster]:
+    ) -> Connection:
         """``init_rpc`` on ``worker``: join its group; returns the worker's world, its own info and the
-        group's workers (``twinrpc._current.WorkerSlot.connect``)."""
+        group's workers (the simulated world's ``twinrpc._world.Connect``, ``SimWorker.connect``)."""
         if rank not in (-1, worker.rank):
             raise ValueError(
                 f"init_rpc(rank={rank}) on simulated worker {worker.rank}: in a Simulation each program's "
@@ -107,7 +107,7 @@ class Rendezvous:
         done = self._complete.setdefault(generation, Future())
         arrived[worker.rank] = name
         keys = self._keys.setdefault(generation, {})
-        keys[worker.rank] = auth_key_of(options)
+        keys[worker.rank] = options.auth_key
         self.trace.name_worker(worker.rank, name)
         self.trace.record(self.sched.now, worker.rank, "init", f"{name} generation {generation}")
         if len(arrived) == world_size:
@@ -118,7 +118,7 @@ class Rendezvous:
         world = SimWorld(worker, options.num_worker_threads, generation)
         worker.world = world
         self._heartbeats_of(worker.rank, options)
-        return world, infos[worker.rank], roster
+        return Connection(world, infos[worker.rank], roster)
 
     def open_round(self, rank: int, since: int) -> int:
         """The generation a process that newly joins as ``rank`` takes part in: the first, from
@@ -163,8 +163,8 @@ class Rendezvous:
         return cached[1], cached[2]
 
     def _join_dynamic(
-        self, worker: SimWorker, *, name: str, options: Any, generation: int
-    ) -> tuple[SimWorld, WorkerInfo, list[WorkerInfo]]:
+        self, worker: SimWorker, *, name: str, options: JoinOptions, generation: int
+    ) -> Connection:
         """Join generation ``generation``'s dynamic group (LIFE-5); returns holding its token, which
         ``init_rpc`` gives back once every member knows this worker (twinrpc._membership)."""
         group = self._dynamic.setdefault(generation, DynamicGroup(self.sched))
@@ -176,9 +176,9 @@ class Rendezvous:
             if self._arrived.get(generation):
                 raise RuntimeError(MIXED_GROUP_ERROR)
             keys = self._keys.setdefault(generation, {})
-            _check_keys(name, worker.rank, {**keys, worker.rank: auth_key_of(options)}, group.members)
+            _check_keys(name, worker.rank, {**keys, worker.rank: options.auth_key}, group.members)
             group.check_unique(name, worker.rank)
-            keys[worker.rank] = auth_key_of(options)
+            keys[worker.rank] = options.auth_key
         except BaseException:
             group.unlock()
             raise
@@ -191,7 +191,7 @@ class Rendezvous:
         world.membership = DynamicMember(group, worker.rank)
         worker.world = world
         self._heartbeats_of(worker.rank, options)
-        return world, WorkerInfo(name, worker.rank), infos
+        return Connection(world, WorkerInfo(name, worker.rank), infos)
 
     def _store_round_trip(self) -> None:
         """Wait :data:`RENDEZVOUS_DELAY` of virtual time on the calling task."""
@@ -199,14 +199,11 @@ class Rendezvous:
         self.sched.call_later(RENDEZVOUS_DELAY, lambda: fut.set_result(None))
         fut.wait()
 
-    def _heartbeats_of(self, rank: int, options: Any) -> None:
+    def _heartbeats_of(self, rank: int, options: JoinOptions) -> None:
         """Worker ``rank`` is up with ``options``: from now on it declares a peer dead after
         ``heartbeat_interval * heartbeat_misses`` seconds of virtual silence (never with an interval of
         0), as a gloo worker judges with its own options, unless ``network.heartbeat_timeout`` is set."""
-        self.heartbeat_options[rank] = (
-            float(getattr(options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL)),
-            int(getattr(options, "heartbeat_misses", DEFAULT_HEARTBEAT_MISSES)),
-        )
+        self.heartbeat_options[rank] = (options.heartbeat_interval, options.heartbeat_misses)
         self.joined(rank)
 
 

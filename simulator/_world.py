@@ -13,10 +13,17 @@ import greenlet
 from twinrpc._current import CURRENT_SLOT, WorkerSlot
 from twinrpc._departure import Departure
 from twinrpc._future import CALLBACK_ROLE, CURRENT_BLOCKER, Future, add_waiter
-from twinrpc._membership import GroupMembership
 from twinrpc._message import Kind, Message
 from twinrpc._serialize import copy_storages
-from twinrpc._world import ProtocolObservers, TimerHandle, World, WorldEvents
+from twinrpc._world import (
+    Connection,
+    GroupMembership,
+    JoinOptions,
+    ProtocolObservers,
+    TimerHandle,
+    World,
+    WorldEvents,
+)
 
 from ._kernel._current import CURRENT_SIMULATION
 from ._kernel._scheduler import Scheduler
@@ -60,7 +67,7 @@ class SimWorker:
     def __init__(self, sim: Simulation, rank: int) -> None:
         self.sim = sim
         self.rank = rank
-        self.slot = WorkerSlot(connect=self._connect)
+        self.slot = WorkerSlot(connect=self.connect)
         self.context = contextvars.Context()
         self.context.run(CURRENT_SLOT.set, self.slot)
         self.context.run(CURRENT_BLOCKER.set, sim.blocker)
@@ -77,8 +84,14 @@ class SimWorker:
         if not self.crashed:  # the worker may have crashed between spawn and start
             fn(*args)
 
-    def _connect(self, **kwargs: Any) -> Any:
-        return self.sim.rendezvous.connect(self, **kwargs)
+    def connect(
+        self, *, name: str, rank: int, world_size: int | None, options: JoinOptions, generation: int
+    ) -> Connection:
+        """This worker's ``twinrpc._world.Connect``: ``init_rpc`` joins the simulated world through the
+        simulation's store (simulator/_rendezvous.py)."""
+        return self.sim.rendezvous.connect(
+            self, name=name, rank=rank, world_size=world_size, options=options, generation=generation
+        )
 
 
 class SimWorld(World):
@@ -159,7 +172,8 @@ class SimWorld(World):
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         self.worker.spawn(getattr(fn, "__name__", "task"), fn, *args)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+    def submit(self, fn: Callable[..., Any], *args: Any, brief: bool = False) -> None:
+        # ``brief`` does not matter here: a simulated pool task never blocks a receiver
         task = getattr(_getcurrent(), "task", None)  # sched.current_task(), inlined: every request
         if self._pool_busy < self._pool_size and task is not None and task.name is _DELIVER:
             # The delivery task has nothing else to do: it becomes the pool task (saves a task switch;

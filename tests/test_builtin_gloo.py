@@ -1,7 +1,8 @@
-"""The builtin fast path in the gloo world (src/twinrpc/_builtin_wire.py, ``Message.brief``): a call of a
-torch operator on plain arguments travels without pickle and runs on the thread that received it, and
-that changes nothing a program sees: results, remote errors, distributed autograd, timeouts and the
-request pool's bound are those of the pickled path, and a malformed payload fails only its call.
+"""The builtin fast path in the gloo world (src/twinrpc/_builtin_wire.py, ``World.submit``'s
+``brief``): a call of a torch operator on plain arguments travels without pickle and runs on the
+thread that received it, and that changes nothing a program sees: results, remote errors,
+distributed autograd, timeouts and the request pool's bound are those of the pickled path, and a
+malformed payload fails only its call.
 
 One small world (two ``spawn`` processes, wall-clock) serves every check; worker1 has one request
 thread and records which of the calls it received were brief (so a check that passes because the fast
@@ -58,10 +59,10 @@ def _program(rank: int, init_file: str, results: Any) -> None:
         world = agent.world
         submit = world.submit
 
-        def recording_submit(fn: Any, *args: Any) -> None:
+        def recording_submit(fn: Any, *args: Any, brief: bool = False) -> None:
             if args and getattr(args[0], "kind", None) is Kind.CALL and len(args) == 3:
-                _BRIEF.append(args[0].brief)  # a builtin call, decoded on arrival (RpcAgent._submit_builtin)
-            submit(fn, *args)
+                _BRIEF.append(brief)  # a builtin call, decoded on arrival (RpcAgent._submit_builtin)
+            submit(fn, *args, brief=brief)
 
         world.submit = recording_submit  # type: ignore[method-assign]
     else:

@@ -3,21 +3,25 @@
 The core's objects (agent, shutdown protocol, control channel, RRef context, distributed autograd)
 talk to each other through public methods only, and to their world only through what
 ``twinrpc._world.World`` declares: no object reaches into another's private state, and nothing probes
-a world for undeclared attributes with ``getattr``/``hasattr``. These tests read the core's source, so
+a world for undeclared attributes with ``getattr``/``hasattr``. The seam file itself stands on the
+core's plain data only, the core imports no world (it finds the real one by its entry point), and a
+world's join is told its options rather than reading ``twinrpc.rpc``. These tests read the source, so
 a shortcut across a seam fails here before it turns into a difference between the worlds.
 """
 
 from __future__ import annotations
 
 import ast
-import inspect
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import pytest
 from _private_reaches import private_reaches
 
 import twinrpc
-from twinrpc._world import NO_OBSERVERS, World
+from twinrpc._message import Message
+from twinrpc._world import NO_OBSERVERS, JoinOptions, TimerHandle, World, WorldEvents, installed_world
 
 CORE = pathlib.Path(twinrpc.__file__).parent
 
@@ -34,7 +38,6 @@ TORCH_PRIVATE = {
     "_backward_hooks",
     "_backward_cls",
     "_builtins",
-    "_find_builtin",
     "_get_builtin_table",
     "_C",
     "_jit_resolve_packet",
@@ -80,13 +83,30 @@ class _MinimalWorld(World):
     """A world that implements only the required methods, to see what the optional hooks default to."""
 
     clock_name = "test"
-    membership = None
 
     def __init__(self) -> None:
         self.spawned: list[object] = []
 
-    def spawn(self, fn: object, *args: object) -> None:
+    def now(self) -> float:
+        return 0.0
+
+    def send(self, msg: Message) -> None:
+        pass
+
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         self.spawned.append(fn)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, brief: bool = False) -> None:
+        fn(*args)
+
+    def call_later(self, delay: float, fn: Callable[[], Any]) -> TimerHandle:
+        return TimerHandle()
+
+    def start(self, agent: WorldEvents) -> None:
+        pass
+
+    def stop(self, graceful: bool = False) -> None:
+        pass
 
 
 def test_a_world_that_defines_no_hooks_gets_the_real_worlds_defaults() -> None:
@@ -101,20 +121,122 @@ def test_a_world_that_defines_no_hooks_gets_the_real_worlds_defaults() -> None:
     assert world.spawned == [delete]
 
 
-def test_both_worlds_implement_every_required_method_of_the_seam() -> None:
-    """Subclassing the protocol inherits its stubs: a world that forgot ``send`` would silently send
-    nothing. Every method of ``World`` but the optional hooks must be the world's own."""
+def test_a_world_that_lacks_a_required_method_cannot_be_made() -> None:
+    """``World`` is an ABC: a world that forgot ``send`` fails when it is made, rather than sending
+    nothing."""
+    members = {k: v for k, v in vars(_MinimalWorld).items() if k != "send" and not k.startswith("__")}
+    without_send = type("WorldWithoutSend", (World,), {**members, "__init__": _MinimalWorld.__init__})
+    with pytest.raises(TypeError, match="send"):
+        without_send()
+    members.pop("clock_name")
+    without_clock = type("WorldWithoutClock", (World,), {**members, "__init__": _MinimalWorld.__init__})
+    with pytest.raises(TypeError, match="clock_name"):
+        without_clock()
+    assert _MinimalWorld().membership is None  # the hook's default: a static group
+
+
+def test_both_worlds_are_complete_worlds() -> None:
     from twinrpc.impl._world import GlooWorld
     from twinrpc.simulator._world import SimWorld
 
-    optional = {"observers", "schedule_rref_delete"}
-    required = {
-        name
-        for name, member in vars(World).items()
-        if inspect.isfunction(member) and not name.startswith("_") and name not in optional
-    }
-    assert required >= {"now", "send", "spawn", "submit", "call_later", "start", "stop"}
     for cls in (SimWorld, GlooWorld):
-        assert World in cls.__mro__
-        inherited = sorted(name for name in required if getattr(cls, name) is getattr(World, name))
-        assert not inherited, f"{cls.__name__} does not implement {inherited}"
+        assert issubclass(cls, World)
+        assert not cls.__abstractmethods__, (
+            f"{cls.__name__} does not implement {sorted(cls.__abstractmethods__)}"
+        )
+
+
+def _imports(
+    path: pathlib.Path, root: pathlib.Path = CORE, package: str = "twinrpc"
+) -> Iterator[tuple[str, bool, int]]:
+    """Every twinrpc module ``path`` (in ``package``, whose folder is ``root``) imports: (its absolute
+    name, whether only for typing, line)."""
+    module = ".".join((package, *path.relative_to(root).with_suffix("").parts))
+    here = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")[: len(here.split(".")) - node.level + 1]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            names = [target] if node.module else [f"{target}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name == "twinrpc" or name.startswith("twinrpc."):
+                yield name, id(node) in typing_only, node.lineno
+
+
+#: what the seam may name: the core's plain data (and, for typing only, the RRef states its observers
+#: are told about)
+SEAM_GROUND = {"twinrpc._message", "twinrpc._departure", "twinrpc._errors", "twinrpc._worker_info"}
+SEAM_TYPES_ONLY = {"twinrpc._rref"}
+
+
+def test_the_seam_imports_nothing_of_the_core_above_it() -> None:
+    seam = CORE / "_world.py"
+    wrong = [
+        f"_world.py:{line}: {name}{' (typing)' if typing else ''}"
+        for name, typing, line in _imports(seam)
+        if not (typing and name in SEAM_GROUND | SEAM_TYPES_ONLY)
+    ]
+    assert not wrong, "the seam (src/twinrpc/_world.py) imports the core above it:\n" + "\n".join(wrong)
+
+
+def test_the_core_does_not_import_a_world() -> None:
+    """The core finds the real world by its entry point (``twinrpc._world.installed_world``)."""
+    wrong = [
+        f"{path.relative_to(CORE.parent)}:{line}: {name}"
+        for path in _core_modules()
+        for name, _typing, line in _imports(path)
+        if name == "twinrpc.impl" or name.startswith("twinrpc.impl.")
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_default_world_is_the_installed_gloo_world() -> None:
+    import twinrpc.impl
+
+    assert installed_world() is twinrpc.impl.connect
+
+
+def test_the_worlds_join_reads_no_public_options() -> None:
+    """A world is told its options by ``init_rpc`` (``JoinOptions``), never reads ``twinrpc.rpc``."""
+    import twinrpc.impl
+    import twinrpc.simulator
+
+    impl = pathlib.Path(twinrpc.impl.__file__).parent
+    sim = pathlib.Path(twinrpc.simulator.__file__).parent
+    joins = [(p, impl, "twinrpc.impl") for p in sorted(impl.glob("*.py"))]
+    joins += [(sim / name, sim, "twinrpc.simulator") for name in ("_world.py", "_rendezvous.py")]
+    wrong = [
+        f"{path.name}:{line}: {name}"
+        for path, root, package in joins
+        for name, _typing, line in _imports(path, root, package)
+        if name == "twinrpc.rpc" or name.startswith("twinrpc.rpc.")
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_join_options_never_show_the_job_key() -> None:
+    options = JoinOptions(
+        rpc_timeout=1.0,
+        init_method="env://",
+        num_worker_threads=1,
+        heartbeat_interval=1.0,
+        heartbeat_misses=3,
+        unpickle_allow=None,
+        auth_key=b"secret",
+    )
+    assert "secret" not in repr(options)

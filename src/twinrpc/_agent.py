@@ -46,6 +46,7 @@ from ._rref import (
 )
 from ._rref_context import ForkRecorder, RRefContext
 from ._shutdown import ShutdownProtocol
+from ._torch_builtins import is_builtin
 from ._unpickle_allow import UnpickleAllowlist
 from ._worker_info import Roster, WorkerInfo
 from ._world import World
@@ -76,13 +77,6 @@ class _RemoteException:
     message: str
     #: the error is a SerializationError standing for ``exc_type`` (see _errors.serialization_error)
     serialization: bool = False
-
-
-def _is_builtin(func: Any) -> bool:
-    try:
-        return torch.jit._builtins._find_builtin(func) is not None  # type: ignore[no-untyped-call]
-    except Exception:
-        return False
 
 
 class RpcAgent:
@@ -195,11 +189,6 @@ class RpcAgent:
         return list(self.workers)
 
     # -- client side ----------------------------------------------------------------------------
-    def effective_timeout(self, timeout: float) -> float:
-        if timeout is None or timeout < 0:
-            return self.rpc_timeout
-        return float(timeout)
-
     def request(
         self, dst: int, kind: Kind, obj: Any, timeout: float, deferrable: bool = False
     ) -> Future[Any]:
@@ -224,7 +213,7 @@ class RpcAgent:
                 # a builtin operator's Parameter arguments travel as tensors, as PyTorch's builtin
                 # calls (TorchScript) send them; the builtin wire sends them so too
                 func = obj[0] if kind is Kind.CALL else obj[2] if kind is Kind.REMOTE_CALL else None
-                builtin = func is not None and _is_builtin(func)
+                builtin = func is not None and is_builtin(func)
                 payload, tensors = _serialize.dumps(obj, fork, link_parameters=builtin)
         except BaseException:
             rrefs.unfork(fork.forks)  # nothing is sent
@@ -484,15 +473,14 @@ class RpcAgent:
     def _submit_builtin(self, msg: Message) -> None:
         """A builtin operator call in the compact encoding: decoded here (it runs no user code and
         never blocks), then served on the request pool, or on this very thread if the world can and
-        the call is brief (``Message.brief``). One that cannot be decoded is served as any request,
+        the call is brief (``World.submit``'s ``brief``). One that cannot be decoded is served as any request,
         whose decoding fails again and replies with the error."""
         try:
             call, load = _serialize.loads(msg.payload, msg.tensors, msg.src, None, True, self.unpickle_allow)
         except BaseException:
             self.world.submit(self._serve, msg)
             return
-        msg.brief = _builtin_wire.is_brief(call)
-        self.world.submit(self._serve_loaded, msg, call, load)
+        self.world.submit(self._serve_loaded, msg, call, load, brief=_builtin_wire.is_brief(call))
 
     def _serve_loaded(self, msg: Message, obj: Any, load: _serialize.LoadState) -> None:
         try:
@@ -577,7 +565,7 @@ class RpcAgent:
         try:
             result = func(*args, **kwargs)
         except Exception as exc:
-            if _is_builtin(func) and not isinstance(exc, RuntimeError):
+            if is_builtin(func) and not isinstance(exc, RuntimeError):
                 exc = RuntimeError(f"{type(exc).__name__}: {exc}").with_traceback(exc.__traceback__)
             self._finish_run(msg, None, exc, on_value)
             return

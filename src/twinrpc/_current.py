@@ -8,37 +8,37 @@ unchanged in both worlds.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._errors import NotInitializedError
+from ._world import Connect, Connection, JoinOptions, installed_world
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
 
 
-Connector = Callable[..., Any]
-
-
 @dataclass(eq=False)
 class WorkerSlot:
-    """Holds a worker's agent between init_rpc and shutdown, and how init_rpc joins its world."""
+    """Holds a worker's agent between init_rpc and shutdown, and how init_rpc joins its world (a
+    simulation gives each simulated worker a slot with its own connect)."""
 
-    connect: Connector
+    connect: Connect
     agent: RpcAgent | None = None
     #: how many times this worker has called init_rpc (a simulated worker's k-th init joins round k)
     generation: int = 0
 
 
-def _connect_real_world(**kwargs: Any) -> Any:
-    """Outside a simulation, init_rpc joins the real multiprocess gloo world."""
-    from .impl import connect
+def _connect_default_world(
+    *, name: str, rank: int, world_size: int | None, options: JoinOptions, generation: int
+) -> Connection:
+    """Outside a simulation, init_rpc joins the installed default world: the real multiprocess gloo
+    world (``twinrpc._world.installed_world``)."""
+    connect = installed_world()
+    return connect(name=name, rank=rank, world_size=world_size, options=options, generation=generation)
 
-    return connect(**kwargs)
 
-
-PROCESS_SLOT = WorkerSlot(connect=_connect_real_world)
+PROCESS_SLOT = WorkerSlot(connect=_connect_default_world)
 CURRENT_SLOT: contextvars.ContextVar[WorkerSlot | None] = contextvars.ContextVar("twinrpc_slot", default=None)
 
 

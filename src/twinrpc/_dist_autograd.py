@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,10 +26,12 @@ from ._errors import NotInitializedError, ShutdownError, WorkerUnavailableError
 from ._future import Future, add_internal_callback
 from ._message import Kind, Message
 from ._rref import agent_of, owner_allowlist
+from ._torch_builtins import is_builtin
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
     from ._fast_engine import GraphPass
+    from ._world import AutogradObserver
 
 _log = logging.getLogger("twinrpc")
 
@@ -46,14 +48,6 @@ _MAX_WORKER_ID = 65535
 #: kNumCleanupContextRetries = 20`` and the default ``RpcRetryOptions`` (``rpcRetryDuration`` 1000 ms,
 #: ``retryBackoff`` 1.5), each attempt an RPC with the agent's default timeout
 CLEANUP_RETRY = RetryPolicy(ack_wait=None, spacing=1.0, backoff=1.5, max_retries=20)
-
-
-class AutogradObserver(Protocol):
-    """What the simulator's trace is told about distributed autograd (``event``: context-created,
-    context-released, send-recorded, recv-recorded, backward-started, backward-finished,
-    gradient-sent). Only set in simulations; ``None`` (no cost) in the real world."""
-
-    def autograd_event(self, rank: int, event: str, context_id: int, detail: str) -> None: ...
 
 
 def context_not_found(context_id: int) -> RuntimeError:
@@ -286,13 +280,6 @@ class _RecvHook:
         return entry.attach(t)
 
 
-def _is_builtin(func: Any) -> bool:
-    try:
-        return torch.jit._builtins._find_builtin(func) is not None  # type: ignore[no-untyped-call]
-    except Exception:
-        return False
-
-
 def _any_requires_grad(obj: Any, depth: int = 0) -> bool:
     if isinstance(obj, torch.Tensor):
         return obj.requires_grad
@@ -498,7 +485,7 @@ class DistAutogradContainer:
         else:
             func = obj[0] if kind is Kind.CALL else obj[2]
             args, kwargs = (obj[1], obj[2]) if kind is Kind.CALL else (obj[3], obj[4])
-            builtin = _is_builtin(func)
+            builtin = is_builtin(func)
             if builtin and not (_any_requires_grad(args) or _any_requires_grad(kwargs)):
                 return _serialize.dumps(obj, fork)  # builtins join only with tensors requiring grad
             what = f"{'remote' if kind is Kind.REMOTE_CALL else 'rpc'} call of {_func_name(func)}"

@@ -77,11 +77,6 @@ CURRENT_BLOCKER: contextvars.ContextVar[Blocker | None] = contextvars.ContextVar
 )
 
 
-def current_blocker() -> Blocker:
-    blocker = CURRENT_BLOCKER.get()
-    return THREAD_BLOCKER if blocker is None else blocker
-
-
 _torch_future_init = torch._C.Future.__init__
 
 

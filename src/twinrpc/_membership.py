@@ -9,35 +9,23 @@ member has it in its membership. A leaver, holding the token, tells every other 
 leaves, waits for its own outstanding calls, removes its name from the store and stops: the others keep
 working, and a call to it by name or rank raises "could not find destination" as for any unknown worker.
 
-The world provides the store's part as a :class:`GroupMembership` (``world.membership``); a world of a
-static group has none.
+The world provides the store's part as a ``twinrpc._world.GroupMembership`` (``world.membership``);
+a world of a static group has none.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ._current import current_agent
 from ._worker_info import WorkerInfo
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
+    from ._world import GroupMembership
 
 #: PyTorch's text (its trailing space included), raised when static and dynamic workers meet in one group
 MIXED_GROUP_ERROR = "RPC group mixes statically and dynamically initialized members which is not supported. "
-
-
-class GroupMembership(Protocol):
-    """A dynamic group member's handle on the rendezvous store (one per ``init_rpc``)."""
-
-    def lock(self) -> None:
-        """Take the group's membership token: blocks while another worker joins or leaves."""
-
-    def unlock(self) -> None:
-        """Give the token back (the connect that made this handle returned holding it)."""
-
-    def remove(self) -> None:
-        """Remove this worker's name and rank from the store (the token is held)."""
 
 
 def update_group_membership(info: WorkerInfo, is_join: bool) -> None:

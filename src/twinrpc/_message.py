@@ -48,7 +48,6 @@ REQUEST_KINDS = frozenset(
 RREF_CONTROL_KINDS = frozenset({Kind.RREF_USER_DELETE, Kind.RREF_FORK_REQUEST, Kind.RREF_CHILD_ACCEPT})
 #: what the control channel sends (resent until acked, handled once: twinrpc._rref_context)
 CONTROL_KINDS = RREF_CONTROL_KINDS | {Kind.CONTEXT_CLEANUP}
-COLLECTIVE_KINDS = frozenset({Kind.GATHER, Kind.SCATTER})
 
 
 @dataclass(slots=True)
@@ -65,11 +64,6 @@ class Message:
     #: it may wait briefly to travel with the next message to ``dst`` (the gloo world's riders; the
     #: simulator sends it as any other, so traces do not depend on it). Order per link is kept.
     deferrable: bool = False
-    #: a hint to the world, not sent: this request is short and never blocks (a builtin operator on a
-    #: few plain arguments, ``twinrpc._builtin_wire.is_brief``), so the world may run it on the thread
-    #: that received it rather than hand that thread's role to another first; it still takes one of
-    #: the request pool's ``num_worker_threads`` slots (the gloo world; the simulator ignores it).
-    brief: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -283,12 +283,6 @@ class RRef(Generic[T]):
     __str__ = __repr__
 
 
-def rref_for_current_agent(value: Any) -> RRef[Any]:
-    """``RRef(value)`` on the calling worker (used by the optimizer and proxies)."""
-    current_agent()
-    return RRef(value)
-
-
 # -- the protocol's own access to an RRef (package-internal: an RRef's state is not user API) ---------
 def wrap_rref(agent: RpcAgent, state: OwnerState | UserState) -> RRef[Any]:
     """The user-facing RRef for ``state`` on ``agent``'s worker (an owner or a user fork)."""

@@ -33,7 +33,7 @@ import itertools
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ._errors import RPCError, RPCTimeoutError, WorkerUnavailableError
 from ._future import Future, add_internal_callback, then_internal, wait_bounded
@@ -52,11 +52,9 @@ from ._serialize import LoadState
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
+    from ._world import RRefObserver
 
 _log = logging.getLogger("twinrpc")
-
-#: how long graceful shutdown waits for pending users/children to be confirmed (PyTorch: 100 s)
-PENDING_CONFIRM_TIMEOUT = 100.0
 
 #: TEST-ONLY switch: when True, a user that forks its RRef does NOT keep itself alive until the owner
 #: accepted the child, i.e. guarantee G2 is broken on purpose. The simulator's monitors and the
@@ -70,26 +68,6 @@ _LEAK_WARNING = (
     "after this, these leaks could result in memory leaks on RRef owners. Please make sure all RRefs "
     "are out of scope and Python GC has deleted them before calling shutdown(): \n"
 )
-
-
-class RRefObserver(Protocol):
-    """What the simulator's online monitors (``simulator/_checks/_monitors.py``) and its trace are told.
-    ``rank`` is the worker whose context reports the event. Only set in simulations; ``None`` (no
-    cost) in the real world."""
-
-    def user_created(self, rank: int, state: UserState) -> None: ...
-    def user_confirmed(self, rank: int, state: UserState) -> None: ...
-    def user_deleted(self, rank: int, state: UserState, notified: bool) -> None: ...
-    def child_forked(self, rank: int, parent: UserState, child_fork_id: GloballyUniqueId) -> None: ...
-    def fork_known(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None: ...
-    def fork_abandoned(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None: ...
-    def delete_heard(self, rank: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None: ...
-    def owner_registered(self, rank: int, state: OwnerState) -> None: ...
-    def owner_dropped(self, rank: int, state: OwnerState) -> None: ...
-    def closed(
-        self, rank: int, graceful: bool, leaks: list[tuple[GloballyUniqueId, list[GloballyUniqueId]]]
-    ) -> None:
-        """The worker's RRef context closed (shutdown); ``leaks``: owned rref ids with live forks."""
 
 
 class ForkRecorder:
@@ -552,10 +530,6 @@ class RRefContext:
         for user in users:
             self.user_died(user)
         self._flush_deferred_deletes()
-
-    def delete_all_users(self) -> None:
-        """Delete every live user this worker holds, without waiting (see release_for_shutdown)."""
-        self.release_for_shutdown(0.0)
 
     def wait_owners_drained(self) -> Future[None]:
         """A future that completes when this worker owns no forked value any more."""

@@ -16,7 +16,7 @@ from typing import Any, overload
 import torch
 
 from .._current import current_agent
-from .._dist_autograd import CURRENT_CONTEXT, DistAutogradContext
+from .._dist_autograd import DistAutogradContext
 
 __all__ = ["DistAutogradContext", "backward", "context", "get_gradients", "is_available"]
 
@@ -169,8 +169,3 @@ def _get_max_id() -> int:
 
 def _get_debug_info() -> dict[str, str]:
     return _container().debug_info()  # type: ignore[no-any-return]
-
-
-def _current_context_id() -> int | None:
-    """twinrpc: this thread's context id, or None."""
-    return CURRENT_CONTEXT.get()

@@ -17,11 +17,16 @@ import torch
 from .._agent import RpcAgent
 from .._current import current_agent, current_slot
 from .._future import Future
+from .._key_source import auth_key_of
 from .._membership import join_group
 from .._rref import RRef
+from .._torch_builtins import builtin_name
 from .._unpickle_allow import UnpickleAllowlist
 from .._worker_info import WorkerInfo, check_worker_name
+from .._world import JoinOptions
 from .options import (
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_HEARTBEAT_MISSES,
     DEFAULT_SHUTDOWN_TIMEOUT,
     UNSET_RPC_TIMEOUT,
     BackendType,
@@ -64,10 +69,10 @@ def init_rpc(
     _check_options_match_backend(backend, rpc_backend_options)
     if isinstance(getattr(rpc_backend_options, "rpc_timeout", None), datetime.timedelta):
         raise TypeError("rpc_timeout must be a float number of seconds, not a timedelta")
-    options = rpc_backend_options if rpc_backend_options is not None else RpcBackendOptions()
     slot = current_slot()
     if slot.agent is not None:
         raise RuntimeError(f"RPC is already initialized (this worker is {slot.agent.info})")
+    options = _join_options(rpc_backend_options if rpc_backend_options is not None else RpcBackendOptions())
     world, info, workers = slot.connect(
         name=name, rank=rank, world_size=world_size, options=options, generation=slot.generation
     )
@@ -75,7 +80,7 @@ def init_rpc(
     # asks for: connecting moved it to that worker's slot (simulator/_launch/_processes.py).
     slot = current_slot()
     slot.generation += 1
-    allow = getattr(options, "unpickle_allow", None)  # a subclass may skip RpcBackendOptions.__init__
+    allow = options.unpickle_allow
     agent = RpcAgent(
         world,
         info,
@@ -93,6 +98,21 @@ def init_rpc(
         finally:
             if not agent.running:
                 slot.agent = None
+
+
+def _join_options(options: RpcBackendOptions) -> JoinOptions:
+    """What the world is told, read once from the user's options. A subclass may skip
+    ``RpcBackendOptions.__init__`` (a program's own options class): what it lacks has the default."""
+    allow = getattr(options, "unpickle_allow", None)
+    return JoinOptions(
+        rpc_timeout=options.rpc_timeout,
+        init_method=options.init_method,
+        num_worker_threads=options.num_worker_threads,
+        heartbeat_interval=float(getattr(options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL)),
+        heartbeat_misses=int(getattr(options, "heartbeat_misses", DEFAULT_HEARTBEAT_MISSES)),
+        unpickle_allow=None if allow is None else tuple(allow),
+        auth_key=auth_key_of(options),
+    )
 
 
 #: the options class PyTorch requires for each backend (its ``*_init_backend_handler``s check it)
@@ -166,7 +186,7 @@ def _check_builtin_arguments(
 ) -> None:
     """A builtin operator's arguments must match one of its schemas, checked on the caller before
     anything is sent (RPC-3), with PyTorch's matcher and its message."""
-    qualified_name = _find_builtin(func)
+    qualified_name = builtin_name(func)
     if qualified_name is None or not isinstance(args, (tuple, list, type(None))):
         return  # not a builtin, or arguments the agent refuses with its own error
     if not isinstance(kwargs, (dict, type(None))):
@@ -180,28 +200,12 @@ def _check_builtin_arguments(
         ) from exc
 
 
-#: torch's table of builtin operators by ``id`` of the Python callable (torch.jit._builtins), fetched
-#: once: it is built on first use and only grows in place, and every rpc_sync looks its function up
-_builtins: dict[int, Any] | None = None
-
-
-def _find_builtin(func: Any) -> str | None:
-    global _builtins
-    table = _builtins
-    if table is None:
-        table = _builtins = torch.jit._builtins._get_builtin_table()  # type: ignore[no-untyped-call]
-    name = table.get(id(func))
-    return name if isinstance(name, str) else None
-
-
 def _check_call(
     to: str | int | WorkerInfo, func: Any, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None
 ) -> None:
     """What every call checks before anything is sent: a callable, and a builtin's arguments."""
     if not callable(func):
         raise TypeError("function should be callable.")
-    if _builtins is not None and id(func) not in _builtins:
-        return  # _find_builtin's answer, without the calls: not a builtin (most calls)
     _check_builtin_arguments(to, func, args, kwargs)
 
 
