@@ -7,7 +7,7 @@ import sys
 from _launch import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import _cli  # noqa: E402
+import _cli
 
 SCRIPTS = sorted([*ROOT.glob("benchmarks/bench_*.py"), ROOT / "benchmarks" / "render_results.py"])
 

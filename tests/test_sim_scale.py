@@ -22,6 +22,8 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_sim_scale
 
 @pytest.fixture(scope="module")
 def scale() -> ModuleType:
+    if str(BENCH.parent) not in sys.path:  # as when run as a script: its folder's helpers (_cli) import
+        sys.path.insert(0, str(BENCH.parent))
     spec = importlib.util.spec_from_file_location("bench_sim_scale", BENCH)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
