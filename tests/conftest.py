@@ -15,11 +15,17 @@ if _ROOT not in sys.path:
 
 pytest_plugins = ["pytester"]
 
-#: Modules whose tests take 10-30 s each (real processes), run first: pytest-xdist hands out tests in
-#: collection order, and these two sort near the end, where a 30 s test left one worker running alone
-#: after the other had finished. Measured with ``--durations``: test_twin_differential.py 15-33 s a
-#: test, test_docs_examples.py up to 27 s (its gloo programs).
-SLOW_MODULES = ("test_twin_differential.py", "test_docs_examples.py")
+#: Modules whose tests take 10-60 s each (real processes), run first: pytest-xdist hands out tests in
+#: collection order, and a slow test that sorts near the end leaves one worker running alone after the
+#: other has finished. Measured with ``--durations``: test_tutorial_programs.py 20-60 s a test (three
+#: worlds, TensorPipe's start-up), test_twin_differential.py 15-33 s, test_readme.py (an exploration)
+#: and test_docs_examples.py up to 30 s (its gloo programs).
+SLOW_MODULES = (
+    "test_tutorial_programs.py",
+    "test_twin_differential.py",
+    "test_readme.py",
+    "test_docs_examples.py",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
