@@ -269,9 +269,9 @@ class ProgramRunner:
     """Runs one case of a program file as ``run`` does (:func:`_outcome`), in a working directory of
     its own: one per process of a parallel exploration (it is pickled into each)."""
 
-    #: what the worker processes import before they fork (each run's program imports it again in
-    #: its own module copies, but the libraries themselves are shared)
-    preload = ("torch", "twinrpc.simulator._launch._launch")
+    #: what the server the worker processes fork from imports first: torch, the slow import (the
+    #: simulator is imported after the fork, as in this process: see ``CaseRunner``)
+    preload = ("torch",)
 
     def __init__(self, options: LaunchOptions, network: NetworkModel | None) -> None:
         self.options = options

@@ -111,7 +111,9 @@ def run_shard(plan: ExplorationPlan, args: argparse.Namespace, jobs: int) -> int
         print(f"  replay: {failures[0]['replay']}")
     else:
         print(f"{summary} passed")
-    print(f"  results written to {path}; gather the shards with: python -m twinrpc.simulator explore merge {out}")
+    print(
+        f"  results written to {path}; gather the shards with: python -m twinrpc.simulator explore merge {out}"
+    )
     return 1 if failures else 0
 
 
@@ -122,7 +124,9 @@ def merge_parser() -> argparse.ArgumentParser:
         "failure with the lowest run index, write its plan and regression test, print its replay command.",
     )
     p.add_argument("dirs", nargs="+", metavar="DIR", help="directories (or shard files) the shards wrote")
-    p.add_argument("--out", default="explore-out", metavar="DIR", help="where the plan and test go (explore-out)")
+    p.add_argument(
+        "--out", default="explore-out", metavar="DIR", help="where the plan and test go (explore-out)"
+    )
     p.add_argument("--expect", choices=("pass", "fail"), default="pass", help="as for explore")
     return p
 

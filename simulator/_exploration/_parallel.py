@@ -50,7 +50,9 @@ class CaseRunner(Protocol):
 
     def run(self, case: Case) -> _Outcome: ...
 
-    # optional: ``preload``, the modules a worker process imports before it forks (forkserver)
+    # optional: ``preload``, the modules the server the worker processes fork from imports first
+    # (forkserver): libraries whose import is slow, never twinrpc.simulator itself (a launcher
+    # imported before the fork runs some programs differently from one imported after it)
 
     def close(self) -> None: ...
 
@@ -371,7 +373,7 @@ def prepare_jobs(plan: ExplorationPlan, jobs: int) -> None:
 
 
 def _preload(plan: ExplorationPlan) -> list[str]:
-    return [type(plan.runner).__module__, *getattr(plan.runner, "preload", ())]
+    return list(getattr(plan.runner, "preload", ()))
 
 
 def _parallel(
@@ -386,7 +388,8 @@ def _parallel(
     for _ in range(jobs):
         tasks.put(None)
     workers = [
-        ctx.Process(target=_job, args=(plan, j, tasks, results, stop, horizon), daemon=True) for j in range(jobs)
+        ctx.Process(target=_job, args=(plan, j, tasks, results, stop, horizon), daemon=True)
+        for j in range(jobs)
     ]
     for worker in workers:
         worker.start()
