@@ -24,6 +24,11 @@ Options (``pytest --help``, group "twinrpc"):
     search); on the first failure, shrink it and fail with the replay command and the minimal plan.
 ``--sim-explore-seed S``
     The exploration's own seed (default 0): the same seed explores the same cases.
+``--sim-explore-jobs J``
+    Spread each test's runs over ``J`` processes, forks of the test's own (they carry its fixtures),
+    as ``explore --jobs`` does (:mod:`._exploration._parallel`): blocks of runs, the lowest failing
+    run reported. Given at all (even ``1``), the runs are those blocks, so ``J`` does not change
+    which failure is found.
 ``--sim-export DIR``
     Write each shrunk failure as a regression test file in ``DIR`` (``--sim-export-expect fail``:
     one that asserts the known failure instead of its absence).
@@ -55,8 +60,9 @@ import pytest
 from ._config import SimConfig
 from ._exploration._case import Case, _Outcome, _run, plan_from_data, plan_to_data
 from ._exploration._failure import Failure
+from ._exploration._parallel import ExplorationPlan, Found, explore_blocks
 from ._exploration._reproduce import _is_literal, raises_block, regression_header
-from ._exploration._search import _Search, cases
+from ._exploration._search import _Search, cases, failure_of
 from ._faults._plan import FaultPlan
 from ._files import compute_from_text, network_from_text, plan_from_text
 from ._kernel._compute import ComputeModel
@@ -324,6 +330,37 @@ def explore_item(item: pytest.Function) -> bool:
     strategy_faults = fixture.fault_strategy
     strategy_network = fixture.network_strategy
     compute = fixture.compute
+    jobs = config.getoption("sim_explore_jobs", None)
+    if jobs is not None:
+        plan = ExplorationPlan(
+            _TestRuns(body),
+            0,  # the test draws its case itself, for its own world size
+            seed=int(config.getoption("sim_explore_seed")),
+            runs=runs,
+            max_shrink_runs=int(config.getoption("sim_shrink_runs")),
+            cases=lambda n, horizon: cases(
+                n, strategy_faults, strategy_network, None, horizon, compute=compute
+            ),
+            calibrate=strategy_faults is None,
+            baseline=Case(0, compute=compute),
+        )
+        found = _explore_in_blocks(plan, jobs)
+        if found is None:
+            return True
+        failure = failure_of(
+            found.first,
+            found.best,
+            found.signature,
+            found_at=found.found_at,
+            calls=found.calls,
+            world_size=0,
+            program=None,
+            args=(),
+            check=None,
+            command=fixture.replay_command,
+            exporter=lambda f, name, expect: export_item(item, f, name, expect),
+        )
+        return _raise(item, failure)
     search = _Search(
         body,
         lambda n, horizon: cases(n, strategy_faults, strategy_network, None, horizon, compute=compute),
@@ -347,11 +384,41 @@ def explore_item(item: pytest.Function) -> bool:
         command=fixture.replay_command,
         exporter=lambda f, name, expect: export_item(item, f, name, expect),
     )
+    return _raise(item, failure)
+
+
+def _raise(item: pytest.Function, failure: Failure) -> bool:
+    """Fail the test with ``failure`` (written as a regression test first, under ``--sim-export``)."""
+    __tracebackhide__ = True
+    config = item.config
     export_dir = config.getoption("sim_export")
     if export_dir:
         path = write_export(item, failure, Path(export_dir), config.getoption("sim_export_expect"))
         failure.args = (f"{failure.describe()}\n  regression test written to {path}",)
     raise failure
+
+
+class _TestRuns:
+    """A test's runs for a parallel exploration: the test function, run where its fixtures live (in
+    this process, or a fork of it)."""
+
+    def __init__(self, body: Callable[[Callable[[int], Case]], _Outcome]) -> None:
+        self.run_drawn = body
+        self.environment: dict[str, str | None] = {}
+
+    def run(self, case: Case) -> _Outcome:
+        return self.run_drawn(lambda world_size: case)
+
+    def close(self) -> None:
+        pass
+
+
+def _explore_in_blocks(plan: ExplorationPlan, jobs: int) -> Found | None:
+    """The failure with the lowest run index of ``plan``, found by ``jobs`` forks of this process."""
+    calibration = plan.calibration()
+    if plan.calibrate and calibration._baseline():
+        return Found.of_calibration(calibration)
+    return explore_blocks(plan, plan.blocks(), calibration.horizon, jobs=jobs, fork=True).found
 
 
 def regression_name(item: pytest.Item, case: Case) -> str:
@@ -430,6 +497,9 @@ def export_item(item: pytest.Item, failure: Failure, name: str, expect: str) -> 
 def check_options(config: pytest.Config) -> None:
     """Reject combinations that cannot mean anything."""
     explore = config.getoption("sim_explore")
+    jobs = config.getoption("sim_explore_jobs", None)
+    if jobs is not None and (jobs < 1 or not explore):
+        raise pytest.UsageError(f"--sim-explore-jobs {jobs}: at least 1, and with --sim-explore N")
     if explore is not None and explore < 1:
         raise pytest.UsageError(f"--sim-explore {explore}: at least one run")
     if explore and config.getoption("sim_seed") is not None:

@@ -36,7 +36,7 @@ from .._exploration._case import Case, _Outcome
 from .._exploration._failure import Failure
 from .._exploration._parallel import ExplorationPlan, Found, default_jobs, explore_blocks, prepare_jobs
 from .._exploration._reproduce import regression_header
-from .._exploration._search import _Search, failure_of
+from .._exploration._search import failure_of
 from .._launch._launch import LaunchOptions, environment_prefix, launch, load_compute, load_network
 from .._network._model import NetworkModel
 
@@ -360,7 +360,7 @@ def explore_command(args: argparse.Namespace) -> int:
         if calibration._baseline():  # seed 0 without faults fails: nothing is smaller
             environment = dict(plan.runner.environment)
             plan.runner.close()
-            return report(calibration_found(calibration), plan, args, environment)
+            return report(Found.of_calibration(calibration), plan, args, environment)
         plan.runner.close()
         outcome = explore_blocks(plan, plan.blocks(), calibration.horizon, jobs=jobs)
     except (LaunchError, SimulationError) as exc:
@@ -371,12 +371,6 @@ def explore_command(args: argparse.Namespace) -> int:
         return 0
     environment = {**plan.runner.environment, **outcome.environment}
     return report(outcome.found, plan, args, environment)
-
-
-def calibration_found(search: _Search) -> Found:
-    """The failure of the calibration run (run 1), as a block's search reports one."""
-    assert search.first is not None and search.signature is not None
-    return Found(0, search.first, search.first, search.signature, 1, 1)
 
 
 def report(

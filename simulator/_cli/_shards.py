@@ -20,7 +20,7 @@ from .._errors import LaunchError, SimulationError
 from .._exploration._case import Case
 from .._exploration._parallel import ExplorationPlan, Found, explore_blocks, prepare_jobs, run_block
 from .._launch._launch import LaunchOptions, load_network
-from ._explore import ProgramRunner, calibration_found, report, run_command_line
+from ._explore import ProgramRunner, report, run_command_line
 
 #: what a shard file says it is (``merge`` refuses anything else)
 SHARD_FORMAT = "twinrpc.simulator explore shard 1"
@@ -59,7 +59,7 @@ def run_shard(plan: ExplorationPlan, args: argparse.Namespace, jobs: int) -> int
     found: Found | None = None
     runs = 1 if index == 0 else 0  # the calibration run is shard 0's (every shard makes it)
     if calibration._baseline():
-        found = calibration_found(calibration) if index == 0 else None
+        found = Found.of_calibration(calibration) if index == 0 else None
         blocks: list[int] = []
         note = "run 1 (seed 0, no faults) failed: the exploration ends there, and shard 0 reports it"
     else:
@@ -222,9 +222,9 @@ def _again(plan: ExplorationPlan, failure: dict[str, Any], horizon: float | None
         if not calibration._baseline():
             raise SimulationError(_differs(failure, "run 1 passes now"))
         plan.runner.close()
-        return calibration_found(calibration)
+        return Found.of_calibration(calibration)
     try:
-        result = run_block(plan, failure["block"], plan.runner.run, horizon)
+        result = run_block(plan, failure["block"], plan.runner, horizon)
     finally:
         plan.runner.close()
     found = result.found

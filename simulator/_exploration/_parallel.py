@@ -28,12 +28,15 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from .._errors import ProgramError, SimulationError
 from ._case import Case, _Outcome
 from ._search import _Search, cases
 from ._signature import _Signature, _type_name
+
+if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
 
 #: runs in a block: the unit of work a job takes, and of what a block's search explores on its own
 BLOCK_RUNS = 20
@@ -49,6 +52,9 @@ class CaseRunner(Protocol):
     environment: dict[str, str | None]
 
     def run(self, case: Case) -> _Outcome: ...
+
+    # optional: ``run_drawn(draw)``, a run that draws its case itself with ``draw(world_size)`` (a
+    # pytest test, which knows its world size only when it runs)
 
     # optional: ``preload``, the modules the server the worker processes fork from imports first
     # (forkserver): libraries whose import is slow, never twinrpc.simulator itself (a launcher
@@ -71,6 +77,13 @@ class ExplorationPlan:
     max_shrink_runs: int = 200
     #: shrink a failure where it is found (``explore --shard`` leaves that to ``explore merge``)
     shrink: bool = True
+    #: the strategy of cases for a world size and the program's length (None: the default fault
+    #: plans, or with ``swarm`` the seeds' swarm plans); must pickle unless the jobs fork
+    cases: Callable[[int, float | None], SearchStrategy[Case]] | None = None
+    #: whether run 1 is the calibration run (else the blocks' default fault plans span one second)
+    calibrate: bool = True
+    #: the calibration run's case
+    baseline: Case = dataclasses.field(default_factory=lambda: Case(0))
 
     def blocks(self) -> range:
         """The block indices of the whole exploration."""
@@ -79,18 +92,24 @@ class ExplorationPlan:
     def calibration(self) -> _Search:
         """The search that makes the calibration run (run 1): ``_baseline()`` runs it."""
         return _Search(
-            _body(self, self.runner.run),
-            lambda world, horizon: cases(world, None, None, None, horizon, self.swarm),
+            _body(self, self.runner),
+            self.strategy,
             runs=self.runs,
             seed=self.seed,
             shrink=False,
-            calibrate=True,
+            calibrate=self.calibrate,
+            baseline=self.baseline,
         )
+
+    def strategy(self, world_size: int, horizon: float | None) -> SearchStrategy[Case]:
+        if self.cases is not None:
+            return self.cases(world_size, horizon)
+        return cases(world_size, None, None, None, horizon, self.swarm)
 
     def block_search(
         self,
         block: int,
-        run: Callable[[Case], _Outcome],
+        runner: CaseRunner,
         horizon: float | None,
         *,
         cancelled: Callable[[], bool] = lambda: False,
@@ -111,8 +130,8 @@ class ExplorationPlan:
             return cancelled() or (search.found_at is None and search.calls >= search.runs)
 
         search = _Search(
-            _body(self, run, on_run),
-            lambda world, h: cases(world, None, None, None, h, self.swarm),
+            _body(self, runner, on_run),
+            self.strategy,
             runs=min(BLOCK_RUNS, self.runs - first),
             seed=block_seed(self.seed, block),
             shrink=self.shrink and not self.swarm,
@@ -121,7 +140,7 @@ class ExplorationPlan:
             tuned_for=TUNED_FOR,
             stop=stop,
         )
-        search.after_baseline(horizon, counted=block == 0)
+        search.after_baseline(horizon, counted=block == 0 and self.calibrate)
         return search
 
 
@@ -134,10 +153,12 @@ def block_seed(seed: int, block: int) -> int:
 
 
 def _body(
-    plan: ExplorationPlan, run: Callable[[Case], _Outcome], on_run: Callable[[], None] = lambda: None
+    plan: ExplorationPlan, runner: CaseRunner, on_run: Callable[[], None] = lambda: None
 ) -> Callable[[Callable[[int], Case]], _Outcome]:
+    drawn = getattr(runner, "run_drawn", None)
+
     def body(draw: Callable[[int], Case]) -> _Outcome:
-        outcome = run(draw(plan.world_size))
+        outcome = drawn(draw) if drawn is not None else runner.run(draw(plan.world_size))
         on_run()
         return outcome
 
@@ -157,6 +178,12 @@ class Found:
     #: the index the block's last run (shrinking included) would have
     calls: int
 
+    @classmethod
+    def of_calibration(cls, search: _Search) -> Found:
+        """The failure of the calibration run (run 1): minimal already."""
+        assert search.first is not None and search.signature is not None
+        return cls(0, _portable(search.first), _portable(search.first), search.signature, 1, 1)
+
 
 @dataclass(frozen=True)
 class BlockResult:
@@ -169,7 +196,7 @@ class BlockResult:
 def run_block(
     plan: ExplorationPlan,
     block: int,
-    run: Callable[[Case], _Outcome],
+    runner: CaseRunner,
     horizon: float | None,
     *,
     cancelled: Callable[[], bool] = lambda: False,
@@ -178,8 +205,8 @@ def run_block(
 ) -> BlockResult:
     """Search block ``block`` (in this process) until its budget is spent or it finds a failure, which
     it then shrinks as far as the plan says."""
-    search = plan.block_search(block, run, horizon, cancelled=cancelled, on_run=on_run, on_found=on_found)
-    start = 1 if block == 0 else 0
+    search = plan.block_search(block, runner, horizon, cancelled=cancelled, on_run=on_run, on_found=on_found)
+    start = 1 if block == 0 and plan.calibrate else 0
     search.run()
     runs = search.calls - start
     if search.first is None or cancelled():
@@ -278,15 +305,18 @@ def explore_blocks(
     *,
     jobs: int = 1,
     progress: Progress | None = None,
+    fork: bool = False,
 ) -> BlocksOutcome:
     """Search ``blocks`` (in increasing order) with ``jobs`` worker processes (1: in this process);
-    stop at the failure with the lowest run index."""
+    stop at the failure with the lowest run index. ``fork``: the workers are forks of this process,
+    which carry what cannot be pickled (a pytest test's fixtures); else they are forked from a
+    fresh server (forkserver) or spawned, and the plan is pickled to them."""
     progress = progress or Progress(jobs=jobs)
     blocks = sorted(blocks)
     try:
         if jobs <= 1 or len(blocks) <= 1:
             return _sequential(plan, blocks, horizon, progress)
-        return _parallel(plan, blocks, horizon, min(jobs, len(blocks)), progress)
+        return _parallel(plan, blocks, horizon, min(jobs, len(blocks)), progress, fork)
     finally:
         progress.close()
 
@@ -297,7 +327,7 @@ def _sequential(
     runs = 0
     try:
         for block in blocks:
-            result = run_block(plan, block, plan.runner.run, horizon, on_run=progress.add)
+            result = run_block(plan, block, plan.runner, horizon, on_run=progress.add)
             runs += result.runs
             if result.found is not None:
                 progress.add(0, failures=1)
@@ -334,7 +364,7 @@ def _job(
             result = run_block(
                 plan,
                 block,
-                runner.run,
+                runner,
                 horizon,
                 cancelled=lambda b=block: b > stop.value,
                 on_run=lambda: results.put(("run", job, None)),
@@ -377,9 +407,14 @@ def _preload(plan: ExplorationPlan) -> list[str]:
 
 
 def _parallel(
-    plan: ExplorationPlan, blocks: Sequence[int], horizon: float | None, jobs: int, progress: Progress
+    plan: ExplorationPlan,
+    blocks: Sequence[int],
+    horizon: float | None,
+    jobs: int,
+    progress: Progress,
+    fork: bool = False,
 ) -> BlocksOutcome:
-    ctx = _context(_preload(plan))
+    ctx = multiprocessing.get_context("fork") if fork else _context(_preload(plan))
     tasks = ctx.Queue()
     results = ctx.Queue()
     stop = ctx.Value("q", _NONE_FAILED)
