@@ -3,7 +3,9 @@
 ::
 
     python -m twinrpc.simulator explore --nproc-per-node 3 [--runs 200] [--swarm] [--seed S]
-        [--network FILE] [--compute FILE] [--max-time T] [--shrink-runs N] [--out DIR] prog.py ARGS...
+        [--network FILE] [--compute FILE] [--max-time T] [--shrink-runs N] [--out DIR]
+        [--jobs J] [--shard I/N] prog.py ARGS...
+    python -m twinrpc.simulator explore merge [--out DIR] SHARD_DIR...
 
 Each run is what ``python -m twinrpc.simulator run`` does (:mod:`twinrpc.simulator._launch._launch`), under a
 seed and a fault plan drawn as :func:`twinrpc.simulator.explore` draws them (``--swarm``: the seed
@@ -15,6 +17,10 @@ and the ``run`` command that replays the minimal run is printed. Both carry the 
 the program read (:func:`~twinrpc.simulator._launch._launch.replay_environment`, over all the runs: each run
 starts from the same environment), set or unset as they were. Exit status 0 when every run passed,
 1 when one failed, 2 on bad input.
+
+The runs are searched in blocks by ``--jobs`` worker processes (:mod:`.._exploration._parallel`); the
+failure with the lowest run index is reported, so the number of jobs does not change it.
+``--shard I/N`` and ``merge`` spread the blocks over machines (:mod:`._shards`).
 """
 
 from __future__ import annotations
