@@ -62,7 +62,7 @@ from ._exploration._case import Case, _Outcome, _run, plan_from_data, plan_to_da
 from ._exploration._failure import Failure
 from ._exploration._parallel import ExplorationPlan, Found, explore_blocks
 from ._exploration._reproduce import _is_literal, raises_block, regression_header
-from ._exploration._search import _Search, cases, failure_of
+from ._exploration._search import _Search, cases
 from ._faults._plan import FaultPlan
 from ._files import compute_from_text, network_from_text, plan_from_text
 from ._kernel._compute import ComputeModel
@@ -330,53 +330,47 @@ def explore_item(item: pytest.Function) -> bool:
     strategy_faults = fixture.fault_strategy
     strategy_network = fixture.network_strategy
     compute = fixture.compute
+    seed = int(config.getoption("sim_explore_seed"))
+    shrink_runs = int(config.getoption("sim_shrink_runs"))
+
+    def strategy(n: int, horizon: float | None) -> Any:
+        return cases(n, strategy_faults, strategy_network, None, horizon, compute=compute)
+
     jobs = config.getoption("sim_explore_jobs", None)
+    make_failure: Callable[..., Failure]
     if jobs is not None:
         plan = ExplorationPlan(
             _TestRuns(body),
             0,  # the test draws its case itself, for its own world size
-            seed=int(config.getoption("sim_explore_seed")),
+            seed=seed,
             runs=runs,
-            max_shrink_runs=int(config.getoption("sim_shrink_runs")),
-            cases=lambda n, horizon: cases(
-                n, strategy_faults, strategy_network, None, horizon, compute=compute
-            ),
+            max_shrink_runs=shrink_runs,
+            cases=strategy,
             calibrate=strategy_faults is None,
             baseline=Case(0, compute=compute),
         )
         found = _explore_in_blocks(plan, jobs)
         if found is None:
             return True
-        failure = failure_of(
-            found.first,
-            found.best,
-            found.signature,
-            found_at=found.found_at,
-            calls=found.calls,
-            world_size=0,
-            program=None,
-            args=(),
-            check=None,
-            command=fixture.replay_command,
-            exporter=lambda f, name, expect: export_item(item, f, name, expect),
+        make_failure = found.failure
+    else:
+        search = _Search(
+            body,
+            strategy,
+            runs=runs,
+            seed=seed,
+            max_shrink_runs=shrink_runs,
+            calibrate=strategy_faults is None,
+            baseline=Case(0, compute=compute),
         )
-        return _raise(item, failure)
-    search = _Search(
-        body,
-        lambda n, horizon: cases(n, strategy_faults, strategy_network, None, horizon, compute=compute),
-        runs=runs,
-        seed=int(config.getoption("sim_explore_seed")),
-        max_shrink_runs=int(config.getoption("sim_shrink_runs")),
-        calibrate=strategy_faults is None,
-        baseline=Case(0, compute=compute),
-    )
-    if not search.run():
-        if search.calls == 0:
-            raise pytest.UsageError(
-                f"{item.nodeid} asks for the simulation fixture but never called simulation.run(...)"
-            )
-        return True
-    failure = search.failure(
+        if not search.run():
+            if search.calls == 0:
+                raise pytest.UsageError(
+                    f"{item.nodeid} asks for the simulation fixture but never called simulation.run(...)"
+                )
+            return True
+        make_failure = search.failure
+    failure = make_failure(
         world_size=0,
         program=None,
         args=(),
@@ -384,13 +378,6 @@ def explore_item(item: pytest.Function) -> bool:
         command=fixture.replay_command,
         exporter=lambda f, name, expect: export_item(item, f, name, expect),
     )
-    return _raise(item, failure)
-
-
-def _raise(item: pytest.Function, failure: Failure) -> bool:
-    """Fail the test with ``failure`` (written as a regression test first, under ``--sim-export``)."""
-    __tracebackhide__ = True
-    config = item.config
     export_dir = config.getoption("sim_export")
     if export_dir:
         path = write_export(item, failure, Path(export_dir), config.getoption("sim_export_expect"))

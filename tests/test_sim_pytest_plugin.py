@@ -8,12 +8,19 @@ read land between the other's read and write. ``ATOMIC = True`` fixes it.
 
 from __future__ import annotations
 
+# Imported here so that pytester's in-process runs find them loaded: a run drops the modules it
+# imported when it ends, and torch cannot be imported twice into one process. The modules of
+# multiprocessing that --sim-explore-jobs uses, dropped, would leave a later test's shared values and
+# queues in this process with classes pickle cannot find by name.
+import multiprocessing.popen_fork
+import multiprocessing.queues
+import multiprocessing.sharedctypes
+import multiprocessing.synchronize  # noqa: F401
 import shlex
 from pathlib import Path
 
-# Both imported here so that pytester's in-process runs find them loaded: a run drops the modules it
-# imported when it ends, and torch cannot be imported twice into one process.
 import pytest
+import twinrpc.simulator._exploration._parallel
 import twinrpc.simulator.pytest_plugin
 from _lost_update import COUNTER_PROGRAM
 from hypothesis import find, settings

@@ -42,7 +42,6 @@ from .._exploration._case import Case, _Outcome
 from .._exploration._failure import Failure
 from .._exploration._parallel import ExplorationPlan, Found, default_jobs, explore_blocks, prepare_jobs
 from .._exploration._reproduce import regression_header
-from .._exploration._search import failure_of
 from .._launch._launch import LaunchOptions, environment_prefix, launch, load_compute, load_network
 from .._network._model import NetworkModel
 
@@ -398,12 +397,7 @@ def report(
     plan_path.write_text(case.faults.to_json() + "\n", encoding="utf-8")
     environment = dict(sorted(environment.items()))
     command = run_command_line(options, case, str(plan_path), args.network, environment)
-    failure = failure_of(
-        found.first,
-        found.best,
-        found.signature,
-        found_at=found.found_at,
-        calls=found.calls,
+    failure = found.failure(
         world_size=plan.world_size,
         program=None,
         args=(),

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from .._errors import ProgramError, SimulationError
 from ._case import Case, _Outcome
-from ._search import _Search, cases
+from ._failure import Failure
+from ._search import _Search, cases, failure_of
 from ._signature import _Signature, _type_name
 
 if TYPE_CHECKING:
@@ -177,6 +178,12 @@ class Found:
     found_at: int
     #: the index the block's last run (shrinking included) would have
     calls: int
+
+    def failure(self, **how: Any) -> Failure:
+        """The :class:`Failure` it is; ``how`` as for :meth:`_Search.failure`."""
+        return failure_of(
+            self.first, self.best, self.signature, found_at=self.found_at, calls=self.calls, **how
+        )
 
     @classmethod
     def of_calibration(cls, search: _Search) -> Found:
