@@ -26,9 +26,8 @@ Options (``pytest --help``, group "twinrpc"):
     The exploration's own seed (default 0): the same seed explores the same cases.
 ``--sim-explore-jobs J``
     Spread each test's runs over ``J`` processes, forks of the test's own (they carry its fixtures),
-    as ``explore --jobs`` does (:mod:`._exploration._parallel`): blocks of runs, the lowest failing
-    run reported. Given at all (even ``1``), the runs are those blocks, so ``J`` does not change
-    which failure is found.
+    as ``explore --jobs`` does: blocks of runs, the lowest failing run reported. Given at all (even
+    ``1``), the runs are those blocks, so ``J`` does not change which failure is found.
 ``--sim-export DIR``
     Write each shrunk failure as a regression test file in ``DIR`` (``--sim-export-expect fail``:
     one that asserts the known failure instead of its absence).
