@@ -145,6 +145,9 @@ def test_two_shards_merged_find_and_shrink_the_tutorials_race(
     assert statuses[0] == 1  # block 0 (runs 1-20) is shard 0's, and holds run 17
     results = json.loads((shards / "shard-0-of-2.json").read_text())
     assert results["runs_done"] == 17 and [f["run"] for f in results["failures"]] == [17]
+    # the shard's own replay command (of the run as found, not shrunk) reproduces it
+    assert main(shlex.split(results["failures"][0]["replay"])[3:]) == 1
+    assert "modified by an inplace operation" in capsys.readouterr().err
     assert json.loads((shards / "shard-1-of-2.json").read_text())["blocks"] == [1]
     status = main(["explore", "merge", "--out", str(tmp_path / "found"), str(shards)])
     out = capsys.readouterr().out
