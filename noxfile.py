@@ -170,7 +170,8 @@ def bench(session: nox.Session) -> None:
     and between two network namespaces, and the training job's simulated vs real time; 256 simulated
     workers training; distributed autograd vs TensorPipe; wake-ups, CPU and messages per operation vs
     TensorPipe; twinrpc between two namespaces vs the raw gloo floor there; parameter-server training
-    vs TensorPipe and the reply hand-off; an RRef soak and a soak of calls, RRefs and autograd contexts
+    vs TensorPipe and the reply hand-off; exploration throughput (runs per second) against the number
+    of jobs; an RRef soak and a soak of calls, RRefs and autograd contexts
     on gloo.
 
     Posargs go to the simulator benchmark. The gloo soak (benchmarks/bench_soak.py, ~20 min) runs
@@ -201,6 +202,9 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_wakeups.py", "--json", f"{results}/bench_wakeups.json")
     session.run("python", "benchmarks/bench_two_hosts.py", "--json", f"{results}/bench_two_hosts.json")
     session.run("python", "benchmarks/bench_auth.py", "--two-hosts", "--json", f"{results}/bench_auth.json")
+    session.run(
+        "python", "benchmarks/bench_explore.py", "--runs", "1000", "--json", f"{results}/bench_explore.json"
+    )
     session.run("python", "benchmarks/render_results.py", "--results", results)
     session.run("python", "benchmarks/bench_reply_hop.py")
     session.run("python", "benchmarks/bench_ps.py")

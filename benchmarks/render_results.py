@@ -36,6 +36,7 @@ NAMES = {
     "twinrpc-keyed": "twinrpc with a job key",
     "tensorpipe": "TensorPipe",
     "gloo": "raw gloo",
+    "linear": "linear (jobs x one job)",
 }
 #: where a benchmark's two workers run (the summary's first column)
 WHERE = {"bench_two_hosts": "two hosts", "bench_auth": "two hosts"}
@@ -115,6 +116,13 @@ def _extra(doc: dict[str, Any]) -> list[str]:
         lines.append(f"- Fitted model: {model}.")
     if extra.get("wakeups"):
         lines += _wakeups(extra["wakeups"])
+    if extra.get("explore"):
+        cells = "; ".join(
+            f"{e['jobs']} job{'s' if e['jobs'] > 1 else ''}: {_num(e['runs_per_s'])} runs/s, "
+            f"{_num(e['wall_s'])} s, the first run done after {_num(e['first_run_s'])} s"
+            for e in extra["explore"]
+        )
+        lines.append(f"- Medians over the rounds (worker start-up included in the time): {cells}.")
     return lines
 
 

@@ -96,6 +96,10 @@ class ProgramError(Exception):
         self.type_name = type_name
         self.traceback_text = traceback_text
 
+    def __reduce__(self) -> tuple[type[ProgramError], tuple[str, str, str]]:
+        # pickled whole: a parallel exploration's worker process sends its failure to the parent
+        return (type(self), (self.type_name, str(self), self.traceback_text))
+
 
 class SimulationWarning(UserWarning):
     """A simulated program did something that makes runs with the same seed differ (it read the wall

@@ -24,6 +24,10 @@ Options (``pytest --help``, group "twinrpc"):
     search); on the first failure, shrink it and fail with the replay command and the minimal plan.
 ``--sim-explore-seed S``
     The exploration's own seed (default 0): the same seed explores the same cases.
+``--sim-explore-jobs J``
+    Spread each test's runs over ``J`` processes, forks of the test's own (they carry its fixtures),
+    as ``explore --jobs`` does: blocks of runs, the lowest failing run reported. Given at all (even
+    ``1``), the runs are those blocks, so ``J`` does not change which failure is found.
 ``--sim-export DIR``
     Write each shrunk failure as a regression test file in ``DIR`` (``--sim-export-expect fail``:
     one that asserts the known failure instead of its absence).
@@ -55,6 +59,7 @@ import pytest
 from ._config import SimConfig
 from ._exploration._case import Case, _Outcome, _run, plan_from_data, plan_to_data
 from ._exploration._failure import Failure
+from ._exploration._parallel import ExplorationPlan, Found, explore_blocks
 from ._exploration._reproduce import _is_literal, raises_block, regression_header
 from ._exploration._search import _Search, cases
 from ._faults._plan import FaultPlan
@@ -324,22 +329,47 @@ def explore_item(item: pytest.Function) -> bool:
     strategy_faults = fixture.fault_strategy
     strategy_network = fixture.network_strategy
     compute = fixture.compute
-    search = _Search(
-        body,
-        lambda n, horizon: cases(n, strategy_faults, strategy_network, None, horizon, compute=compute),
-        runs=runs,
-        seed=int(config.getoption("sim_explore_seed")),
-        max_shrink_runs=int(config.getoption("sim_shrink_runs")),
-        calibrate=strategy_faults is None,
-        baseline=Case(0, compute=compute),
-    )
-    if not search.run():
-        if search.calls == 0:
-            raise pytest.UsageError(
-                f"{item.nodeid} asks for the simulation fixture but never called simulation.run(...)"
-            )
-        return True
-    failure = search.failure(
+    seed = int(config.getoption("sim_explore_seed"))
+    shrink_runs = int(config.getoption("sim_shrink_runs"))
+
+    def strategy(n: int, horizon: float | None) -> Any:
+        return cases(n, strategy_faults, strategy_network, None, horizon, compute=compute)
+
+    jobs = config.getoption("sim_explore_jobs", None)
+    make_failure: Callable[..., Failure]
+    if jobs is not None:
+        plan = ExplorationPlan(
+            _TestRuns(body),
+            0,  # the test draws its case itself, for its own world size
+            seed=seed,
+            runs=runs,
+            max_shrink_runs=shrink_runs,
+            cases=strategy,
+            calibrate=strategy_faults is None,
+            baseline=Case(0, compute=compute),
+        )
+        found = _explore_in_blocks(plan, jobs)
+        if found is None:
+            return True
+        make_failure = found.failure
+    else:
+        search = _Search(
+            body,
+            strategy,
+            runs=runs,
+            seed=seed,
+            max_shrink_runs=shrink_runs,
+            calibrate=strategy_faults is None,
+            baseline=Case(0, compute=compute),
+        )
+        if not search.run():
+            if search.calls == 0:
+                raise pytest.UsageError(
+                    f"{item.nodeid} asks for the simulation fixture but never called simulation.run(...)"
+                )
+            return True
+        make_failure = search.failure
+    failure = make_failure(
         world_size=0,
         program=None,
         args=(),
@@ -352,6 +382,29 @@ def explore_item(item: pytest.Function) -> bool:
         path = write_export(item, failure, Path(export_dir), config.getoption("sim_export_expect"))
         failure.args = (f"{failure.describe()}\n  regression test written to {path}",)
     raise failure
+
+
+class _TestRuns:
+    """A test's runs for a parallel exploration: the test function, run where its fixtures live (in
+    this process, or a fork of it)."""
+
+    def __init__(self, body: Callable[[Callable[[int], Case]], _Outcome]) -> None:
+        self.run_drawn = body
+        self.environment: dict[str, str | None] = {}
+
+    def run(self, case: Case) -> _Outcome:
+        return self.run_drawn(lambda world_size: case)
+
+    def close(self) -> None:
+        pass
+
+
+def _explore_in_blocks(plan: ExplorationPlan, jobs: int) -> Found | None:
+    """The failure with the lowest run index of ``plan``, found by ``jobs`` forks of this process."""
+    calibration = plan.calibration()
+    if plan.calibrate and calibration._baseline():
+        return Found.of_calibration(calibration)
+    return explore_blocks(plan, plan.blocks(), calibration.horizon, jobs=jobs, fork=True).found
 
 
 def regression_name(item: pytest.Item, case: Case) -> str:
@@ -430,6 +483,9 @@ def export_item(item: pytest.Item, failure: Failure, name: str, expect: str) -> 
 def check_options(config: pytest.Config) -> None:
     """Reject combinations that cannot mean anything."""
     explore = config.getoption("sim_explore")
+    jobs = config.getoption("sim_explore_jobs", None)
+    if jobs is not None and (jobs < 1 or not explore):
+        raise pytest.UsageError(f"--sim-explore-jobs {jobs}: at least 1, and with --sim-explore N")
     if explore is not None and explore < 1:
         raise pytest.UsageError(f"--sim-explore {explore}: at least one run")
     if explore and config.getoption("sim_seed") is not None:

@@ -77,7 +77,7 @@ def test_the_committed_results_page_is_what_the_committed_results_render_to() ->
     assert render_results.main(["--check"]) == 0, "run python benchmarks/render_results.py"
 
 
-@pytest.mark.parametrize("name", ["bench_gloo", "bench_dist_autograd", "bench_two_hosts"])
+@pytest.mark.parametrize("name", ["bench_gloo", "bench_dist_autograd", "bench_two_hosts", "bench_explore"])
 def test_the_committed_results_of_each_comparison_carry_every_figure_with_a_target(name: str) -> None:
     doc = json.loads((render_results.RESULTS / f"{name}.json").read_text())
     assert doc["figures"] and all(f["ratio"] > 0 for f in doc["figures"])
@@ -86,5 +86,7 @@ def test_the_committed_results_of_each_comparison_carry_every_figure_with_a_targ
         "bench_gloo": {"builtin", "udf", "remote", "throughput", "bw 16 MiB", "bw 64 MiB"},
         "bench_dist_autograd": {"step", "iteration"},
         "bench_two_hosts": {"bw 16 MiB", "bw 64 MiB"},
+        # one figure per job count measured above 1
+        "bench_explore": {f"jobs {e['jobs']}" for e in doc["extra"].get("explore", []) if e["jobs"] > 1},
     }[name]
     assert keys == expected

@@ -8,12 +8,19 @@ read land between the other's read and write. ``ATOMIC = True`` fixes it.
 
 from __future__ import annotations
 
+# Imported here so that pytester's in-process runs find them loaded: a run drops the modules it
+# imported when it ends, and torch cannot be imported twice into one process. The modules of
+# multiprocessing that --sim-explore-jobs uses, dropped, would leave a later test's shared values and
+# queues in this process with classes pickle cannot find by name.
+import multiprocessing.popen_fork
+import multiprocessing.queues
+import multiprocessing.sharedctypes
+import multiprocessing.synchronize  # noqa: F401
 import shlex
 from pathlib import Path
 
-# Both imported here so that pytester's in-process runs find them loaded: a run drops the modules it
-# imported when it ends, and torch cannot be imported twice into one process.
 import pytest
+import twinrpc.simulator._exploration._parallel
 import twinrpc.simulator.pytest_plugin
 from _lost_update import COUNTER_PROGRAM
 from hypothesis import find, settings
@@ -200,6 +207,52 @@ def test_exploration_is_reproducible(pytester: pytest.Pytester) -> None:
     second = run(pytester, "--sim-explore", "200").stdout.lines
     assert _line(first, "  replay:") == _line(second, "  replay:")
     assert _line(first, "twinrpc.simulator.explore: run") == _line(second, "twinrpc.simulator.explore: run")
+
+
+UNLUCKY = """
+def program(rank):
+    return rank
+
+
+def test_unlucky_seeds_fail(simulation):
+    simulation.run(program, 2)
+    assert simulation.seed % 80 != 7, f"unlucky seed {simulation.seed}"
+"""
+
+
+def test_one_tests_runs_spread_over_jobs_find_and_shrink_what_one_job_does(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_unlucky=UNLUCKY)
+    lines = {}
+    for jobs in ("1", "2"):
+        result = run(pytester, "--sim-explore", "200", "--sim-explore-jobs", jobs)
+        result.assert_outcomes(failed=1)
+        lines[jobs] = (
+            _line(result.stdout.lines, "twinrpc.simulator.explore: run"),
+            _line(result.stdout.lines, "  replay:"),
+        )
+    header = lines["1"][0]
+    assert int(header.split()[0]) > 20, header  # past block 0: job 1 finds it while job 0 runs block 0
+    assert lines["2"] == lines["1"]
+    assert "--sim-explore-jobs 0: at least 1" in "\n".join(
+        run(pytester, "--sim-explore", "5", "--sim-explore-jobs", "0").stderr.lines
+    )
+
+
+def test_exploration_under_xdist_explores_each_test_in_a_worker_as_without_it(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(test_counter=PLANTED, test_counter_too=PLANTED)
+    alone = run(pytester, "--sim-explore", "200")
+    alone.assert_outcomes(failed=2)
+    spread = pytester.runpytest_subprocess("-p", "no:randomly", "-n", "2", "--sim-explore", "200")
+    spread.assert_outcomes(failed=2)
+    assert "[gw1]" in spread.stdout.str() or "2 workers" in spread.stdout.str()
+
+    def headers(result: pytest.RunResult) -> list[str]:
+        return sorted(line for line in result.stdout.lines if "twinrpc.simulator.explore: run" in line)
+
+    assert headers(spread) == headers(alone) and len(headers(alone)) == 2
+    assert headers(alone)[0] == headers(alone)[1]  # the same test in two files: the same search
 
 
 def test_usage_errors_are_named(pytester: pytest.Pytester) -> None:

@@ -3,7 +3,9 @@
 ::
 
     python -m twinrpc.simulator explore --nproc-per-node 3 [--runs 200] [--swarm] [--seed S]
-        [--network FILE] [--compute FILE] [--max-time T] [--shrink-runs N] [--out DIR] prog.py ARGS...
+        [--network FILE] [--compute FILE] [--max-time T] [--shrink-runs N] [--out DIR]
+        [--jobs J] [--shard I/N] prog.py ARGS...
+    python -m twinrpc.simulator explore merge [--out DIR] SHARD_DIR...
 
 Each run is what ``python -m twinrpc.simulator run`` does (:mod:`twinrpc.simulator._launch._launch`), under a
 seed and a fault plan drawn as :func:`twinrpc.simulator.explore` draws them (``--swarm``: the seed
@@ -15,6 +17,10 @@ and the ``run`` command that replays the minimal run is printed. Both carry the 
 the program read (:func:`~twinrpc.simulator._launch._launch.replay_environment`, over all the runs: each run
 starts from the same environment), set or unset as they were. Exit status 0 when every run passed,
 1 when one failed, 2 on bad input.
+
+The runs are searched in blocks by ``--jobs`` worker processes (:mod:`.._exploration._parallel`); the
+failure with the lowest run index is reported, so the number of jobs does not change it.
+``--shard I/N`` and ``merge`` spread the blocks over machines (:mod:`._shards`).
 """
 
 from __future__ import annotations
@@ -31,12 +37,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .._errors import LaunchError, ProgramError, SimulationDeadlock
+from .._errors import LaunchError, ProgramError, SimulationDeadlock, SimulationError
 from .._exploration._case import Case, _Outcome
 from .._exploration._failure import Failure
+from .._exploration._parallel import ExplorationPlan, Found, default_jobs, explore_blocks, prepare_jobs
 from .._exploration._reproduce import regression_header
-from .._exploration._search import _Search, cases
 from .._launch._launch import LaunchOptions, environment_prefix, launch, load_compute, load_network
+from .._network._model import NetworkModel
 
 
 def parse_traceback(text: str) -> tuple[str, str]:
@@ -243,13 +250,81 @@ def register(subparsers: Any) -> None:
         help="the regression test asserts the run passes (commit it with the fix, the default) or still "
         "fails the known way (pin a bug not fixed yet)",
     )
+    p.add_argument(
+        "--jobs",
+        "-j",
+        type=_jobs,
+        metavar="J",
+        help="worker processes searching at once (default: this machine's cores); the same --seed "
+        "finds the same first failure whatever J",
+    )
+    p.add_argument(
+        "--shard",
+        type=_shard,
+        metavar="I/N",
+        help="run only the I-th of N disjoint parts of the exploration (I from 0), without shrinking, "
+        "and write its results to DIR/shard-I-of-N.json; 'explore merge DIR...' gathers the parts",
+    )
     p.add_argument("program", metavar="PROGRAM")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
     p.set_defaults(func=explore_command)
 
 
+class ProgramRunner:
+    """Runs one case of a program file as ``run`` does (:func:`_outcome`), in a working directory of
+    its own: one per process of a parallel exploration (it is pickled into each)."""
+
+    #: what the server the worker processes fork from imports first: torch, the slow import (the
+    #: simulator is imported after the fork, as in this process: see ``CaseRunner``)
+    preload = ("torch",)
+
+    def __init__(self, options: LaunchOptions, network: NetworkModel | None) -> None:
+        self.options = options
+        #: ``--network``: every run's model
+        self.network = network
+        self.environment: dict[str, str | None] = {}
+        self._workdir: tempfile.TemporaryDirectory[str] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"options": self.options, "network": self.network, "environment": {}, "_workdir": None}
+
+    def run(self, case: Case) -> _Outcome:
+        if self._workdir is None:
+            self._workdir = tempfile.TemporaryDirectory(prefix="twinrpc-explore-")
+        if self.network is not None and case.network is None:
+            case = Case(case.seed, case.faults, self.network)
+        return _outcome(self.options, case, Path(self._workdir.name), self.environment)
+
+    def close(self) -> None:
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
+
+
+def _jobs(text: str) -> int:
+    jobs = int(text)
+    if jobs < 1:
+        raise argparse.ArgumentTypeError(f"--jobs {text}: at least 1")
+    return jobs
+
+
+def _shard(text: str) -> tuple[int, int]:
+    index, sep, count = text.partition("/")
+    try:
+        shard = (int(index), int(count))
+    except ValueError:
+        shard = (-1, 0)
+    if not sep or not 0 <= shard[0] < shard[1]:
+        raise argparse.ArgumentTypeError(f"--shard {text}: expected I/N with 0 <= I < N (e.g. 3/16)")
+    return shard
+
+
 def explore_command(args: argparse.Namespace) -> int:
     """``explore``'s entry point: the exit status."""
+    if args.program == "merge":
+        from ._shards import merge_command
+
+        return merge_command(args.args)
     err = sys.stderr
     if args.nproc_per_node < 1 or args.runs < 1 or args.shrink_runs < 0:
         print("explore: --nproc-per-node and --runs must be at least 1, --shrink-runs at least 0", file=err)
@@ -270,37 +345,50 @@ def explore_command(args: argparse.Namespace) -> int:
     except (LaunchError, ValueError) as exc:
         print(f"python -m twinrpc.simulator explore: {exc}", file=err)
         return 2
-    n = args.nproc_per_node
-    environment: dict[str, str | None] = {}  # what the runs read of the environment
-    with tempfile.TemporaryDirectory(prefix="twinrpc-explore-") as tmp:
-        workdir = Path(tmp)
+    plan = ExplorationPlan(
+        ProgramRunner(options, network),
+        args.nproc_per_node,
+        seed=args.seed,
+        runs=args.runs,
+        swarm=args.swarm,
+        max_shrink_runs=args.shrink_runs,
+        shrink=args.shard is None,
+    )
+    jobs = default_jobs() if args.jobs is None else args.jobs
+    try:
+        if args.shard is not None:
+            from ._shards import run_shard
 
-        def body(draw: Any) -> _Outcome:
-            case = draw(n)
-            if network is not None and case.network is None:
-                case = Case(case.seed, case.faults, network)
-            return _outcome(options, case, workdir, environment)
-
-        search = _Search(
-            body,
-            lambda world, horizon: cases(world, None, None, None, horizon, args.swarm),
-            runs=args.runs,
-            seed=args.seed,
-            shrink=not args.swarm,
-            max_shrink_runs=args.shrink_runs,
-            calibrate=True,
-            minimize=args.swarm,
-        )
-        try:
-            found = search.run()
-        except LaunchError as exc:
-            print(f"python -m twinrpc.simulator explore: {exc}", file=err)
-            return 2
-    if not found:
-        print(f"explore: {search.calls} runs of {args.program} passed (exploration seed {args.seed})")
+            return run_shard(plan, args, jobs)
+        prepare_jobs(plan, jobs)
+        calibration = plan.calibration()
+        if calibration._baseline():  # seed 0 without faults fails: nothing is smaller
+            environment = dict(plan.runner.environment)
+            plan.runner.close()
+            return report(Found.of_calibration(calibration), plan, args, environment)
+        plan.runner.close()
+        outcome = explore_blocks(plan, plan.blocks(), calibration.horizon, jobs=jobs)
+    except (LaunchError, SimulationError) as exc:
+        print(f"python -m twinrpc.simulator explore: {exc}", file=err)
+        return 2
+    if outcome.found is None:
+        print(f"explore: {args.runs} runs of {args.program} passed (exploration seed {args.seed})")
         return 0
-    assert search.best is not None
-    case = search.best[0]
+    environment = {**plan.runner.environment, **outcome.environment}
+    return report(outcome.found, plan, args, environment)
+
+
+def report(
+    found: Found,
+    plan: ExplorationPlan,
+    args: argparse.Namespace,
+    environment: Mapping[str, str | None],
+) -> int:
+    """Write the minimal plan and the regression test to ``args.out``, print the failure: status 1."""
+    runner = plan.runner
+    assert isinstance(runner, ProgramRunner)
+    options, network = runner.options, runner.network
+    case = found.best[0]
     if network is not None and case.network == network:
         case = Case(case.seed, case.faults, None)  # --network gives it on the command line
     out_dir = Path(args.out)
@@ -309,8 +397,8 @@ def explore_command(args: argparse.Namespace) -> int:
     plan_path.write_text(case.faults.to_json() + "\n", encoding="utf-8")
     environment = dict(sorted(environment.items()))
     command = run_command_line(options, case, str(plan_path), args.network, environment)
-    failure = search.failure(
-        world_size=n,
+    failure = found.failure(
+        world_size=plan.world_size,
         program=None,
         args=(),
         check=None,
@@ -318,7 +406,7 @@ def explore_command(args: argparse.Namespace) -> int:
         exporter=lambda f, name, expect: export_program_test(f, options, out_dir, name, expect, environment),
         case=case,
     )
-    stem = "".join(ch if ch.isalnum() else "_" for ch in Path(args.program).stem)
+    stem = "".join(ch if ch.isalnum() else "_" for ch in Path(options.program).stem)
     test_path = out_dir / f"test_{stem}_regression.py"
     test_path.write_text(failure.to_pytest(f"test_{stem}_regression", expect=args.expect), encoding="utf-8")
     print(failure.describe())

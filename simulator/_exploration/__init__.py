@@ -4,6 +4,7 @@
 :func:`~twinrpc.simulator.replay`; ``_signature`` says what "the same failure" is; ``_search`` draws
 cases with hypothesis, caches verdicts and shrinks; ``_explore`` is
 :func:`~twinrpc.simulator.explore`; ``_failure`` the :class:`~twinrpc.simulator.Failure` it reports;
-``_reproduce`` the replay command and regression test a failure prints. ``_rref_workload`` is the RRef
+``_reproduce`` the replay command and regression test a failure prints; ``_parallel`` an exploration
+cut into blocks of runs for worker processes and shards (``explore --jobs``/``--shard``). ``_rref_workload`` is the RRef
 property tests' own workload (lists of RRef operations, run with the monitors on).
 """

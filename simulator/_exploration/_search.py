@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 SEED_RANGE = 2**32
 
 
+class _Stopped(BaseException):
+    """Ends a search from inside (its ``stop`` hook said so): :meth:`_Search.run` returns what it found."""
+
+
 class _Cached(BaseException):
     """Raised out of a run whose case has a known verdict (cheaper than running it again)."""
 
@@ -62,6 +66,13 @@ class _Search:
     minimize: bool = False
     #: the calibration run's case (seed 0, no faults; the models every run has, if fixed)
     baseline: Case = dataclasses.field(default_factory=lambda: Case(0))
+    #: the run budget hypothesis's generation is tuned for (None: ``runs``). A part of a parallel
+    #: exploration (:mod:`._parallel`) is tuned as one whole exploration, so that the cases it draws
+    #: do not depend on how many runs the whole has or how they are divided.
+    tuned_for: int | None = None
+    #: asked before each run; True ends the search there (a parallel exploration's block whose budget
+    #: is spent, or whose runs a failure at a lower run index made useless)
+    stop: Callable[[], bool] | None = None
 
     def __post_init__(self) -> None:
         #: the program's virtual duration, measured by the calibration run
@@ -82,6 +93,8 @@ class _Search:
                 return drawn[0]
             case = data.draw(self.cases(world_size, self.horizon), label="case")
             drawn.append(case)
+            if self.stop is not None and self.stop():
+                raise _Stopped  # after the draw: hypothesis replays the case to re-raise this
             key = case_key(case)
             verdict = self._verdicts.get(key)
             if verdict is False or (verdict is True and key in self._recent):
@@ -137,6 +150,14 @@ class _Search:
         found = outcome.error is not None and self.baseline_counts and self._judge(case, outcome)
         self._verdicts[case_key(case)] = found
         return found
+
+    def after_baseline(self, horizon: float | None, counted: bool) -> None:
+        """Start after a calibration run made elsewhere (it passed, and measured ``horizon``): its case
+        is known to pass, and with ``counted`` it is this search's first run."""
+        self.horizon = horizon
+        self._verdicts[case_key(self.baseline)] = False
+        if counted:
+            self.calls += 1
 
     def _try(self, case: Case) -> _Outcome | None:
         """Run ``case`` (within the shrink budget); its outcome if it fails the same way."""
@@ -195,26 +216,20 @@ class _Search:
         case as its caller states it (the command line may give part of it)."""
         assert self.first is not None and self.best is not None and self.signature is not None
         assert self.found_at is not None
-        original, first = self.first
-        best, minimal = self.best
-        assert first.error is not None
-        failure = Failure(
-            case=best if case is None else case,
-            original=original,
-            error=first.error,
-            minimal=minimal,
-            signature=self.signature,
-            runs=self.found_at,
-            shrink_runs=self.calls - self.found_at,
+        return failure_of(
+            self.first,
+            self.best,
+            self.signature,
+            found_at=self.found_at,
+            calls=self.calls,
             world_size=world_size,
             program=program,
             args=args,
             check=check,
             command=command,
             exporter=exporter,
+            case=case,
         )
-        failure.__cause__ = minimal.error
-        return failure
 
     def _explore(self) -> bool:
         _require_hypothesis()
@@ -225,9 +240,10 @@ class _Search:
         from hypothesis.errors import NoSuchExample
 
         phases = (Phase.generate, Phase.shrink) if self.shrink else (Phase.generate,)
+        tuned = self.runs if self.tuned_for is None else self.tuned_for
         conf = settings(
             # a little more than ``runs``: a case drawn twice runs once, and runs stop at ``runs``
-            max_examples=self.runs + self.runs // 4 + 10,
+            max_examples=tuned + tuned // 4 + 10,
             database=None,
             deadline=None,
             phases=phases,
@@ -238,7 +254,48 @@ class _Search:
             find(st.data(), self._condition, settings=conf, random=random.Random(self.seed))
         except NoSuchExample:
             return False
+        except _Stopped:
+            pass
         return self.first is not None
+
+
+def failure_of(
+    first_run: tuple[Case, _Outcome],
+    best_run: tuple[Case, _Outcome],
+    signature: _Signature,
+    *,
+    found_at: int,
+    calls: int,
+    world_size: int,
+    program: Callable[..., Any] | None,
+    args: Sequence[Any],
+    check: Callable[[RunResult], object] | None,
+    command: Callable[[Case], str],
+    exporter: Callable[[Failure, str, str], str] | None = None,
+    case: Case | None = None,
+) -> Failure:
+    """The :class:`Failure` of a search that found ``first_run`` at run ``found_at`` and shrank it to
+    ``best_run`` by run ``calls`` (:meth:`_Search.failure`, or a search run in another process)."""
+    original, first = first_run
+    best, minimal = best_run
+    assert first.error is not None
+    failure = Failure(
+        case=best if case is None else case,
+        original=original,
+        error=first.error,
+        minimal=minimal,
+        signature=signature,
+        runs=found_at,
+        shrink_runs=calls - found_at,
+        world_size=world_size,
+        program=program,
+        args=args,
+        check=check,
+        command=command,
+        exporter=exporter,
+    )
+    failure.__cause__ = minimal.error
+    return failure
 
 
 def _require_hypothesis() -> None:

@@ -60,6 +60,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the exploration's own seed: the same seed explores the same cases (default 0)",
     )
     group.addoption(
+        "--sim-explore-jobs",
+        type=int,
+        default=None,
+        metavar="J",
+        help="spread each test's --sim-explore runs over J processes (forks of the test's process), "
+        "in blocks of runs: the same seed finds the same first failure whatever J",
+    )
+    group.addoption(
         "--sim-shrink-runs",
         type=int,
         default=500,
