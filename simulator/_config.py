@@ -15,10 +15,10 @@ import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._faults._plan import FaultPlan
-from ._faults._swarm import Swarm
-from ._kernel._compute import ComputeModel
-from ._network._model import NetworkModel
+from ._model._compute import ComputeModel
+from ._model._network import NetworkModel
+from ._model._plan import FaultPlan
+from ._model._swarm import Swarm
 
 if TYPE_CHECKING:
     from ._simulation import Simulation

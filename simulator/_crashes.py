@@ -21,7 +21,7 @@ import greenlet
 
 from twinrpc._departure import Departure
 
-from ._network._model import NetworkModel
+from ._model._network import NetworkModel
 
 if TYPE_CHECKING:
     from ._kernel._scheduler import Scheduler

@@ -25,7 +25,12 @@ from ._config import SimConfig
 from ._crashes import Crashes
 from ._errors import SimulationDeadlock, SimulationError
 from ._faults._engine import NetworkFaults
-from ._faults._plan import (
+from ._kernel._compute import ComputeMeter
+from ._kernel._scheduler import Scheduler, Task
+from ._kernel._virtual_time import simulated_time
+from ._model._compute import ComputeModel
+from ._model._network import NetworkModel
+from ._model._plan import (
     DEFAULT_GC_DELAY,
     Crash,
     Delay,
@@ -37,12 +42,8 @@ from ._faults._plan import (
     Partition,
     Pause,
 )
-from ._faults._swarm import Swarm
-from ._kernel._compute import ComputeMeter, ComputeModel
-from ._kernel._scheduler import Scheduler, Task
-from ._kernel._virtual_time import simulated_time
+from ._model._swarm import Swarm
 from ._network._links import Links
-from ._network._model import NetworkModel
 from ._network._process_group import serve_process_groups
 from ._observers import RunObservers
 from ._rendezvous import Rendezvous
@@ -199,11 +200,6 @@ class Simulation:
         #: under ``python -m twinrpc.simulator run``); None: each worker is one process
         self.process_of: Callable[[Task], Hashable | None] | None = None
         self._used = False
-
-    @classmethod
-    def from_config(cls, config: SimConfig) -> Simulation:
-        """The simulation ``config`` describes (as ``config.build()``)."""
-        return cls(config=config)
 
     @property
     def now(self) -> float:

@@ -44,8 +44,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ._errors import CalibrationError
-from ._kernel._compute import ComputeModel, count_operations
-from ._network._model import NetworkModel
+from ._kernel._compute import count_operations
+from ._model._compute import ComputeModel
+from ._model._network import NetworkModel
 
 __all__ = [
     "DEFAULT_SIZES",

@@ -19,7 +19,7 @@ from twinrpc.simulator import (
     Pause,
     Simulation,
 )
-from twinrpc.simulator._faults._plan import FAULT_KINDS
+from twinrpc.simulator import FAULT_KINDS
 from twinrpc.simulator.strategies import fault_plans, network_models
 
 import twinrpc.rpc as rpc

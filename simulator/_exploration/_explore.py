@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._config import SimConfig
-from .._faults._plan import FaultPlan
-from .._kernel._compute import ComputeModel
-from .._network._model import NetworkModel
+from .._model._compute import ComputeModel
+from .._model._network import NetworkModel
+from .._model._plan import FaultPlan
 from .._simulation import RunResult
 from ._case import Case, _Outcome, _run
 from ._failure import Exploration

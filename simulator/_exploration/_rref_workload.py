@@ -25,7 +25,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from .._faults._plan import FaultPlan
+from .._model._plan import FaultPlan
 from .._simulation import Simulation, sleep
 
 __all__ = [

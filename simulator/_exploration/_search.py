@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._errors import SimulationError
-from .._faults._plan import FaultPlan
-from .._kernel._compute import ComputeModel
-from .._network._model import NetworkModel
+from .._model._compute import ComputeModel
+from .._model._network import NetworkModel
+from .._model._plan import FaultPlan
 from .._simulation import RunResult
 from ._case import Case, _Outcome, case_key
 from ._failure import Failure
@@ -289,7 +289,7 @@ def cases(
     from hypothesis import strategies as st
 
     if swarm:
-        from .._faults._swarm import Swarm
+        from .._model._swarm import Swarm
 
         maker = Swarm() if horizon is None else Swarm(duration=horizon)
         return st.builds(

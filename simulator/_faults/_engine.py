@@ -45,7 +45,7 @@ from twinrpc._serialize import copy_storages
 from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
 from .._errors import FaultPlanError
-from ._plan import (
+from .._model._plan import (
     Crash,
     Delay,
     Deliver,

@@ -39,14 +39,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, TypeVar, cast
 
-from .. import _files as files
 from .._config import SimConfig
 from .._errors import LaunchError, SimulationDeadlock, SimulationError
-from .._faults._plan import FaultPlan
-from .._faults._swarm import Swarm
-from .._kernel._compute import ComputeModel
 from .._kernel._virtual_time import VIRTUAL_EPOCH, simulated_time
-from .._network._model import NetworkModel
+from .._model._compute import ComputeModel
+from .._model._files import load_faults as read_faults
+from .._model._network import NetworkModel
+from .._model._plan import FaultPlan
+from .._model._swarm import Swarm
 from .._traces._trace import Trace
 from ._processes import ProcessLauncher, simulated_processes
 from ._program import ProcessImage, ProcessImages, RankStream, encode_environ, prefix_for
@@ -219,7 +219,7 @@ _T = TypeVar("_T")
 
 
 def _read(flag: str, load: Callable[[str], _T], path: str) -> _T:
-    """``load(path)`` (a reader of ``simulator/_files.py``), its errors as bad input to ``flag``."""
+    """``load(path)`` (a reader of ``simulator/_model/``), its errors as bad input to ``flag``."""
     try:
         return load(path)
     except (OSError, ValueError) as exc:
@@ -228,18 +228,18 @@ def _read(flag: str, load: Callable[[str], _T], path: str) -> _T:
 
 def load_network(path: str) -> NetworkModel:
     """A :class:`NetworkModel` from a JSON or TOML file of its fields."""
-    return _read("--network", files.load_network, path)
+    return _read("--network", NetworkModel.load, path)
 
 
 def load_compute(path: str) -> ComputeModel:
     """A :class:`ComputeModel` from a JSON or TOML file of its fields."""
-    return _read("--compute", files.load_compute, path)
+    return _read("--compute", ComputeModel.load, path)
 
 
 def load_faults(path: str) -> FaultPlan | Swarm:
     """A :class:`FaultPlan` (or a :class:`Swarm`) from a JSON or TOML file
     (:doc:`/howto/fault-plan`)."""
-    return _read("--faults", files.load_faults, path)
+    return _read("--faults", read_faults, path)
 
 
 # -- the run -------------------------------------------------------------------------------------------
