@@ -713,8 +713,8 @@ def _swarm_toml(swarm: Swarm) -> str:
 
 # -- one reader per file format ------------------------------------------------------------------------
 def test_every_fault_file_loader_is_the_one_reader_of_the_format(tmp_path: Path) -> None:
-    from twinrpc.simulator._model import _files
     from twinrpc.simulator._launch import _launch
+    from twinrpc.simulator._model import _files
 
     assert load_faults is _files.load_faults
     path = _write(tmp_path / "plan.toml", EVERY_FAULT.to_toml())
