@@ -204,7 +204,7 @@ class ProcessLauncher:
         agent (the main process if none does) and its tasks; the worker's other processes live on."""
         sched = self.sim.sched
         victim = self.rpc_image.get(rank) or self.main_image(rank)
-        for task in [t for t in sched.tasks.values() if t.worker == rank and not t.done]:
+        for task in sched.tasks_of(rank):
             if self._image_of(task) not in (victim, None):
                 continue
             victim.kill_signal = signal.SIGKILL
@@ -213,13 +213,8 @@ class ProcessLauncher:
     def _stop(self, task: Task, image: ProcessImage) -> None:
         """End ``task`` of the killed process ``image``; a process whose main task has not started
         yet exits here (its joiners must learn it, and the task never runs)."""
-        sched = self.sim.sched
-        task.done = True
-        sched.tasks.pop(task.id, None)
-        g = task.g
-        if g is not None and not g.dead:
-            g.throw(greenlet.GreenletExit())
-        elif g is None and self._task_image.get(task.id) is image and image.exitcode is None:
+        started = self.sim.sched.kill(task)
+        if not started and self._task_image.get(task.id) is image and image.exitcode is None:
             code = image.exitcode = -int(image.kill_signal or signal.SIGKILL)
             image.exit_time = self.sim.now
             self._exited(image, code)
@@ -354,7 +349,7 @@ class ProcessLauncher:
 
         def reap(_: object) -> None:
             sched = sim.sched
-            for task in [t for t in sched.tasks.values() if t.worker == image.rank and not t.done]:
+            for task in sched.tasks_of(image.rank):
                 if self._image_of(task) is image:
                     self._stop(task, image)
 
