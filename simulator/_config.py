@@ -120,7 +120,7 @@ class SimConfig:
     # -- entry points --------------------------------------------------------------------------------
     def build(self) -> Simulation:
         """A new :class:`~twinrpc.simulator.Simulation` with these settings (each runs once)."""
-        from ._simulation import Simulation
+        from ._simulation import Simulation  # at call time: the engine stands on this config, not under it
 
         return Simulation(config=self)
 

@@ -14,11 +14,12 @@ given what it needs when the simulation is built:
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from twinrpc._future import Future
+from twinrpc._future import CURRENT_BLOCKER, Future
 
 from ._checks._monitors import RRefMonitor
 from ._config import SimConfig
@@ -453,12 +454,8 @@ class Simulation:
 
 def sleep(seconds: float) -> None:
     """Sleep on the current world's clock: virtual time inside a simulation, wall time outside."""
-    from twinrpc._future import CURRENT_BLOCKER
-
     blocker = CURRENT_BLOCKER.get()
     if not isinstance(blocker, SimBlocker):
-        import time
-
         time.sleep(seconds)
         return
     fut: Future[None] = Future()
@@ -468,13 +465,9 @@ def sleep(seconds: float) -> None:
 
 def now() -> float:
     """The current world's clock: virtual seconds inside a simulation, ``time.monotonic()`` outside."""
-    from twinrpc._future import CURRENT_BLOCKER
-
     blocker = CURRENT_BLOCKER.get()
     if isinstance(blocker, SimBlocker):
         return blocker.sched.now
-    import time
-
     return time.monotonic()
 
 

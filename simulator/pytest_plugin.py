@@ -125,7 +125,7 @@ def _as_compute(value: Any, where: str) -> ComputeModel | None:
 
 def _is_strategy(value: Any) -> bool:
     try:
-        from hypothesis.strategies import SearchStrategy
+        from hypothesis.strategies import SearchStrategy  # an optional dependency: a strategy needs it
     except ImportError:  # pragma: no cover - hypothesis is a test dependency
         return False
     return isinstance(value, SearchStrategy)

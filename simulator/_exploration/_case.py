@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import greenlet
+
 from .._config import SimConfig
 from .._model._compute import ComputeModel
 from .._model._files import plan_of
@@ -117,8 +119,6 @@ def _run(
 ) -> _Outcome:
     """Run ``program`` once as ``config`` says. The failure, if any, is the *first* error: a worker's
     exception comes before the deadlock it causes (its peers then wait for it forever at shutdown)."""
-    import greenlet
-
     sim = config.build()
     raised: list[tuple[int, float, BaseException]] = []
 

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from .._simulation import RunResult
 from ._case import Case, _Outcome
+from ._reproduce import export_test
 from ._signature import _faults_text, _head, _Signature
 
 
@@ -132,8 +133,6 @@ class Failure(AssertionError):
             raise ValueError(f"to_pytest(expect={expect!r}): expected 'pass' or 'fail'")
         if self._exporter is not None:
             return self._exporter(self, name, expect)
-        from ._reproduce import export_test  # the exported test's source names this class
-
         return export_test(self, name, expect)
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import json
+import os
 import pprint
 import shlex
 import sys
@@ -45,9 +47,6 @@ def importable_name(obj: Any) -> str | None:
 def _main_module_name() -> str | None:
     """The name under which the running script (``__main__``) imports, if it does: its file's stem,
     when that name finds that very file on ``sys.path``."""
-    import importlib.util
-    import os
-
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     if not main_file or not main_file.endswith(".py"):
         return None
@@ -83,8 +82,6 @@ def replay_command(
         qualname = getattr(program, "__qualname__", "")
         target = None
         if main_file and "<" not in qualname:
-            import os
-
             target = f"{os.path.relpath(main_file)}:{qualname}"
     check_name = None if check is None else importable_name(check)
     if target is not None and (check is None or check_name is not None) and _is_json(list(args)):

@@ -42,6 +42,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
+import twinrpc
 from twinrpc._future import CURRENT_BLOCKER, Future
 
 from .._errors import SimulationWarning
@@ -71,8 +72,6 @@ def _library_dirs() -> tuple[str, ...]:
     dirs.update(
         p for p in sys.path if os.path.basename(os.path.normpath(p)) in ("site-packages", "dist-packages")
     )
-    import twinrpc
-
     # the whole simulator package (this file is in its _kernel/), and impl/ beside it
     simulator = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     dirs.update((os.path.dirname(os.path.abspath(twinrpc.__file__ or "")), simulator))

@@ -41,12 +41,15 @@ import os
 import pickle
 import signal
 import sys
+import traceback
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import greenlet
+import torch.multiprocessing as tmp
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 from twinrpc._current import CURRENT_SLOT, WorkerSlot
 from twinrpc._world import TimerHandle
@@ -406,8 +409,6 @@ class _SpawnEntry:
         self.args = args
 
     def __call__(self) -> None:
-        import traceback
-
         try:
             self.fn(self.index, *self.args)
         except KeyboardInterrupt:
@@ -432,8 +433,6 @@ class SimProcessContext:
     def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
         """Wait for every process; the first to fail terminates the others and raises torch's
         ``ProcessRaisedException``/``ProcessExitedException``, as torch's ``ProcessContext.join``."""
-        from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
-
         popens: list[SimPopen] = [p._popen for p in self.processes]  # type: ignore[attr-defined]
         while True:
             failed = [i for i, p in enumerate(popens) if p.returncode not in (None, 0)]
@@ -568,8 +567,6 @@ def _torch_wrapper(real: Callable[..., Any], simulated: Callable[..., Any]) -> C
 def simulated_processes(launcher: ProcessLauncher) -> Iterator[None]:
     """While the block runs, processes started from simulated processes are simulated."""
     global _LAUNCHER
-    import torch.multiprocessing as tmp
-
     tmp_spawn = sys.modules["torch.multiprocessing.spawn"]  # the attribute of that name is the function
 
     if _LAUNCHER is not None:
