@@ -29,7 +29,6 @@ from ._errors import (
 from ._exploration._case import replay
 from ._exploration._explore import explore
 from ._exploration._failure import Exploration, Failure
-from ._kernel._current import current
 from ._model._compute import ComputeModel
 from ._model._files import load_faults
 from ._model._network import NetworkModel
@@ -49,7 +48,7 @@ from ._model._plan import (
     Pause,
 )
 from ._model._swarm import Swarm
-from ._simulation import RunResult, Simulation, WorkerOutcome, now, sleep
+from ._simulation import RunResult, Simulation, WorkerOutcome, current, now, sleep
 from ._traces._diff import Divergence, diff_traces
 from ._traces._trace import MessageInfo, Trace, TraceEvent
 

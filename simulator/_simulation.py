@@ -26,7 +26,9 @@ from ._config import SimConfig
 from ._crashes import Crashes
 from ._errors import SimulationDeadlock, SimulationError
 from ._faults._engine import NetworkFaults
+from ._kernel._blocker import SimBlocker
 from ._kernel._compute import ComputeMeter
+from ._kernel._current import CURRENT_SIMULATION
 from ._kernel._scheduler import Scheduler, Task
 from ._kernel._virtual_time import simulated_time
 from ._model._compute import ComputeModel
@@ -47,10 +49,11 @@ from ._model._swarm import Swarm
 from ._network._links import Links
 from ._network._process_group import serve_process_groups
 from ._observers import RunObservers
+from ._parts import RunParts
 from ._rendezvous import Rendezvous
 from ._traces._observer import TraceObserver
 from ._traces._trace import Trace
-from ._world import SimBlocker, SimWorker
+from ._world import SimWorker
 
 _GC_GEN0_THRESHOLD = 20_000
 
@@ -167,9 +170,9 @@ class Simulation:
         self.trace = Trace(config.trace, seed=self.seed, world_size=n)
         #: the workers, by rank (filled in below, once what they share exists)
         self.workers: list[SimWorker] = []
-        monitor = RRefMonitor(self) if config.monitors else None
+        monitor = RRefMonitor(self.sched, self.trace) if config.monitors else None
         #: the trace observer and the RRef monitors (simulator/_observers.py)
-        tracer = TraceObserver(self, monitor.generation(0) if monitor is not None else None)
+        tracer = TraceObserver(self.sched, self.trace, monitor.generation(0) if monitor is not None else None)
         self.observers = RunObservers(monitor, tracer if config.trace else None)
         #: crashes and departures (simulator/_crashes.py)
         self.crashes = Crashes(
@@ -192,9 +195,21 @@ class Simulation:
         self.rendezvous = Rendezvous(n, self.sched, self.trace, self.workers, self._heartbeats_changed)
         self.heartbeat_options = self.rendezvous.heartbeat_options
         if self.compute is not None:
-            self.sched.meter = ComputeMeter(self, self.compute)
+            self.sched.meter = ComputeMeter(self.compute, self.links.book)
+        #: what the collaborators built after this point are made of (simulator/_parts.py)
+        self.parts = RunParts(
+            self.seed,
+            self.sched,
+            self.trace,
+            self.network,
+            self.workers,
+            self.crashes,
+            self.heartbeat_options,
+            self.links.deliver,
+            self.observers.stop_monitors,
+        )
         if self.plan is not None:  # the fault engine: installed by a plan or by the first fault verb
-            self.links.faults = NetworkFaults(self, self.plan)
+            self.links.faults = NetworkFaults(self.parts, self.plan)
         if config.trace:
             self.sched.trace = self.trace  # task switches
         #: which process a task runs in, when processes are not workers (a program's own launcher
@@ -273,7 +288,7 @@ class Simulation:
             # Wall-clock reads, wall-time sleeps and OS threads in the program are reported
             # (SimulationWarning); the CLI's virtual time, installed around this, takes precedence.
             # torch.distributed process groups are simulated per worker (SIM-8).
-            with simulated_time(virtual=False), serve_process_groups(self):
+            with simulated_time(virtual=False), serve_process_groups(self.sched, self, self.process_of):
                 self.sched.run(until=lambda: remaining[0] == 0)
         except SimulationDeadlock as deadlock:
             if not failed:
@@ -328,7 +343,7 @@ class Simulation:
     # -- fault verbs (callable before run() or from a simulated task; see docs/howto/fault-plan.md) --
     def _engine(self) -> NetworkFaults:
         if self.links.faults is None:
-            self.links.faults = NetworkFaults(self, None)
+            self.links.faults = NetworkFaults(self.parts, None)
         return self.links.faults
 
     def apply(self, fault: Fault) -> Fault:
@@ -450,6 +465,23 @@ class Simulation:
             self._engine().install(Crash(rank, at, on_receive, on_send, nth))
             return
         self.crashes.crash_at(rank, at)
+
+
+def current() -> Simulation | None:
+    """The :class:`Simulation` the calling task belongs to, or ``None`` outside a simulation.
+
+    A program run by ``python -m twinrpc.simulator run`` (or any function under :meth:`Simulation.run`)
+    never sees the :class:`Simulation` object; this hands it over, so the program can put faults on its
+    own run with the fault verbs (``current().pause(1, 0.5)``, ``current().crash(2)``), e.g. at an exact
+    point of its own code rather than at a virtual time.
+
+    Any task of a simulated worker sees it: its program (under ``run``, its simulated processes too),
+    its RPC handlers, its callbacks. Code outside every simulation, and the scheduler's own callbacks
+    between tasks, get ``None``, so a program can test ``current() is None`` to run unchanged in the
+    real world.
+    """
+    simulation: Simulation | None = CURRENT_SIMULATION.get()
+    return simulation
 
 
 def sleep(seconds: float) -> None:

@@ -59,7 +59,7 @@ from .._model._plan import (
 )
 
 if TYPE_CHECKING:
-    from .._simulation import Simulation
+    from .._parts import RunParts
 
 #: what ``rpc_sync``/``rpc_async``/``remote``/``to_here``/``_get_type`` send
 USER_REQUEST_KINDS = frozenset({Kind.CALL, Kind.REMOTE_CALL, Kind.RREF_FETCH, Kind.RREF_TYPE})
@@ -146,7 +146,7 @@ class _Silence:
     bound: float | None = None
 
 
-def silence_bound(sim: Simulation, rank: int) -> tuple[float, str]:
+def silence_bound(parts: RunParts, rank: int) -> tuple[float, str]:
     """How many seconds worker ``rank`` lets a peer be silent before declaring it dead (0 = never),
     and where that bound comes from, in the words of the error it raises.
 
@@ -154,11 +154,11 @@ def silence_bound(sim: Simulation, rank: int) -> tuple[float, str]:
     ``heartbeat_interval * heartbeat_misses`` of the options ``rank`` passed to ``init_rpc`` while its
     agent runs, and of the default options before that and after its shutdown, as in the gloo world.
     """
-    override = sim.network.heartbeat_timeout
+    override = parts.network.heartbeat_timeout
     if override is not None:
         return override, "NetworkModel.heartbeat_timeout"
-    world = sim.workers[rank].world
-    options = sim.heartbeat_options.get(rank) if world is not None and not world.stopped else None
+    world = parts.workers[rank].world
+    options = parts.heartbeat_options.get(rank) if world is not None and not world.stopped else None
     interval, misses = options or (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES)
     default = "" if options else ", the default options"
     return (
@@ -174,8 +174,9 @@ class NetworkFaults:
         sent, dropped, duplicated, delayed, held: counts of messages routed and of faults applied.
     """
 
-    def __init__(self, sim: Simulation, plan: FaultPlan | None) -> None:
-        self.sim = sim
+    def __init__(self, parts: RunParts, plan: FaultPlan | None) -> None:
+        #: the run's parts and callbacks: what the fault engine may touch
+        self.parts = parts
         self.plan = plan if plan is not None else FaultPlan()
         self.sent = 0
         self.dropped = 0
@@ -184,7 +185,7 @@ class NetworkFaults:
         self.held = 0
         #: rates are drawn from their own generator, seeded by the simulation's seed, so adding a
         #: fault does not shift the scheduler's draws (jitter, ties) of everything else
-        self.rng = random.Random(f"twinrpc-faults-{sim.seed}")
+        self.rng = random.Random(f"twinrpc-faults-{parts.seed}")
         self._rules: list[_Rule] = []
         self._on_receive: list[_Trigger] = []
         self._on_send: list[_Trigger] = []
@@ -205,32 +206,32 @@ class NetworkFaults:
         #: closures the dead one cannot notice yet (it is paused, or the link to it is held or cut)
         self._closures: dict[tuple[int, int], float] = {}
         plan = self.plan
-        plan.check_world(sim.world_size)
+        plan.check_world(parts.world_size)
         for f in plan.faults:
             self.install(f)
 
     # -- installing faults -------------------------------------------------------------------------
     def install(self, fault: Fault) -> Fault:
         """Put ``fault`` in force (now, or at its start time)."""
-        sim = self.sim
-        FaultPlan((fault,)).check_world(sim.world_size)
-        now = sim.sched.now
+        parts = self.parts
+        FaultPlan((fault,)).check_world(parts.world_size)
+        now = parts.sched.now
         if isinstance(fault, (Delay, Drop, Duplicate)):
             self._rules.append(_Rule(fault))
         elif isinstance(fault, (Hold, Partition)):
             if fault.end is not None and fault.end <= now:
                 raise FaultPlanError(f"{fault}: virtual time is already {now:g}s")
-            links = [(fault.src, fault.dst)] if isinstance(fault, Hold) else fault.links(sim.world_size)
+            links = [(fault.src, fault.dst)] if isinstance(fault, Hold) else fault.links(parts.world_size)
             block = _Block(fault, links, "hold" if isinstance(fault, Hold) else fault.mode, fault.end)
             if fault.start <= now:
                 self._add_block(block)
             else:
-                sim.sched.call_later(fault.start - now, lambda: self._add_block(block))
+                parts.sched.call_later(fault.start - now, lambda: self._add_block(block))
             if fault.end is not None:
-                sim.sched.call_later(fault.end - now, functools.partial(self._end_block, block))
+                parts.sched.call_later(fault.end - now, functools.partial(self._end_block, block))
         elif isinstance(fault, Crash):
             if fault.at is not None:
-                sim.crash(fault.worker, at=fault.at)
+                parts.crashes.crash_at(fault.worker, fault.at)
             elif fault.on_receive is not None:
                 self._on_receive.append(_Trigger(fault))
             else:
@@ -241,19 +242,19 @@ class NetworkFaults:
             if fault.at == now:
                 self.pause(fault.worker, fault.duration)
             else:
-                sim.sched.call_later(fault.at - now, lambda: self.pause(fault.worker, fault.duration))
+                parts.sched.call_later(fault.at - now, lambda: self.pause(fault.worker, fault.duration))
         else:  # pragma: no cover - FaultPlan checks the types
             raise TypeError(f"not a fault: {fault!r}")
         return fault
 
     def _record(self, worker: int, text: str) -> None:
         """A ``fault`` event of the trace: what a fault did."""
-        self.sim.trace.record(self.sim.sched.now, worker, "fault", text)
+        self.parts.trace.record(self.parts.sched.now, worker, "fault", text)
 
     def _message_event(self, worker: int, event: str, msg: Message, note: str = "") -> None:
         """A message event (``drop``, ``duplicate``, ``hold``) through the trace's message API, so the
         trace can follow each message from its send to its end."""
-        self.sim.trace.message(self.sim.sched.now, worker, event, msg, note)
+        self.parts.trace.message(self.parts.sched.now, worker, event, msg, note)
 
     # -- sending -----------------------------------------------------------------------------------
     def _classify_send(self, msg: Message) -> frozenset[str]:
@@ -317,7 +318,7 @@ class NetworkFaults:
         for c in copies:
             copy = _copy(msg)
             self._message_event(msg.src, "duplicate", msg, f": a copy arrives +{c:g}s after it")
-            self.sim.trace.copied(msg, copy)  # the copy's events carry the original's message number
+            self.parts.trace.copied(msg, copy)  # the copy's events carry the original's message number
             self._record(msg.src, f"duplicate {msg.describe()}: a copy arrives +{c:g}s after it")
             deliveries.append((copy, delay + extra + c))
         if blocks:
@@ -345,7 +346,7 @@ class NetworkFaults:
         if msg.kind in _REQUEST_KINDS:
             self._requests.pop((msg.src, msg.id), None)
             self._count_copies(msg, 0)
-        self.sim.observers.stop_monitors(
+        self.parts.stop_monitors(
             f"{msg.describe()} was lost for good ({why}): the RRef protocol assumes every message but its "
             "retried control messages arrives"
         )
@@ -358,13 +359,13 @@ class NetworkFaults:
         if entry is not None:
             entry[1] += n
         self._count_copies(msg, 1 + n)
-        self.sim.observers.stop_monitors(
+        self.parts.stop_monitors(
             f"{msg.describe()} was duplicated: the RRef protocol assumes requests other than its control "
             "messages arrive once"
         )
 
     def _count_copies(self, msg: Message, copies: int) -> None:
-        world = self.sim.workers[msg.src].world
+        world = self.parts.workers[msg.src].world
         agent = world.agent if world is not None else None
         if agent is not None:
             agent.on_request_copies(msg, copies)
@@ -374,15 +375,15 @@ class NetworkFaults:
         # What a reply answers is known only when it is sent: keep its classes for its arrival (keyed
         # by id: unique while the message is in flight, and only ever looked up, never iterated).
         self._classes[id(msg)] = classes
-        self.sim.sched.schedule(delay, self.sim.links.deliver, msg)
+        self.parts.sched.schedule(delay, self.parts.deliver, msg)
 
     def on_arrival(self, msg: Message) -> bool:
         """``msg`` reaches its (live) destination: True when it is consumed here (queued at a paused
         worker, discarded as coming from a peer declared dead, or lost with a crash it triggers)."""
         classes = self._classes.pop(id(msg), None)
         if self.distrusted and (msg.src, msg.dst) in self.distrusted:
-            self.sim.trace.record(
-                self.sim.sched.now,
+            self.parts.trace.record(
+                self.parts.sched.now,
                 msg.dst,
                 "lost",
                 f"{msg.describe()}: from a peer this worker declared dead",
@@ -407,7 +408,7 @@ class NetworkFaults:
                 t.seen += 1
                 if t.seen == c.nth:
                     self._record(rank, f"{c}: worker {rank} {verb} {msg.describe()}, which is lost")
-                    self.sim.crash(rank)
+                    self.parts.crashes.crash_at(rank, None)
                     return True
         return False
 
@@ -467,9 +468,9 @@ class NetworkFaults:
     # -- pauses ------------------------------------------------------------------------------------
     def pause(self, rank: int, duration: float) -> None:
         """Stop worker ``rank`` for ``duration`` seconds from now (see :class:`Pause`)."""
-        sim = self.sim
-        sched = sim.sched
-        if rank in sim.crashed:
+        parts = self.parts
+        sched = parts.sched
+        if rank in parts.crashes.crashed:
             return
         until = max(sched.now + duration, self.paused_until.get(rank, -math.inf))
         first = rank not in self.paused_until
@@ -478,7 +479,7 @@ class NetworkFaults:
         self._record(rank, f"pause worker {rank} until t={until:g}s ({duration:g}s)")
         sched.call_later(until - sched.now, lambda: self._resume(rank, until))
         if first:
-            others = [(rank, r) for r in range(sim.world_size) if r != rank]
+            others = [(rank, r) for r in range(parts.world_size) if r != rank]
             self._silence_changed(others, f"worker {rank} paused")
         current = sched.current_task()
         if current is not None and current.worker == rank:
@@ -489,13 +490,13 @@ class NetworkFaults:
         if self.paused_until.get(rank) != until:
             return  # extended by a later pause
         del self.paused_until[rank]
-        sched = self.sim.sched
+        sched = self.parts.sched
         self._record(rank, f"resume worker {rank}")
         sched.unpause(rank)
         for msg, classes in self._paused_inbox.pop(rank, []):
             self._send(msg, classes, 0.0)
-        self._silence_changed([(rank, r) for r in range(self.sim.world_size) if r != rank], "")
-        for observer in range(self.sim.world_size):
+        self._silence_changed([(rank, r) for r in range(self.parts.world_size) if r != rank], "")
+        for observer in range(self.parts.world_size):
             self._notice_closure(observer, rank)
 
     # -- silence: heartbeat-style failure detection --------------------------------------------------
@@ -503,7 +504,7 @@ class NetworkFaults:
         return src in self.paused_until or bool(self._blocks.get((src, dst)))
 
     def _silence_changed(self, pairs: list[tuple[int, int]], cause: str) -> None:
-        now = self.sim.sched.now
+        now = self.parts.sched.now
         for pair in pairs:
             src, dst = pair
             if src == dst:
@@ -518,14 +519,14 @@ class NetworkFaults:
     def _watch(self, pair: tuple[int, int], entry: _Silence) -> None:
         """Check the silence ``entry`` of ``pair`` once it lasts the listener's current bound (no
         check with a bound of 0; nothing new when a check with this bound is already pending)."""
-        bound, _ = silence_bound(self.sim, pair[1])
+        bound, _ = silence_bound(self.parts, pair[1])
         if bound == entry.bound:
             return
         entry.bound = bound
         if bound > 0:
-            now = self.sim.sched.now
+            now = self.parts.sched.now
             delay = bound if entry.since == now else max(0.0, entry.since + bound - now)
-            self.sim.sched.call_later(delay, functools.partial(self._silence_check, pair, entry, bound))
+            self.parts.sched.call_later(delay, functools.partial(self._silence_check, pair, entry, bound))
 
     def bound_changed(self, rank: int) -> None:
         """Worker ``rank`` called ``init_rpc``: the silences it listens to are judged by its options."""
@@ -535,7 +536,7 @@ class NetworkFaults:
 
     def _ends_now(self, src: int, dst: int) -> bool:
         """The silence of src -> dst ends at this very instant (a pause or window that ends now)."""
-        now = self.sim.sched.now
+        now = self.parts.sched.now
         if src in self.paused_until and self.paused_until[src] > now:
             return False
         blocks = self._blocks.get((src, dst), [])
@@ -545,7 +546,7 @@ class NetworkFaults:
         if self._silent.get(pair) is not entry or entry.bound != bound or self._ends_now(*pair):
             return
         src, dst = pair
-        if silence_bound(self.sim, dst)[0] != bound:  # the listener shut down since: default options
+        if silence_bound(self.parts, dst)[0] != bound:  # the listener shut down since: default options
             self._watch(pair, entry)
             return
         self.declare_dead(dst, src, f"{entry.cause} at t={entry.since:g}s")
@@ -553,16 +554,20 @@ class NetworkFaults:
     def declare_dead(self, observer: int, dead: int, why: str) -> None:
         """``observer`` declares ``dead`` dead, as the gloo world does after heartbeat silence (of
         ``observer``'s :func:`silence_bound`)."""
-        sim = self.sim
-        if observer in sim.crashed or dead in sim.crashed or (dead, observer) in self.distrusted:
+        parts = self.parts
+        if (
+            observer in parts.crashes.crashed
+            or dead in parts.crashes.crashed
+            or (dead, observer) in self.distrusted
+        ):
             return
         self.distrusted.add((dead, observer))
-        bound, limit = silence_bound(sim, observer)
+        bound, limit = silence_bound(parts, observer)
         self._record(
             observer,
             f"worker {observer} declares worker {dead} dead: nothing from it for {bound:g} s ({why})",
         )
-        sim.observers.stop_monitors(
+        parts.stop_monitors(
             f"worker {observer} declared worker {dead} dead (nothing from it for {bound:g} s; {why})"
         )
         self._tell(
@@ -574,7 +579,7 @@ class NetworkFaults:
         )
         # The observer fails its link, which closes the pair's connection (gloo's PeerLink.abandon):
         # the dead one finds the connection lost as soon as the closure can reach it, heartbeats or not.
-        self._closures[(observer, dead)] = sim.sched.now
+        self._closures[(observer, dead)] = parts.sched.now
         self._notice_closure(observer, dead)
 
     def _notice_closure(self, observer: int, dead: int) -> None:
@@ -585,16 +590,20 @@ class NetworkFaults:
         if declared_at is None or self._is_silent(observer, dead) or dead in self.paused_until:
             return
         del self._closures[(observer, dead)]
-        self.sim.sched.call_later(
-            self.sim.network.failure_detection,
+        self.parts.sched.call_later(
+            self.parts.network.failure_detection,
             lambda: self._connection_closed_by(observer, dead, declared_at),
         )
 
     def _connection_closed_by(self, observer: int, dead: int, declared_at: float) -> None:
         """``dead`` (alive after all) finds its connection to ``observer`` closed: to it, ``observer``
         is gone as a crashed worker is."""
-        sim = self.sim
-        if observer in sim.crashed or dead in sim.crashed or (observer, dead) in self.distrusted:
+        parts = self.parts
+        if (
+            observer in parts.crashes.crashed
+            or dead in parts.crashes.crashed
+            or (observer, dead) in self.distrusted
+        ):
             return
         self.distrusted.add((observer, dead))
         self._record(dead, f"worker {dead} finds its connection to worker {observer} closed")
@@ -607,9 +616,9 @@ class NetworkFaults:
 
     def _tell(self, rank: int, peer: int, departure: Departure, detail: str) -> None:
         """Worker ``rank``, if still running RPC, learns that ``peer`` departed."""
-        world = self.sim.workers[rank].world
+        world = self.parts.workers[rank].world
         if world is not None and not world.stopped:
-            self.sim.crashes.peer_unavailable(world, rank, peer, departure, detail)
+            self.parts.crashes.peer_unavailable(world, rank, peer, departure, detail)
 
 
 def _copy(msg: Message) -> Message:

@@ -12,15 +12,12 @@ the program and the schedule, so runs stay deterministic.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from .._model._compute import ComputeModel
-
-if TYPE_CHECKING:
-    from .._simulation import Simulation
 
 
 class OperationCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's mode is untyped
@@ -54,10 +51,11 @@ def count_operations(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple
 class ComputeMeter:
     """The scheduler's side: counts each task's operators while it runs, books them on its worker."""
 
-    __slots__ = ("counter", "model", "ops", "sim")
+    __slots__ = ("book", "counter", "model", "ops")
 
-    def __init__(self, sim: Simulation, model: ComputeModel) -> None:
-        self.sim = sim
+    def __init__(self, model: ComputeModel, book: Callable[[int, float], None]) -> None:
+        #: books virtual seconds of work on a worker (``Links.book``)
+        self.book = book
         self.model = model
         self.counter = OperationCounter()
         self.ops = 0  # operators charged so far (all workers)
@@ -75,4 +73,4 @@ class ComputeMeter:
         if ops:
             counter.ops = counter.flops = 0
             self.ops += ops
-            self.sim.links.book(rank, self.model.cost(ops, flops))
+            self.book(rank, self.model.cost(ops, flops))

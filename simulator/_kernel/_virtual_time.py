@@ -46,7 +46,7 @@ import twinrpc
 from twinrpc._future import CURRENT_BLOCKER, Future
 
 from .._errors import SimulationWarning
-from .._world import SimBlocker
+from ._blocker import SimBlocker
 
 #: ``time.time()`` inside a virtual-time run is this epoch (2024-01-01T00:00:00Z) plus the virtual
 #: clock, so a program's timestamps are the same on every run with the same seed.
