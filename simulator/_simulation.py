@@ -338,7 +338,7 @@ class Simulation:
     def _heartbeats_changed(self, rank: int) -> None:
         """Worker ``rank`` called ``init_rpc``: the silences it listens to are judged by its options."""
         if self.links.faults is not None:
-            self.links.faults.bound_changed(rank)
+            self.links.faults.liveness.bound_changed(rank)
 
     # -- fault verbs (callable before run() or from a simulated task; see docs/howto/fault-plan.md) --
     def _engine(self) -> NetworkFaults:

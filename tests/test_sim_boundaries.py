@@ -118,6 +118,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "collaborators",
         (
             "_parts",
+            "_liveness",
             "_network",
             "_faults",
             "_crashes",

@@ -20,15 +20,8 @@ Decisions (documented in ``docs/howto/fault-plan.md``):
   message other than a control message lost for good, a request other than a control message
   duplicated, or a worker declared dead. Delays, holds, healed partitions, pauses and duplicated
   replies keep them on.
-- **Silence.** A gloo worker declares a peer dead when nothing (no frame, no heartbeat) came from it
-  for ``heartbeat_interval * heartbeat_misses`` seconds of its own options (default 1 s x 10; never
-  with ``heartbeat_interval=0``), and then trusts nothing it sends; the peer, no longer hearing from
-  it, does the same its own threshold later. The simulator models exactly that in virtual time: a
-  worker paused, or a link held or partitioned, for longer than the listening worker's bound
-  (:func:`silence_bound`: the options it passed to ``init_rpc``, the default options while it has no
-  agent, or ``NetworkModel.heartbeat_timeout`` for everyone when that is set) makes the listening side
-  declare the silent one dead. A bound is read when a silence starts, when the listener calls
-  ``init_rpc`` (:meth:`NetworkFaults.bound_changed`) and again when it expires.
+- **Silence.** Pauses, holds and partitions silence links; what a silence makes the listening worker
+  decide is the liveness model's (``simulator/_liveness.py``).
 """
 
 from __future__ import annotations
@@ -36,15 +29,14 @@ from __future__ import annotations
 import functools
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from twinrpc._departure import Departure
 from twinrpc._message import RREF_CONTROL_KINDS, Kind, Message
 from twinrpc._serialize import copy_storages
-from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
 from .._errors import FaultPlanError
+from .._liveness import Liveness
 from .._model._plan import (
     Crash,
     Delay,
@@ -138,35 +130,6 @@ class _Queued:
     delay: float
 
 
-@dataclass(slots=True)
-class _Silence:
-    since: float
-    cause: str = field(default="")
-    #: the listener's bound its pending check was scheduled with (None: none scheduled)
-    bound: float | None = None
-
-
-def silence_bound(parts: RunParts, rank: int) -> tuple[float, str]:
-    """How many seconds worker ``rank`` lets a peer be silent before declaring it dead (0 = never),
-    and where that bound comes from, in the words of the error it raises.
-
-    ``NetworkModel.heartbeat_timeout`` when set (for every worker); otherwise the
-    ``heartbeat_interval * heartbeat_misses`` of the options ``rank`` passed to ``init_rpc`` while its
-    agent runs, and of the default options before that and after its shutdown, as in the gloo world.
-    """
-    override = parts.network.heartbeat_timeout
-    if override is not None:
-        return override, "NetworkModel.heartbeat_timeout"
-    world = parts.workers[rank].world
-    options = parts.heartbeat_options.get(rank) if world is not None and not world.stopped else None
-    interval, misses = options or (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES)
-    default = "" if options else ", the default options"
-    return (
-        interval * misses if interval > 0 else 0.0,
-        f"heartbeat_interval x heartbeat_misses = {interval:g} s x {misses}{default}",
-    )
-
-
 class NetworkFaults:
     """Applies faults inside one simulation (see the module docstring).
 
@@ -198,13 +161,10 @@ class NetworkFaults:
         self._paused_inbox: dict[int, list[tuple[Message, frozenset[str]]]] = {}
         #: id(message in flight) -> its classes (see _send)
         self._classes: dict[int, frozenset[str]] = {}
-        #: (silent rank, listening rank) -> since when nothing from the first reaches the second
-        self._silent: dict[tuple[int, int], _Silence] = {}
-        #: (dead rank, observer) pairs: the observer declared the first dead and trusts nothing from it
-        self.distrusted: set[tuple[int, int]] = set()
-        #: (observer, dead rank) -> when the observer declared it dead and closed their connection, for
-        #: closures the dead one cannot notice yet (it is paused, or the link to it is held or cut)
-        self._closures: dict[tuple[int, int], float] = {}
+        #: heartbeat-style failure detection of the silences that pauses, holds and partitions make
+        self.liveness = Liveness(
+            parts, self._record, self.is_silent, self.silence_ends_now, self.paused_until
+        )
         plan = self.plan
         plan.check_world(parts.world_size)
         for f in plan.faults:
@@ -381,7 +341,8 @@ class NetworkFaults:
         """``msg`` reaches its (live) destination: True when it is consumed here (queued at a paused
         worker, discarded as coming from a peer declared dead, or lost with a crash it triggers)."""
         classes = self._classes.pop(id(msg), None)
-        if self.distrusted and (msg.src, msg.dst) in self.distrusted:
+        distrusted = self.liveness.distrusted
+        if distrusted and (msg.src, msg.dst) in distrusted:
             self.parts.trace.record(
                 self.parts.sched.now,
                 msg.dst,
@@ -423,7 +384,7 @@ class NetworkFaults:
             blocks.append(block)
             if len(blocks) == 1:
                 changed.append(link)
-        self._silence_changed(changed, f"{block.fault}")
+        self.liveness.silence_changed(changed, f"{block.fault}")
 
     def _end_block(self, block: _Block) -> None:
         self._remove_block(block, "ends")
@@ -448,9 +409,9 @@ class NetworkFaults:
                 self._send(q.msg, q.classes, q.delay)
                 released += 1
         self._record(-1, f"{block.fault}: {how}; {released} held message(s) released")
-        self._silence_changed(changed, "")
+        self.liveness.silence_changed(changed, "")
         for src, dst in changed:
-            self._notice_closure(src, dst)
+            self.liveness.notice_closure(src, dst)
         return released
 
     def blocks_of(self, kind: type) -> list[_Block]:
@@ -480,7 +441,7 @@ class NetworkFaults:
         sched.call_later(until - sched.now, lambda: self._resume(rank, until))
         if first:
             others = [(rank, r) for r in range(parts.world_size) if r != rank]
-            self._silence_changed(others, f"worker {rank} paused")
+            self.liveness.silence_changed(others, f"worker {rank} paused")
         current = sched.current_task()
         if current is not None and current.worker == rank:
             sched.wake(current)  # runs again only when the pause is over (the scheduler defers it)
@@ -495,130 +456,22 @@ class NetworkFaults:
         sched.unpause(rank)
         for msg, classes in self._paused_inbox.pop(rank, []):
             self._send(msg, classes, 0.0)
-        self._silence_changed([(rank, r) for r in range(self.parts.world_size) if r != rank], "")
+        self.liveness.silence_changed([(rank, r) for r in range(self.parts.world_size) if r != rank], "")
         for observer in range(self.parts.world_size):
-            self._notice_closure(observer, rank)
+            self.liveness.notice_closure(observer, rank)
 
-    # -- silence: heartbeat-style failure detection --------------------------------------------------
-    def _is_silent(self, src: int, dst: int) -> bool:
+    # -- silence: what the liveness model asks ---------------------------------------------------------
+    def is_silent(self, src: int, dst: int) -> bool:
+        """Nothing from ``src`` reaches ``dst`` now (``src`` is paused, or the link is held or cut)."""
         return src in self.paused_until or bool(self._blocks.get((src, dst)))
 
-    def _silence_changed(self, pairs: list[tuple[int, int]], cause: str) -> None:
-        now = self.parts.sched.now
-        for pair in pairs:
-            src, dst = pair
-            if src == dst:
-                continue
-            silent = self._is_silent(src, dst)
-            if silent and pair not in self._silent:
-                entry = self._silent[pair] = _Silence(now, cause)
-                self._watch(pair, entry)
-            elif not silent:
-                self._silent.pop(pair, None)
-
-    def _watch(self, pair: tuple[int, int], entry: _Silence) -> None:
-        """Check the silence ``entry`` of ``pair`` once it lasts the listener's current bound (no
-        check with a bound of 0; nothing new when a check with this bound is already pending)."""
-        bound, _ = silence_bound(self.parts, pair[1])
-        if bound == entry.bound:
-            return
-        entry.bound = bound
-        if bound > 0:
-            now = self.parts.sched.now
-            delay = bound if entry.since == now else max(0.0, entry.since + bound - now)
-            self.parts.sched.call_later(delay, functools.partial(self._silence_check, pair, entry, bound))
-
-    def bound_changed(self, rank: int) -> None:
-        """Worker ``rank`` called ``init_rpc``: the silences it listens to are judged by its options."""
-        for pair, entry in list(self._silent.items()):
-            if pair[1] == rank:
-                self._watch(pair, entry)
-
-    def _ends_now(self, src: int, dst: int) -> bool:
+    def silence_ends_now(self, src: int, dst: int) -> bool:
         """The silence of src -> dst ends at this very instant (a pause or window that ends now)."""
         now = self.parts.sched.now
         if src in self.paused_until and self.paused_until[src] > now:
             return False
         blocks = self._blocks.get((src, dst), [])
         return all(b.end is not None and b.end <= now for b in blocks)
-
-    def _silence_check(self, pair: tuple[int, int], entry: _Silence, bound: float) -> None:
-        if self._silent.get(pair) is not entry or entry.bound != bound or self._ends_now(*pair):
-            return
-        src, dst = pair
-        if silence_bound(self.parts, dst)[0] != bound:  # the listener shut down since: default options
-            self._watch(pair, entry)
-            return
-        self.declare_dead(dst, src, f"{entry.cause} at t={entry.since:g}s")
-
-    def declare_dead(self, observer: int, dead: int, why: str) -> None:
-        """``observer`` declares ``dead`` dead, as the gloo world does after heartbeat silence (of
-        ``observer``'s :func:`silence_bound`)."""
-        parts = self.parts
-        if (
-            observer in parts.crashes.crashed
-            or dead in parts.crashes.crashed
-            or (dead, observer) in self.distrusted
-        ):
-            return
-        self.distrusted.add((dead, observer))
-        bound, limit = silence_bound(parts, observer)
-        self._record(
-            observer,
-            f"worker {observer} declares worker {dead} dead: nothing from it for {bound:g} s ({why})",
-        )
-        parts.stop_monitors(
-            f"worker {observer} declared worker {dead} dead (nothing from it for {bound:g} s; {why})"
-        )
-        self._tell(
-            observer,
-            dead,
-            Departure.SILENT,
-            f"no frame or heartbeat from it for more than {bound:g} s of simulated time (limit: {limit}; "
-            f"{why}); its process is stopped, hung or cut off from this one",
-        )
-        # The observer fails its link, which closes the pair's connection (gloo's PeerLink.abandon):
-        # the dead one finds the connection lost as soon as the closure can reach it, heartbeats or not.
-        self._closures[(observer, dead)] = parts.sched.now
-        self._notice_closure(observer, dead)
-
-    def _notice_closure(self, observer: int, dead: int) -> None:
-        """Let ``dead`` notice that ``observer`` closed their connection, unless it cannot yet: it is
-        paused, or the link from ``observer`` is held or cut (then its resume, or the link's healing,
-        calls this again)."""
-        declared_at = self._closures.get((observer, dead))
-        if declared_at is None or self._is_silent(observer, dead) or dead in self.paused_until:
-            return
-        del self._closures[(observer, dead)]
-        self.parts.sched.call_later(
-            self.parts.network.failure_detection,
-            lambda: self._connection_closed_by(observer, dead, declared_at),
-        )
-
-    def _connection_closed_by(self, observer: int, dead: int, declared_at: float) -> None:
-        """``dead`` (alive after all) finds its connection to ``observer`` closed: to it, ``observer``
-        is gone as a crashed worker is."""
-        parts = self.parts
-        if (
-            observer in parts.crashes.crashed
-            or dead in parts.crashes.crashed
-            or (observer, dead) in self.distrusted
-        ):
-            return
-        self.distrusted.add((observer, dead))
-        self._record(dead, f"worker {dead} finds its connection to worker {observer} closed")
-        self._tell(
-            dead,
-            observer,
-            Departure.CRASHED,
-            f"connection lost (closed by the peer, which declared this worker dead at t={declared_at:g} s)",
-        )
-
-    def _tell(self, rank: int, peer: int, departure: Departure, detail: str) -> None:
-        """Worker ``rank``, if still running RPC, learns that ``peer`` departed."""
-        world = self.parts.workers[rank].world
-        if world is not None and not world.stopped:
-            self.parts.crashes.peer_unavailable(world, rank, peer, departure, detail)
 
 
 def _copy(msg: Message) -> Message:
