@@ -146,9 +146,9 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 #: the entry points: the modules besides Simulation's own that may name ``Simulation``
 ENTRY_POINTS = ("_simulation", "_config", *FLOORS[-1][1])
-#: imports that still run from a lower floor up, each waiting on the change that removes it: the worlds
-#: name Simulation (SimWorker is built from it, until the World seam gives it its parts); the kernel's
-#: ``CURRENT_SIMULATION`` is typed opaque; the errors module names ``Divergence`` for NondeterminismError
+#: the most imports that may run from a lower floor up; two do today, both type-only and each waiting on
+#: the change that removes it: the worlds name Simulation (SimWorker is built from it, until the World
+#: seam gives it its parts), and the errors module names ``Divergence`` for NondeterminismError
 MAX_IMPORTS_UP = 4
 MAX_LOCAL_IMPORTS = 19
 
@@ -338,8 +338,8 @@ def test_only_the_simulation_and_the_entry_points_name_simulation() -> None:
             and not any(i.source.startswith(p + ".") for p in ENTRY_POINTS if p)
         }
     )
-    # the worlds still build SimWorker from the whole simulation (see MAX_IMPORTS_UP)
-    assert naming == ["_world"]
+    # the worlds may still build SimWorker from the whole simulation (see MAX_IMPORTS_UP)
+    assert set(naming) <= {"_world"}, naming
 
 
 def test_the_graph_reader_finds_imports_of_every_kind() -> None:
