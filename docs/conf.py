@@ -54,6 +54,9 @@ nitpick_ignore_regex = [
     (r"py:class", r"(PicklingError|TimeoutError|RuntimeError|Exception|BaseException|Enum)"),
     # twinrpc's private internals named in docstrings (message kinds, agent): not public API.
     (r"py:.*", r"twinrpc\.(simulator\.|impl\.)?_[a-z_]+\..*"),
+    # the simulator's scheduler (simulator/_kernel/), private, in the signature of the public RRefMonitor
+    # (built by the simulation from the parts it uses: the scheduler and the trace)
+    (r"py:class", r"Scheduler"),
     # Type variables of generic signatures (Future[T], RRef[T]).
     (r"py:(class|obj)", r"(.*\.)?[TSF]"),
 ]

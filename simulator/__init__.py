@@ -29,7 +29,10 @@ from ._errors import (
 from ._exploration._case import replay
 from ._exploration._explore import explore
 from ._exploration._failure import Exploration, Failure
-from ._faults._plan import (
+from ._model._compute import ComputeModel
+from ._model._files import load_faults
+from ._model._network import NetworkModel
+from ._model._plan import (
     FAULT_KINDS,
     MESSAGE_CLASSES,
     RETRIED_MESSAGES,
@@ -44,12 +47,8 @@ from ._faults._plan import (
     Partition,
     Pause,
 )
-from ._faults._swarm import Swarm
-from ._files import load_faults
-from ._kernel._compute import ComputeModel
-from ._kernel._current import current
-from ._network._model import NetworkModel
-from ._simulation import RunResult, Simulation, WorkerOutcome, now, sleep
+from ._model._swarm import Swarm
+from ._simulation import RunResult, Simulation, WorkerOutcome, current, now, sleep
 from ._traces._diff import Divergence, diff_traces
 from ._traces._trace import MessageInfo, Trace, TraceEvent
 

@@ -15,10 +15,10 @@ import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._faults._plan import FaultPlan
-from ._faults._swarm import Swarm
-from ._kernel._compute import ComputeModel
-from ._network._model import NetworkModel
+from ._model._compute import ComputeModel
+from ._model._network import NetworkModel
+from ._model._plan import FaultPlan
+from ._model._swarm import Swarm
 
 if TYPE_CHECKING:
     from ._simulation import Simulation
@@ -120,7 +120,7 @@ class SimConfig:
     # -- entry points --------------------------------------------------------------------------------
     def build(self) -> Simulation:
         """A new :class:`~twinrpc.simulator.Simulation` with these settings (each runs once)."""
-        from ._simulation import Simulation
+        from ._simulation import Simulation  # at call time: the engine stands on this config, not under it
 
         return Simulation(config=self)
 

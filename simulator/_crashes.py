@@ -21,7 +21,7 @@ import greenlet
 
 from twinrpc._departure import Departure
 
-from ._network._model import NetworkModel
+from ._model._network import NetworkModel
 
 if TYPE_CHECKING:
     from ._kernel._scheduler import Scheduler
@@ -101,12 +101,8 @@ class Crashes:
         """Stop every task of a crashed worker (runs on the hub): each parked task gets GreenletExit,
         unwinding with no visible effect (its sends are dropped, its waits fail at once)."""
         sched = self.sched
-        for task in [t for t in sched.tasks.values() if t.worker == rank and not t.done]:
-            g = task.g
-            task.done = True
-            sched.tasks.pop(task.id, None)
-            if g is not None and not g.dead:
-                g.throw(greenlet.GreenletExit())
+        for task in sched.tasks_of(rank):
+            sched.kill(task)
 
     def detect(self, observer: int, dead: int) -> None:
         """``observer`` finds its connection to the crashed ``dead`` lost."""

@@ -9,6 +9,7 @@ Each class mixes in the builtin a caller would already catch, so ``except Runtim
     ├── NondeterminismError              two runs with one seed differed
     └── TraceFormatError(.., ValueError) a file that is not a twinrpc trace
     FaultPlanError(ValueError)           a malformed fault plan, swarm, network or compute model
+                                         (defined with the plain data, ``simulator/_model/``)
     CalibrationError(ValueError)         measurements that determine no model
     LaunchError(ValueError)              bad input to ``python -m twinrpc.simulator run``/``explore``
     ReplayError(ValueError)              bad input to ``python -m twinrpc.simulator replay``
@@ -22,6 +23,22 @@ raises, lives with exploration (``_exploration/_failure.py``): it carries the sh
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from ._model._errors import FaultPlanError
+
+__all__ = [
+    "CalibrationError",
+    "FaultPlanError",
+    "LaunchError",
+    "MonitorViolation",
+    "NondeterminismError",
+    "ProgramError",
+    "ReplayError",
+    "SimulationDeadlock",
+    "SimulationError",
+    "SimulationWarning",
+    "TraceFormatError",
+]
 
 if TYPE_CHECKING:
     from ._traces._diff import Divergence
@@ -68,11 +85,6 @@ class NondeterminismError(SimulationError):
 
 class TraceFormatError(SimulationError, ValueError):
     """A trace file that is not in twinrpc's trace format (or of a newer version)."""
-
-
-class FaultPlanError(ValueError):
-    """A fault plan, a network model or a swarm description is malformed (a Python object or a
-    JSON/TOML file); the message names the field, e.g. ``faults[2] (drop).nth``."""
 
 
 class CalibrationError(ValueError):

@@ -45,7 +45,7 @@ class RunObservers:
         if tracer is not None:
             rrefs = self._rref_tracers.get(generation)
             if rrefs is None:
-                rrefs = self._rref_tracers[generation] = TraceObserver(tracer.sim, checks)
+                rrefs = self._rref_tracers[generation] = TraceObserver(tracer.sched, tracer.trace, checks)
             return ProtocolObservers(rrefs=rrefs, autograd=tracer)
         if checks is not None:
             return ProtocolObservers(rrefs=checks)

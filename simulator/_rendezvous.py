@@ -5,7 +5,7 @@ The gloo world meets its peers through a ``torch.distributed`` store (``impl/_re
 (``init_rpc(world_size=N)``: everyone waits for all N, then one roster serves every member) and the
 dynamic groups (``init_rpc`` without ``world_size``: members join and leave one at a time under a
 membership token, ``simulator/_dynamic_group.py``), and records each joiner's heartbeat options: how
-long it lets a silent peer be before declaring it dead (``simulator/_faults/_engine.py``,
+long it lets a silent peer be before declaring it dead (``simulator/_liveness.py``,
 ``silence_bound``). There is no wire to authenticate, but each joiner's key (``auth_key`` or
 ``TWINRPC_AUTH_KEY``) is compared with its group's, so workers started with different keys fail
 ``init_rpc`` as they do in the gloo world (``AuthenticationError`` on every rank).
@@ -72,7 +72,7 @@ class Rendezvous:
         #: generation -> rank -> the job key its worker joined with (None: none), static and dynamic
         self._keys: dict[int, dict[int, bytes | None]] = {}
         #: rank -> (heartbeat_interval, heartbeat_misses) of its latest init_rpc's options: how long it
-        #: lets a silent peer be before declaring it dead (simulator/_faults/_engine.py, silence_bound)
+        #: lets a silent peer be before declaring it dead (simulator/_liveness.py, silence_bound)
         self.heartbeat_options: dict[int, tuple[float, int]] = {}
 
     def connect(

@@ -14,18 +14,26 @@ given what it needs when the simulation is built:
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from twinrpc._future import Future
+from twinrpc._future import CURRENT_BLOCKER, Future
 
 from ._checks._monitors import RRefMonitor
 from ._config import SimConfig
 from ._crashes import Crashes
 from ._errors import SimulationDeadlock, SimulationError
 from ._faults._engine import NetworkFaults
-from ._faults._plan import (
+from ._kernel._blocker import SimBlocker
+from ._kernel._compute import ComputeMeter
+from ._kernel._current import CURRENT_SIMULATION
+from ._kernel._scheduler import Scheduler, Task
+from ._kernel._virtual_time import simulated_time
+from ._model._compute import ComputeModel
+from ._model._network import NetworkModel
+from ._model._plan import (
     DEFAULT_GC_DELAY,
     Crash,
     Delay,
@@ -37,18 +45,15 @@ from ._faults._plan import (
     Partition,
     Pause,
 )
-from ._faults._swarm import Swarm
-from ._kernel._compute import ComputeMeter, ComputeModel
-from ._kernel._scheduler import Scheduler, Task
-from ._kernel._virtual_time import simulated_time
+from ._model._swarm import Swarm
 from ._network._links import Links
-from ._network._model import NetworkModel
 from ._network._process_group import serve_process_groups
 from ._observers import RunObservers
+from ._parts import RunParts
 from ._rendezvous import Rendezvous
 from ._traces._observer import TraceObserver
 from ._traces._trace import Trace
-from ._world import SimBlocker, SimWorker
+from ._world import SimWorker
 
 _GC_GEN0_THRESHOLD = 20_000
 
@@ -165,9 +170,9 @@ class Simulation:
         self.trace = Trace(config.trace, seed=self.seed, world_size=n)
         #: the workers, by rank (filled in below, once what they share exists)
         self.workers: list[SimWorker] = []
-        monitor = RRefMonitor(self) if config.monitors else None
+        monitor = RRefMonitor(self.sched, self.trace) if config.monitors else None
         #: the trace observer and the RRef monitors (simulator/_observers.py)
-        tracer = TraceObserver(self, monitor.generation(0) if monitor is not None else None)
+        tracer = TraceObserver(self.sched, self.trace, monitor.generation(0) if monitor is not None else None)
         self.observers = RunObservers(monitor, tracer if config.trace else None)
         #: crashes and departures (simulator/_crashes.py)
         self.crashes = Crashes(
@@ -190,20 +195,27 @@ class Simulation:
         self.rendezvous = Rendezvous(n, self.sched, self.trace, self.workers, self._heartbeats_changed)
         self.heartbeat_options = self.rendezvous.heartbeat_options
         if self.compute is not None:
-            self.sched.meter = ComputeMeter(self, self.compute)
+            self.sched.meter = ComputeMeter(self.compute, self.links.book)
+        #: what the collaborators built after this point are made of (simulator/_parts.py)
+        self.parts = RunParts(
+            self.seed,
+            self.sched,
+            self.trace,
+            self.network,
+            self.workers,
+            self.crashes,
+            self.heartbeat_options,
+            self.links.deliver,
+            self.observers.stop_monitors,
+        )
         if self.plan is not None:  # the fault engine: installed by a plan or by the first fault verb
-            self.links.faults = NetworkFaults(self, self.plan)
+            self.links.faults = NetworkFaults(self.parts, self.plan)
         if config.trace:
             self.sched.trace = self.trace  # task switches
         #: which process a task runs in, when processes are not workers (a program's own launcher
         #: under ``python -m twinrpc.simulator run``); None: each worker is one process
         self.process_of: Callable[[Task], Hashable | None] | None = None
         self._used = False
-
-    @classmethod
-    def from_config(cls, config: SimConfig) -> Simulation:
-        """The simulation ``config`` describes (as ``config.build()``)."""
-        return cls(config=config)
 
     @property
     def now(self) -> float:
@@ -276,7 +288,7 @@ class Simulation:
             # Wall-clock reads, wall-time sleeps and OS threads in the program are reported
             # (SimulationWarning); the CLI's virtual time, installed around this, takes precedence.
             # torch.distributed process groups are simulated per worker (SIM-8).
-            with simulated_time(virtual=False), serve_process_groups(self):
+            with simulated_time(virtual=False), serve_process_groups(self.sched, self, self.process_of):
                 self.sched.run(until=lambda: remaining[0] == 0)
         except SimulationDeadlock as deadlock:
             if not failed:
@@ -326,12 +338,12 @@ class Simulation:
     def _heartbeats_changed(self, rank: int) -> None:
         """Worker ``rank`` called ``init_rpc``: the silences it listens to are judged by its options."""
         if self.links.faults is not None:
-            self.links.faults.bound_changed(rank)
+            self.links.faults.liveness.bound_changed(rank)
 
     # -- fault verbs (callable before run() or from a simulated task; see docs/howto/fault-plan.md) --
     def _engine(self) -> NetworkFaults:
         if self.links.faults is None:
-            self.links.faults = NetworkFaults(self, None)
+            self.links.faults = NetworkFaults(self.parts, None)
         return self.links.faults
 
     def apply(self, fault: Fault) -> Fault:
@@ -455,14 +467,27 @@ class Simulation:
         self.crashes.crash_at(rank, at)
 
 
+def current() -> Simulation | None:
+    """The :class:`Simulation` the calling task belongs to, or ``None`` outside a simulation.
+
+    A program run by ``python -m twinrpc.simulator run`` (or any function under :meth:`Simulation.run`)
+    never sees the :class:`Simulation` object; this hands it over, so the program can put faults on its
+    own run with the fault verbs (``current().pause(1, 0.5)``, ``current().crash(2)``), e.g. at an exact
+    point of its own code rather than at a virtual time.
+
+    Any task of a simulated worker sees it: its program (under ``run``, its simulated processes too),
+    its RPC handlers, its callbacks. Code outside every simulation, and the scheduler's own callbacks
+    between tasks, get ``None``, so a program can test ``current() is None`` to run unchanged in the
+    real world.
+    """
+    simulation: Simulation | None = CURRENT_SIMULATION.get()
+    return simulation
+
+
 def sleep(seconds: float) -> None:
     """Sleep on the current world's clock: virtual time inside a simulation, wall time outside."""
-    from twinrpc._future import CURRENT_BLOCKER
-
     blocker = CURRENT_BLOCKER.get()
     if not isinstance(blocker, SimBlocker):
-        import time
-
         time.sleep(seconds)
         return
     fut: Future[None] = Future()
@@ -472,13 +497,9 @@ def sleep(seconds: float) -> None:
 
 def now() -> float:
     """The current world's clock: virtual seconds inside a simulation, ``time.monotonic()`` outside."""
-    from twinrpc._future import CURRENT_BLOCKER
-
     blocker = CURRENT_BLOCKER.get()
     if isinstance(blocker, SimBlocker):
         return blocker.sched.now
-    import time
-
     return time.monotonic()
 
 

@@ -12,7 +12,7 @@ import greenlet
 
 from twinrpc._current import CURRENT_SLOT, WorkerSlot
 from twinrpc._departure import Departure
-from twinrpc._future import CALLBACK_ROLE, CURRENT_BLOCKER, Future, add_waiter
+from twinrpc._future import CALLBACK_ROLE, CURRENT_BLOCKER
 from twinrpc._message import Kind, Message
 from twinrpc._serialize import copy_storages
 from twinrpc._world import (
@@ -26,7 +26,6 @@ from twinrpc._world import (
 )
 
 from ._kernel._current import CURRENT_SIMULATION
-from ._kernel._scheduler import Scheduler
 
 if TYPE_CHECKING:
     from ._simulation import Simulation
@@ -35,30 +34,6 @@ _log = logging.getLogger("twinrpc.simulator")
 _getcurrent = greenlet.getcurrent
 _DELIVER = "deliver"
 _REPLY_KINDS = (Kind.RESPONSE, Kind.EXCEPTION)
-
-
-class SimBlocker:
-    """Blocking in the simulator: park the current task until the future completes."""
-
-    __slots__ = ("crashed", "sched")
-
-    def __init__(self, sched: Scheduler, crashed: dict[int, float]) -> None:
-        self.sched = sched
-        self.crashed = crashed
-
-    def wait_done(self, fut: Future[Any]) -> None:
-        sched = self.sched
-        task = getattr(_getcurrent(), "task", None)  # sched.current_task(), inlined: every wait
-        if task is None:
-            raise RuntimeError(
-                "twinrpc.simulator: Future.wait() outside a simulated task; wait only from worker "
-                "programs, RPC handlers and callbacks"
-            )
-        if task.worker in self.crashed:
-            # A crashed worker's task is unwinding (Simulation.crash): it must never block again.
-            raise greenlet.GreenletExit()
-        if add_waiter(fut, lambda _f: sched.wake(task)):
-            sched.park(fut)
 
 
 class SimWorker:

@@ -43,9 +43,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
+import twinrpc.rpc as rpc
+from twinrpc import _serialize
+
 from ._errors import CalibrationError
-from ._kernel._compute import ComputeModel, count_operations
-from ._network._model import NetworkModel
+from ._kernel._compute import count_operations
+from ._model._compute import ComputeModel
+from ._model._network import NetworkModel
+from ._simulation import now
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -416,8 +423,6 @@ def _echo(x: Any) -> Any:
 
 def _message_bytes(obj: Any) -> int:
     """Bytes of a message carrying ``obj``, as the simulator counts them (payload + tensor data)."""
-    from twinrpc import _serialize
-
     payload, tensors = _serialize.dumps(obj)
     return len(payload) + sum(int(t.numel()) for t in tensors)
 
@@ -446,12 +451,6 @@ def measure(
         One :class:`RoundTrip` per size, then one :class:`Pipelined`: the input of
         :func:`fit_network_model`.
     """
-    import torch
-
-    import twinrpc.rpc as rpc
-
-    from ._simulation import now
-
     out: list[RoundTrip | Pipelined] = []
     for size in sizes:
         arg: Any = 1 if size == 0 else torch.ones(size // 4, dtype=torch.float32)

@@ -57,15 +57,15 @@ from typing import Any
 import pytest
 
 from ._config import SimConfig
-from ._exploration._case import Case, _Outcome, _run, plan_from_data, plan_to_data
+from ._exploration._case import Case, _Outcome, _run
 from ._exploration._failure import Failure
 from ._exploration._parallel import ExplorationPlan, Found, explore_blocks
 from ._exploration._reproduce import _is_literal, raises_block, regression_header
 from ._exploration._search import _Search, cases
-from ._faults._plan import FaultPlan
-from ._files import compute_from_text, network_from_text, plan_from_text
-from ._kernel._compute import ComputeModel
-from ._network._model import NetworkModel
+from ._model._compute import ComputeModel
+from ._model._files import compute_from_text, network_from_text, plan_from_text, plan_of
+from ._model._network import NetworkModel
+from ._model._plan import FaultPlan
 from ._simulation import RunResult
 
 __all__ = ["SimulationFixture"]
@@ -102,7 +102,7 @@ def _as_plan(value: Any, where: str) -> FaultPlan | None:
     if value is None or isinstance(value, FaultPlan):
         return value
     if isinstance(value, dict | str):
-        return plan_from_data(value)
+        return plan_of(value, "faults")
     if _is_strategy(value) or callable(value):
         return None  # a strategy: for --sim-explore only
     raise TypeError(f"{where}: faults= takes a FaultPlan, its data, or a hypothesis strategy; got {value!r}")
@@ -130,7 +130,7 @@ def _as_compute(value: Any, where: str) -> ComputeModel | None:
 
 def _is_strategy(value: Any) -> bool:
     try:
-        from hypothesis.strategies import SearchStrategy
+        from hypothesis.strategies import SearchStrategy  # an optional dependency: a strategy needs it
     except ImportError:  # pragma: no cover - hypothesis is a test dependency
         return False
     return isinstance(value, SearchStrategy)
@@ -265,7 +265,7 @@ class SimulationFixture:
         path = os.path.relpath(item.path, config.invocation_params.dir)
         name = item.nodeid.split("::", 1)[1] if "::" in item.nodeid else item.name
         parts = ["pytest", shlex.quote(f"{path}::{name}"), f"--sim-seed {case.seed}"]
-        data = plan_to_data(case.faults)
+        data = case.faults.to_dict()
         if case.faults != FaultPlan():
             parts.append(f"--sim-faults {shlex.quote(json.dumps(data, separators=(',', ':')))}")
         if case.network is not None:
@@ -444,7 +444,7 @@ def export_item(item: pytest.Item, failure: Failure, name: str, expect: str) -> 
         fixtures.insert(0, FIXTURE)
     call_args = ", ".join(f"{a}={a}" if a not in params else f"{a}={params[a]!r}" for a in argnames)
     case = failure.case
-    mark = [f"    seed={case.seed},", f"    faults={_indented(plan_to_data(case.faults))},"]
+    mark = [f"    seed={case.seed},", f"    faults={_indented(case.faults.to_dict())},"]
     if case.network is not None:
         mark.append(f"    network={_indented(case.network.to_dict())},")
     if case.compute is not None:

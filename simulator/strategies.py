@@ -26,7 +26,8 @@ from typing import Any
 from hypothesis import strategies as st
 
 from ._exploration._rref_workload import WORLD_SIZE as _RREF_WORLD_SIZE
-from ._faults._plan import (
+from ._model._network import NetworkModel
+from ._model._plan import (
     FAULT_KINDS,
     KIND_NAMES,
     MESSAGE_CLASSES,
@@ -43,7 +44,6 @@ from ._faults._plan import (
     Partition,
     Pause,
 )
-from ._network._model import NetworkModel
 
 __all__ = ["fault_plans", "network_models", "rref_fault_plans", "schedules"]
 

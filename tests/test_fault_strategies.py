@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, Phase, find, given, settings
 from twinrpc.simulator import (
+    FAULT_KINDS,
     Crash,
     Delay,
     Drop,
@@ -19,7 +20,6 @@ from twinrpc.simulator import (
     Pause,
     Simulation,
 )
-from twinrpc.simulator._faults._plan import FAULT_KINDS
 from twinrpc.simulator.strategies import fault_plans, network_models
 
 import twinrpc.rpc as rpc

@@ -8,6 +8,8 @@ simulator's source, so a shortcut across a seam fails here, not in a later refac
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import inspect
 import pathlib
 from collections.abc import Iterator
@@ -101,3 +103,250 @@ def test_the_facade_keeps_the_public_face_of_simulation() -> None:
     assert all(callable(getattr(Simulation, verb)) for verb in (*verbs, "run"))
     sim = Simulation(2, 5)
     assert (sim.world_size, sim.seed, sim.now, sim.crashed, sim.plan) == (2, 5, 0.0, {}, None)
+
+
+# -- the layers: the import graph, read with ast -------------------------------------------------------
+#: the simulator's floors, lowest first (docs/explanation/architecture.md, "The simulator's floors"):
+#: a module's floor is that of the longest prefix of its name (relative to twinrpc.simulator) listed here
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("plain data", ("_model",)),
+    ("errors", ("_errors",)),
+    ("traces", ("_traces",)),
+    ("kernel", ("_kernel",)),
+    ("worlds", ("_world", "_dynamic_group")),
+    (
+        "collaborators",
+        (
+            "_parts",
+            "_liveness",
+            "_network",
+            "_faults",
+            "_crashes",
+            "_rendezvous",
+            "_observers",
+            "_checks._monitors",
+            "_traces._observer",
+        ),
+    ),
+    ("simulation", ("_simulation", "_config")),
+    (
+        "entry points",
+        (
+            "",
+            "__main__",
+            "_checks",
+            "_exploration",
+            "_launch",
+            "_cli",
+            "pytest_plugin",
+            "calibration",
+            "strategies",
+        ),
+    ),
+)
+#: the entry points: the modules besides Simulation's own that may name ``Simulation``
+ENTRY_POINTS = ("_simulation", "_config", *FLOORS[-1][1])
+#: the most imports that may run from a lower floor up; two do today, both type-only and each waiting on
+#: the change that removes it: the worlds name Simulation (SimWorker is built from it, until the World
+#: seam gives it its parts), and the errors module names ``Divergence`` for NondeterminismError
+MAX_IMPORTS_UP = 4
+MAX_LOCAL_IMPORTS = 19
+
+
+@dataclasses.dataclass(frozen=True)
+class _Import:
+    source: str  # the importing module, relative to twinrpc.simulator ("" for the package)
+    target: str
+    line: int
+    local: bool  # inside a function
+    typing_only: bool  # under ``if TYPE_CHECKING:``
+    names: tuple[str, ...]
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(SIMULATOR).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> list[_Import]:
+    """Every import of a simulator module by a simulator module: module-level, function-local and
+    type-only alike (a name a module uses is a dependency, whenever it is bound)."""
+    modules = {_module_name(p) for p in _modules()}
+    found = []
+    for path in _modules():
+        source = _module_name(path)
+        tree = ast.parse(path.read_text())
+        local: set[int] = set()
+        typing_only: set[int] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                local.update(id(n) for n in ast.walk(node))
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                typing_only.update(id(n) for n in ast.walk(node))
+        package = source.split(".") if path.name == "__init__.py" else source.split(".")[:-1]
+        package = [p for p in package if p]
+        for node in ast.walk(tree):
+            targets: list[tuple[str, tuple[str, ...]]] = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package[: len(package) - node.level + 1] + ([node.module] if node.module else [])
+                    module = ".".join(base)
+                elif (node.module or "").startswith(PACKAGE + ".") or node.module == PACKAGE:
+                    module = node.module.removeprefix(PACKAGE).lstrip(".")  # type: ignore[union-attr]
+                else:
+                    continue
+                for alias in node.names:
+                    sub = f"{module}.{alias.name}".lstrip(".")
+                    targets.append((sub, ()) if sub in modules else (module, (alias.name,)))
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith(PACKAGE + "."):
+                        targets.append((alias.name.removeprefix(PACKAGE + "."), ()))
+            for target, names in targets:
+                if target in modules and target != source:
+                    found.append(
+                        _Import(
+                            source, target, node.lineno, id(node) in local, id(node) in typing_only, names
+                        )
+                    )
+    return found
+
+
+def _floor(module: str) -> int:
+    best, floor = -1, -1
+    for index, (_, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".") or prefix == "") and len(prefix) > best:
+                best, floor = len(prefix), index
+    return floor
+
+
+def _circles(imports: list[_Import]) -> list[set[str]]:
+    """The strongly connected components of the import graph that hold more than one module."""
+    graph: dict[str, set[str]] = {}
+    for i in imports:
+        graph.setdefault(i.source, set()).add(i.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_every_simulator_module_has_a_floor() -> None:
+    assert [m for m in map(_module_name, _modules()) if _floor(m) < 0] == []
+
+
+def test_the_plain_data_imports_nothing_else_of_the_simulator() -> None:
+    up = [i for i in _imports() if i.source.startswith("_model") and not i.target.startswith("_model")]
+    assert up == []
+
+
+def test_no_import_circle_is_wider_than_two_modules() -> None:
+    """Module-level and function-local imports alike (a type-only import runs never: see the next test)."""
+    wide = [sorted(c) for c in _circles([i for i in _imports() if not i.typing_only]) if len(c) > 2]
+    assert wide == []
+
+
+#: the circles type-only imports still close, each waiting on a change: the worlds build SimWorker from the
+#: whole Simulation (until the World seam work gives it its parts), which ties in every collaborator that
+#: names SimWorker; the trace's exporters annotate the Trace whose methods call them, and the errors
+#: module annotates NondeterminismError.divergence with the trace diff's Divergence
+TYPE_ONLY_CIRCLES = (
+    {
+        "_world",
+        "_simulation",
+        "_config",
+        "_crashes",
+        "_faults._engine",
+        "_liveness",
+        "_network._links",
+        "_parts",
+        "_rendezvous",
+    },
+    {"_errors", "_traces._trace", "_traces._diff", "_traces._export"}
+    | {f"_traces._export_{fmt}" for fmt in ("html", "perfetto", "shiviz", "text")},
+)
+
+
+def test_type_only_imports_close_no_new_circle() -> None:
+    """With type-only imports counted, every circle wider than two modules is (part of) a known one."""
+    new = [
+        sorted(c)
+        for c in _circles(_imports())
+        if len(c) > 2 and not any(c <= known for known in TYPE_ONLY_CIRCLES)
+    ]
+    assert new == []
+
+
+def test_at_most_four_imports_run_from_a_lower_floor_up() -> None:
+    """Type-only imports count: a module that names a higher one depends on it."""
+    up = [f"{i.source}:{i.line} -> {i.target}" for i in _imports() if _floor(i.target) > _floor(i.source)]
+    assert len(up) <= MAX_IMPORTS_UP, "\n".join(up)
+
+
+def test_function_local_imports_are_few_and_each_says_why() -> None:
+    local = []
+    unexplained = []
+    for path in _modules():
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for inner in ast.walk(node):
+                    if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                        where = f"{path.relative_to(SIMULATOR)}:{inner.lineno}"
+                        local.append(where)
+                        here, above = lines[inner.lineno - 1], lines[inner.lineno - 2].strip()
+                        if "#" not in here and not above.startswith("#"):
+                            unexplained.append(where)
+    assert len(set(local)) <= MAX_LOCAL_IMPORTS, "\n".join(sorted(set(local)))
+    assert unexplained == [], "function-local imports without a comment saying why:\n" + "\n".join(
+        unexplained
+    )
+
+
+def test_only_the_simulation_and_the_entry_points_name_simulation() -> None:
+    naming = sorted(
+        {
+            i.source
+            for i in _imports()
+            if "Simulation" in i.names
+            and i.source not in ENTRY_POINTS
+            and not any(i.source.startswith(p + ".") for p in ENTRY_POINTS if p)
+        }
+    )
+    # the worlds may still build SimWorker from the whole simulation (see MAX_IMPORTS_UP)
+    assert set(naming) <= {"_world"}, naming
+
+
+def test_the_graph_reader_finds_imports_of_every_kind() -> None:
+    """The reader itself works: the kernel's scheduler imports the errors at module level, the
+    config imports the simulation inside ``build``, the fault engine its parts for types only."""
+    imports = {(i.source, i.target): i for i in _imports()}
+    assert not imports[("_kernel._scheduler", "_errors")].local
+    assert imports[("_config", "_simulation")].local
+    assert imports[("_faults._engine", "_parts")].typing_only
+    assert _floor("_traces._observer") > _floor("_traces._trace") > _floor("_model._plan")

@@ -113,7 +113,6 @@ def test_simulation_takes_the_compute_model_by_keyword_by_config_and_by_builder(
     for sim in (
         Simulation(2, network=FLAT, compute=MODEL),
         Simulation(config=config),
-        Simulation.from_config(config),
         config.build(),
     ):
         assert sim.config == config

@@ -25,9 +25,12 @@ from twinrpc.simulator import (
     _errors,
 )
 
-#: exception classes that live outside _errors.py on purpose: explore's result, which carries the shrunk
-#: case and replays it, and two private control-flow signals that never leave their module
+#: exception classes that live outside _errors.py on purpose: the error of the plain data, defined on
+#: the ground floor (simulator/_model/ imports nothing else of the simulator) and re-exported by
+#: _errors.py; explore's result, which carries the shrunk case and replays it; and two private
+#: control-flow signals that never leave their module
 ELSEWHERE = {
+    "twinrpc.simulator._model._errors.FaultPlanError",
     "twinrpc.simulator.Failure",  # defined in _exploration/_failure.py, named by its public module
     "twinrpc.simulator._exploration._search._Cached",
     "twinrpc.simulator._cli._trace._BadInput",
@@ -60,7 +63,7 @@ def test_every_simulator_exception_and_warning_class_is_defined_in_the_errors_mo
 def test_public_error_names_are_the_classes_of_the_errors_module() -> None:
     public = {n: getattr(twinrpc.simulator, n) for n in twinrpc.simulator.__all__}
     errors = {n: c for n, c in public.items() if inspect.isclass(c) and issubclass(c, BaseException)}
-    assert {n for n, c in errors.items() if c.__module__ != _errors.__name__} == {"Failure"}
+    assert {n for n, c in errors.items() if c.__module__ != _errors.__name__} == {"Failure", "FaultPlanError"}
     for name, cls in errors.items():
         if name != "Failure":
             assert cls is getattr(_errors, name)

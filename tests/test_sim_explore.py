@@ -19,7 +19,6 @@ import pytest
 from _lost_update import COUNTER_PROGRAM
 from hypothesis import strategies as st
 from twinrpc.simulator import FaultPlan, SimulationDeadlock, explore, replay
-from twinrpc.simulator._exploration._case import fault_count
 from twinrpc.simulator._exploration._failure import Failure
 from twinrpc.simulator._exploration._signature import message_pattern
 
@@ -60,8 +59,8 @@ def test_exploration_finds_the_lost_update_and_shrinks_it_to_one_fault(planted: 
     assert "lost an update" in str(failure.error)
     assert "lost an update" in str(failure.minimal_error)
     assert failure.rank == 0
-    assert fault_count(failure.faults) == 1, failure.faults.describe()
-    assert fault_count(failure.original.faults) >= fault_count(failure.faults)
+    assert len(failure.faults) == 1, failure.faults.describe()
+    assert len(failure.original.faults) >= len(failure.faults)
     text = str(failure)
     assert failure.faults.describe() in text and failure.replay_command in text
     assert failure.replay_command.startswith("python -m twinrpc.simulator replay planted_counter:program ")
@@ -100,8 +99,8 @@ def test_seeds_only_exploration_takes_a_strategy_of_plans(planted: Any) -> None:
 def test_swarm_exploration_draws_whole_plans_from_seeds_and_minimizes_them(planted: Any) -> None:
     failure = explore(planted.program, 3, runs=200, swarm=True, raise_on_failure=False).failure
     assert failure is not None and "lost an update" in str(failure.minimal_error)
-    assert fault_count(failure.faults) <= 3
-    assert fault_count(failure.faults) < fault_count(failure.original.faults)
+    assert len(failure.faults) <= 3
+    assert len(failure.faults) < len(failure.original.faults)
     with pytest.raises(AssertionError, match=failure.pattern):
         replay(planted.program, 3, seed=failure.seed, faults=failure.faults)
     with pytest.raises(ValueError, match="swarm=True"):

@@ -34,7 +34,8 @@ from twinrpc._rref import GloballyUniqueId, OwnerState, UserState
 from .._errors import MonitorViolation
 
 if TYPE_CHECKING:
-    from .._simulation import Simulation
+    from .._kernel._scheduler import Scheduler
+    from .._traces._trace import Trace
 
 _Key = tuple[GloballyUniqueId, GloballyUniqueId]  # (rref id, fork id)
 
@@ -43,8 +44,9 @@ class RRefMonitor:
     """The RRef monitors of one simulation (``Simulation(monitors=True)``, the default): one
     ``GenerationMonitor`` per generation of groups, reporting here."""
 
-    def __init__(self, sim: Simulation) -> None:
-        self.sim = sim
+    def __init__(self, sched: Scheduler, trace: Trace) -> None:
+        self.sched = sched
+        self.trace = trace
         self.violations: list[MonitorViolation] = []
         self.events = 0
         #: why checking stopped (a worker crashed: the invariants assume no worker dies), or None
@@ -64,17 +66,17 @@ class RRefMonitor:
             self.stopped = why
             for monitor in self._generations.values():
                 monitor.forget_users()  # no G1 reports for users that die with a crashed worker
-            self.sim.trace.record(self.sim.sched.now, -1, "monitors-off", why)
+            self.trace.record(self.sched.now, -1, "monitors-off", why)
 
     def fail(self, requirement: str, invariant: str, message: str) -> None:
         """Report a violation (nothing once stopped); the scheduler raises the first one."""
         if self.stopped is not None:
             return
-        violation = MonitorViolation(requirement, invariant, self.sim.sched.now, message)
+        violation = MonitorViolation(requirement, invariant, self.sched.now, message)
         self.violations.append(violation)
-        self.sim.trace.record(self.sim.sched.now, -1, "violation", str(violation))
-        if self.sim.sched.failure is None:
-            self.sim.sched.failure = violation
+        self.trace.record(self.sched.now, -1, "violation", str(violation))
+        if self.sched.failure is None:
+            self.sched.failure = violation
 
 
 class GenerationMonitor:

@@ -15,7 +15,7 @@ _SIMULATOR = __name__.rsplit(".", 2)[0]  # twinrpc.simulator
 
 #: the modules (relative to ``twinrpc.simulator``) that provide a subcommand each, in the order help
 #: lists them
-COMMAND_MODULES: tuple[str, ...] = ("._launch._launch", "._cli._explore", "._cli._replay", "._cli._trace")
+COMMAND_MODULES: tuple[str, ...] = ("._cli._run", "._cli._explore", "._cli._replay", "._cli._trace")
 
 
 def build_parser() -> argparse.ArgumentParser:

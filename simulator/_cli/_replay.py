@@ -25,7 +25,7 @@ from typing import Any
 
 from .._errors import ReplayError
 from .._exploration._case import replay
-from .._files import compute_from_text, network_from_text, plan_from_text
+from .._model._files import compute_from_text, network_from_text, plan_from_text
 
 
 def load_target(target: str) -> Any:

@@ -12,10 +12,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import greenlet
+
 from .._config import SimConfig
-from .._faults._plan import FaultPlan
-from .._kernel._compute import ComputeModel
-from .._network._model import NetworkModel
+from .._model._compute import ComputeModel
+from .._model._files import plan_of
+from .._model._network import NetworkModel
+from .._model._plan import FaultPlan
 from .._simulation import RunResult
 from ._signature import _first_line, _short_type
 
@@ -44,7 +47,7 @@ class Case:
         "compute": {...} | None}``."""
         return {
             "seed": self.seed,
-            "faults": plan_to_data(self.faults),
+            "faults": self.faults.to_dict(),
             "network": None if self.network is None else self.network.to_dict(),
             "compute": None if self.compute is None else self.compute.to_dict(),
         }
@@ -56,7 +59,7 @@ class Case:
         compute = data.get("compute")
         return cls(
             seed=int(data["seed"]),
-            faults=plan_from_data(data.get("faults") or {}),
+            faults=FaultPlan.from_dict(data.get("faults") or {}),
             network=None if network is None else NetworkModel.from_dict(network),
             compute=None if compute is None else ComputeModel.from_dict(compute),
         )
@@ -77,28 +80,6 @@ class Case:
 def case_key(case: Case) -> str:
     """A case as canonical JSON text: equal keys, equal runs."""
     return json.dumps(case.to_dict(), sort_keys=True)
-
-
-def plan_to_data(plan: FaultPlan) -> dict[str, Any]:
-    """A fault plan as plain data (:meth:`FaultPlan.to_dict`)."""
-    return plan.to_dict()
-
-
-def plan_from_data(data: dict[str, Any] | str) -> FaultPlan:
-    """A fault plan from :func:`plan_to_data`'s data, or from its JSON text."""
-    if isinstance(data, str):
-        data = json.loads(data)
-        if not isinstance(data, dict):
-            raise ValueError(f"a fault plan in JSON is an object, got {type(data).__name__}")
-    return FaultPlan.from_dict(data)
-
-
-def fault_count(plan: FaultPlan) -> int:
-    """How many faults a plan holds (what shrinking minimizes): its faults and every positional
-    action that is not a plain delivery."""
-    from .._faults._plan import Deliver
-
-    return len(plan.faults) + sum(1 for a in plan.actions if not isinstance(a, Deliver))
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +119,6 @@ def _run(
 ) -> _Outcome:
     """Run ``program`` once as ``config`` says. The failure, if any, is the *first* error: a worker's
     exception comes before the deadlock it causes (its peers then wait for it forever at shutdown)."""
-    import greenlet
-
     sim = config.build()
     raised: list[tuple[int, float, BaseException]] = []
 
@@ -232,7 +211,7 @@ def _plan_of(faults: FaultPlan | dict[str, Any] | str | None) -> FaultPlan | Non
     if faults is None or isinstance(faults, FaultPlan):
         return faults
     if isinstance(faults, dict | str):
-        return plan_from_data(faults)
+        return plan_of(faults, "faults")
     raise TypeError(f"faults must be a FaultPlan, its data (dict) or JSON text, got {faults!r}")
 
 

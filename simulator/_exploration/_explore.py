@@ -24,14 +24,14 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._config import SimConfig
-from .._faults._plan import FaultPlan
-from .._kernel._compute import ComputeModel
-from .._network._model import NetworkModel
+from .._model._compute import ComputeModel
+from .._model._network import NetworkModel
+from .._model._plan import FaultPlan
 from .._simulation import RunResult
 from ._case import Case, _Outcome, _run
 from ._failure import Exploration
 from ._reproduce import replay_command
-from ._search import _Search, cases
+from ._search import _Search, cases, require_hypothesis
 
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
@@ -131,9 +131,7 @@ def explore(
 
     networks = network
     if networks is None and base.network is not None:
-        from hypothesis import strategies as st
-
-        networks = st.just(base.network)
+        networks = require_hypothesis().strategies.just(base.network)
 
     def body(draw: Callable[[int], Case]) -> _Outcome:
         return _run(program, draw(base.world_size).config(base), args, check=check)

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .._simulation import RunResult
-from ._case import Case, _Outcome, fault_count, plan_to_data
+from ._case import Case, _Outcome
+from ._reproduce import export_test
 from ._signature import _faults_text, _head, _Signature
 
 
@@ -76,14 +77,14 @@ class Failure(AssertionError):
     @property
     def faults_data(self) -> dict[str, Any]:
         """The minimal fault plan as plain data (JSON-ready)."""
-        return plan_to_data(self.faults)
+        return self.faults.to_dict()
 
     def describe(self) -> str:
         """What failed, the minimal case, and how to replay it; several lines."""
         message = _head(str(self.minimal_error)).replace("\n", " ")
         lines = [
             f"twinrpc.simulator.explore: run {self.runs} failed; shrunk in {self.shrink_runs} more runs "
-            f"to seed {self.seed} and {_faults_text(fault_count(self.faults))}",
+            f"to seed {self.seed} and {_faults_text(len(self.faults))}",
             f"  error: {self._where}",
             f"         {message}",
             f"  minimal faults: {self.faults.describe()}",
@@ -96,7 +97,7 @@ class Failure(AssertionError):
         if self.original != self.case:
             lines.append(
                 f"  first failing run: seed {self.original.seed}, "
-                f"{_faults_text(fault_count(self.original.faults))}: {self.original.faults.describe()}"
+                f"{_faults_text(len(self.original.faults))}: {self.original.faults.describe()}"
             )
         return "\n".join(lines)
 
@@ -132,8 +133,6 @@ class Failure(AssertionError):
             raise ValueError(f"to_pytest(expect={expect!r}): expected 'pass' or 'fail'")
         if self._exporter is not None:
             return self._exporter(self, name, expect)
-        from ._reproduce import export_test  # the exported test's source names this class
-
         return export_test(self, name, expect)
 
 

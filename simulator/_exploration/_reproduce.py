@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import json
+import os
 import pprint
 import shlex
 import sys
@@ -13,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._simulation import RunResult
-from ._case import Case, fault_count, plan_to_data
+from ._case import Case
 from ._signature import _faults_text, _head
 
 if TYPE_CHECKING:
@@ -45,9 +47,6 @@ def importable_name(obj: Any) -> str | None:
 def _main_module_name() -> str | None:
     """The name under which the running script (``__main__``) imports, if it does: its file's stem,
     when that name finds that very file on ``sys.path``."""
-    import importlib.util
-    import os
-
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     if not main_file or not main_file.endswith(".py"):
         return None
@@ -83,8 +82,6 @@ def replay_command(
         qualname = getattr(program, "__qualname__", "")
         target = None
         if main_file and "<" not in qualname:
-            import os
-
             target = f"{os.path.relpath(main_file)}:{qualname}"
     check_name = None if check is None else importable_name(check)
     if target is not None and (check is None or check_name is not None) and _is_json(list(args)):
@@ -93,7 +90,7 @@ def replay_command(
             shlex.quote(target),
             f"--world-size {world_size}",
             f"--seed {case.seed}",
-            f"--faults {shlex.quote(_json(plan_to_data(case.faults)))}",
+            f"--faults {shlex.quote(_json(case.faults.to_dict()))}",
         ]
         if case.network is not None:
             parts.append(f"--network {shlex.quote(_json(case.network.to_dict()))}")
@@ -105,7 +102,7 @@ def replay_command(
             parts.append(f"--check {shlex.quote(check_name)}")
         return " ".join(parts)
     name = getattr(program, "__qualname__", "program")
-    call = f"replay({name}, {world_size}, seed={case.seed}, faults={_json(plan_to_data(case.faults))}"
+    call = f"replay({name}, {world_size}, seed={case.seed}, faults={_json(case.faults.to_dict())}"
     if case.network is not None:
         call += f", network={case.network.to_dict()!r}"
     if case.compute is not None:
@@ -185,7 +182,7 @@ def regression_header(failure: Failure) -> list[str]:
         '"""Regression test exported by twinrpc.simulator (explore, then shrink).',
         "",
         f"Found by run {failure.runs}, shrunk in {failure.shrink_runs} more runs to seed {failure.seed} and "
-        f"{_faults_text(fault_count(failure.faults))}:",
+        f"{_faults_text(len(failure.faults))}:",
         f"{failure.faults.describe()}",
         "",
         f"It failed with {failure.exception_type}: {message}",
@@ -240,7 +237,7 @@ def export_test(failure: Failure, name: str, expect: str) -> str:
         *imports,
         "",
         f"SEED = {failure.seed}",
-        "FAULTS = " + pprint.pformat(plan_to_data(failure.faults), width=100, sort_dicts=False),
+        "FAULTS = " + pprint.pformat(failure.faults.to_dict(), width=100, sort_dicts=False),
         f"NETWORK = {network}",
         *([f"COMPUTE = {failure.compute!r}"] if failure.compute is not None else []),
         f"ARGS = {failure.program_args!r}",

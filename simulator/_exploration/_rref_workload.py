@@ -25,7 +25,9 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from .._faults._plan import FaultPlan
+import twinrpc.rpc as rpc
+
+from .._model._plan import FaultPlan
 from .._simulation import Simulation, sleep
 
 __all__ = [
@@ -148,8 +150,6 @@ _FORGOTTEN: dict[int, list[Any]] = {}
 
 
 def _me() -> int:
-    import twinrpc.rpc as rpc
-
     return rpc.get_worker_info().id
 
 
@@ -166,8 +166,6 @@ def _echo(rref: Any) -> Any:
 
 
 def _forward(rref: Any, holder: int) -> None:
-    import twinrpc.rpc as rpc
-
     _FORGOTTEN.setdefault(_me(), []).append(rpc.rpc_async(holder, _keep, args=(rref,)))
 
 
@@ -186,8 +184,6 @@ def _release() -> None:
 
 
 def _rref_stats() -> dict[str, int]:
-    import twinrpc.rpc as rpc
-
     return rpc.api._get_current_rpc_agent().rrefs.statistics()
 
 
@@ -199,8 +195,6 @@ def _materialize(value: Any) -> Any:
 
 
 def _drive(workload: list[Op]) -> None:
-    import twinrpc.rpc as rpc
-
     slots: list[tuple[Any, Any]] = []  # (rref, expected materialized value)
     pending: list[Any] = []
     counter = 0
@@ -273,8 +267,6 @@ def run_workload(workload: list[Op], plan: FaultPlan, seed: int, *, trace: bool 
         AssertionError: a value read back was wrong, or state was left behind after all users died.
         SimulationError: deadlock or a protocol task failed.
     """
-    import twinrpc.rpc as rpc
-
     _KEPT.clear()
     _FORGOTTEN.clear()
     sim = Simulation(WORLD_SIZE, seed=seed, faults=plan, monitors=True, trace=trace, max_time=10_000.0)

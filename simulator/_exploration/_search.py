@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import random
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from .._errors import SimulationError
-from .._faults._plan import FaultPlan
-from .._kernel._compute import ComputeModel
-from .._network._model import NetworkModel
+from .._model._compute import ComputeModel
+from .._model._network import NetworkModel
+from .._model._plan import FaultPlan
+from .._model._swarm import Swarm
 from .._simulation import RunResult
 from ._case import Case, _Outcome, case_key
 from ._failure import Failure
@@ -232,27 +235,26 @@ class _Search:
         )
 
     def _explore(self) -> bool:
-        _require_hypothesis()
+        hypothesis = require_hypothesis()
         if self.calibrate and self._baseline():
             return True  # seed 0 without faults fails: nothing is smaller
-        from hypothesis import HealthCheck, Phase, find, settings
-        from hypothesis import strategies as st
-        from hypothesis.errors import NoSuchExample
-
-        phases = (Phase.generate, Phase.shrink) if self.shrink else (Phase.generate,)
+        generate, shrink = hypothesis.Phase.generate, hypothesis.Phase.shrink
+        phases = (generate, shrink) if self.shrink else (generate,)
         tuned = self.runs if self.tuned_for is None else self.tuned_for
-        conf = settings(
+        conf = hypothesis.settings(
             # a little more than ``runs``: a case drawn twice runs once, and runs stop at ``runs``
             max_examples=tuned + tuned // 4 + 10,
             database=None,
             deadline=None,
             phases=phases,
-            suppress_health_check=list(HealthCheck),
+            suppress_health_check=list(hypothesis.HealthCheck),
             print_blob=False,
         )
         try:
-            find(st.data(), self._condition, settings=conf, random=random.Random(self.seed))
-        except NoSuchExample:
+            hypothesis.find(
+                hypothesis.strategies.data(), self._condition, settings=conf, random=random.Random(self.seed)
+            )
+        except hypothesis.errors.NoSuchExample:
             return False
         except _Stopped:
             pass
@@ -298,21 +300,21 @@ def failure_of(
     return failure
 
 
-def _require_hypothesis() -> None:
-    """Exploration searches with hypothesis, a test dependency: say so plainly when it is missing."""
+def require_hypothesis() -> ModuleType:
+    """hypothesis, which exploration searches with (its ``strategies`` and ``errors`` come with it):
+    says so plainly when it is missing."""
     try:
-        import hypothesis  # noqa: F401
+        import hypothesis  # an optional dependency (twinrpc[sim]): imported when a search starts
     except ImportError as exc:
         raise ImportError(
             "twinrpc.simulator.explore searches with hypothesis, which is not installed: "
             "pip install 'twinrpc[test]' (or pip install hypothesis)"
         ) from exc
+    return hypothesis
 
 
 def round_up(seconds: float) -> float:
     """``seconds`` rounded up to one significant digit (3.8 ms -> 4 ms): plans timed over it read well."""
-    import math
-
     scale = 10.0 ** math.floor(math.log10(seconds))
     return float(f"{math.ceil(seconds / scale - 1e-9) * scale:.1g}")
 
@@ -343,11 +345,8 @@ def cases(
     (``None``: the default model, not explored); every case has the compute model ``compute``. With
     ``swarm``, the plan is the seed's swarm plan (:class:`~twinrpc.simulator.Swarm` over
     ``horizon``): the seed alone draws the faults too."""
-    from hypothesis import strategies as st
-
+    st = require_hypothesis().strategies
     if swarm:
-        from .._faults._swarm import Swarm
-
         maker = Swarm() if horizon is None else Swarm(duration=horizon)
         return st.builds(
             lambda seed, net: Case(seed, maker.plan(seed, world_size), net, compute),
@@ -375,6 +374,6 @@ def default_faults(world_size: int, horizon: float | None = None) -> SearchStrat
     holds and partitions that heal, pauses, lost or duplicated RRef control messages that are resent;
     no crash), with their time windows placed over ``horizon`` virtual seconds (the program's length,
     measured by a fault-free run; ``None``: one second)."""
-    from ..strategies import fault_plans
+    from ..strategies import fault_plans  # an optional dependency: the strategies are hypothesis's
 
     return fault_plans(world_size) if horizon is None else fault_plans(world_size, horizon=horizon)

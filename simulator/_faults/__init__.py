@@ -1,7 +1,6 @@
-"""Faults as plain data and the engine that applies them.
+"""The fault engine: what applies a fault plan (and the fault verbs) to one run.
 
-``_plan`` holds the fault values (:class:`~twinrpc.simulator.FaultPlan`, ``Drop``, ``Crash``, ...),
-``_swarm`` draws a plan from the seed, and ``_engine`` applies a plan (and the fault verbs) to the
-messages and workers of one run. Their file format (dicts, JSON, TOML), shared with the network and
-compute models, is ``simulator/_files.py``.
+The fault values themselves (:class:`~twinrpc.simulator.FaultPlan`, ``Drop``, ``Crash``, ...,
+:class:`~twinrpc.simulator.Swarm`) and their file forms are plain data in ``simulator/_model/``;
+``_engine`` applies them to the messages and workers of one run.
 """

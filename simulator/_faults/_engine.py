@@ -20,15 +20,8 @@ Decisions (documented in ``docs/howto/fault-plan.md``):
   message other than a control message lost for good, a request other than a control message
   duplicated, or a worker declared dead. Delays, holds, healed partitions, pauses and duplicated
   replies keep them on.
-- **Silence.** A gloo worker declares a peer dead when nothing (no frame, no heartbeat) came from it
-  for ``heartbeat_interval * heartbeat_misses`` seconds of its own options (default 1 s x 10; never
-  with ``heartbeat_interval=0``), and then trusts nothing it sends; the peer, no longer hearing from
-  it, does the same its own threshold later. The simulator models exactly that in virtual time: a
-  worker paused, or a link held or partitioned, for longer than the listening worker's bound
-  (:func:`silence_bound`: the options it passed to ``init_rpc``, the default options while it has no
-  agent, or ``NetworkModel.heartbeat_timeout`` for everyone when that is set) makes the listening side
-  declare the silent one dead. A bound is read when a silence starts, when the listener calls
-  ``init_rpc`` (:meth:`NetworkFaults.bound_changed`) and again when it expires.
+- **Silence.** Pauses, holds and partitions silence links; what a silence makes the listening worker
+  decide is the liveness model's (``simulator/_liveness.py``).
 """
 
 from __future__ import annotations
@@ -36,16 +29,15 @@ from __future__ import annotations
 import functools
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from twinrpc._departure import Departure
 from twinrpc._message import RREF_CONTROL_KINDS, Kind, Message
 from twinrpc._serialize import copy_storages
-from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
 
 from .._errors import FaultPlanError
-from ._plan import (
+from .._liveness import Liveness
+from .._model._plan import (
     Crash,
     Delay,
     Deliver,
@@ -59,7 +51,7 @@ from ._plan import (
 )
 
 if TYPE_CHECKING:
-    from .._simulation import Simulation
+    from .._parts import RunParts
 
 #: what ``rpc_sync``/``rpc_async``/``remote``/``to_here``/``_get_type`` send
 USER_REQUEST_KINDS = frozenset({Kind.CALL, Kind.REMOTE_CALL, Kind.RREF_FETCH, Kind.RREF_TYPE})
@@ -138,35 +130,6 @@ class _Queued:
     delay: float
 
 
-@dataclass(slots=True)
-class _Silence:
-    since: float
-    cause: str = field(default="")
-    #: the listener's bound its pending check was scheduled with (None: none scheduled)
-    bound: float | None = None
-
-
-def silence_bound(sim: Simulation, rank: int) -> tuple[float, str]:
-    """How many seconds worker ``rank`` lets a peer be silent before declaring it dead (0 = never),
-    and where that bound comes from, in the words of the error it raises.
-
-    ``NetworkModel.heartbeat_timeout`` when set (for every worker); otherwise the
-    ``heartbeat_interval * heartbeat_misses`` of the options ``rank`` passed to ``init_rpc`` while its
-    agent runs, and of the default options before that and after its shutdown, as in the gloo world.
-    """
-    override = sim.network.heartbeat_timeout
-    if override is not None:
-        return override, "NetworkModel.heartbeat_timeout"
-    world = sim.workers[rank].world
-    options = sim.heartbeat_options.get(rank) if world is not None and not world.stopped else None
-    interval, misses = options or (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES)
-    default = "" if options else ", the default options"
-    return (
-        interval * misses if interval > 0 else 0.0,
-        f"heartbeat_interval x heartbeat_misses = {interval:g} s x {misses}{default}",
-    )
-
-
 class NetworkFaults:
     """Applies faults inside one simulation (see the module docstring).
 
@@ -174,8 +137,9 @@ class NetworkFaults:
         sent, dropped, duplicated, delayed, held: counts of messages routed and of faults applied.
     """
 
-    def __init__(self, sim: Simulation, plan: FaultPlan | None) -> None:
-        self.sim = sim
+    def __init__(self, parts: RunParts, plan: FaultPlan | None) -> None:
+        #: the run's parts and callbacks: what the fault engine may touch
+        self.parts = parts
         self.plan = plan if plan is not None else FaultPlan()
         self.sent = 0
         self.dropped = 0
@@ -184,7 +148,7 @@ class NetworkFaults:
         self.held = 0
         #: rates are drawn from their own generator, seeded by the simulation's seed, so adding a
         #: fault does not shift the scheduler's draws (jitter, ties) of everything else
-        self.rng = random.Random(f"twinrpc-faults-{sim.seed}")
+        self.rng = random.Random(f"twinrpc-faults-{parts.seed}")
         self._rules: list[_Rule] = []
         self._on_receive: list[_Trigger] = []
         self._on_send: list[_Trigger] = []
@@ -197,40 +161,37 @@ class NetworkFaults:
         self._paused_inbox: dict[int, list[tuple[Message, frozenset[str]]]] = {}
         #: id(message in flight) -> its classes (see _send)
         self._classes: dict[int, frozenset[str]] = {}
-        #: (silent rank, listening rank) -> since when nothing from the first reaches the second
-        self._silent: dict[tuple[int, int], _Silence] = {}
-        #: (dead rank, observer) pairs: the observer declared the first dead and trusts nothing from it
-        self.distrusted: set[tuple[int, int]] = set()
-        #: (observer, dead rank) -> when the observer declared it dead and closed their connection, for
-        #: closures the dead one cannot notice yet (it is paused, or the link to it is held or cut)
-        self._closures: dict[tuple[int, int], float] = {}
+        #: heartbeat-style failure detection of the silences that pauses, holds and partitions make
+        self.liveness = Liveness(
+            parts, self._record, self.is_silent, self.silence_ends_now, self.paused_until
+        )
         plan = self.plan
-        plan.check_world(sim.world_size)
+        plan.check_world(parts.world_size)
         for f in plan.faults:
             self.install(f)
 
     # -- installing faults -------------------------------------------------------------------------
     def install(self, fault: Fault) -> Fault:
         """Put ``fault`` in force (now, or at its start time)."""
-        sim = self.sim
-        FaultPlan((fault,)).check_world(sim.world_size)
-        now = sim.sched.now
+        parts = self.parts
+        FaultPlan((fault,)).check_world(parts.world_size)
+        now = parts.sched.now
         if isinstance(fault, (Delay, Drop, Duplicate)):
             self._rules.append(_Rule(fault))
         elif isinstance(fault, (Hold, Partition)):
             if fault.end is not None and fault.end <= now:
                 raise FaultPlanError(f"{fault}: virtual time is already {now:g}s")
-            links = [(fault.src, fault.dst)] if isinstance(fault, Hold) else fault.links(sim.world_size)
+            links = [(fault.src, fault.dst)] if isinstance(fault, Hold) else fault.links(parts.world_size)
             block = _Block(fault, links, "hold" if isinstance(fault, Hold) else fault.mode, fault.end)
             if fault.start <= now:
                 self._add_block(block)
             else:
-                sim.sched.call_later(fault.start - now, lambda: self._add_block(block))
+                parts.sched.call_later(fault.start - now, lambda: self._add_block(block))
             if fault.end is not None:
-                sim.sched.call_later(fault.end - now, functools.partial(self._end_block, block))
+                parts.sched.call_later(fault.end - now, functools.partial(self._end_block, block))
         elif isinstance(fault, Crash):
             if fault.at is not None:
-                sim.crash(fault.worker, at=fault.at)
+                parts.crashes.crash_at(fault.worker, fault.at)
             elif fault.on_receive is not None:
                 self._on_receive.append(_Trigger(fault))
             else:
@@ -241,19 +202,19 @@ class NetworkFaults:
             if fault.at == now:
                 self.pause(fault.worker, fault.duration)
             else:
-                sim.sched.call_later(fault.at - now, lambda: self.pause(fault.worker, fault.duration))
+                parts.sched.call_later(fault.at - now, lambda: self.pause(fault.worker, fault.duration))
         else:  # pragma: no cover - FaultPlan checks the types
             raise TypeError(f"not a fault: {fault!r}")
         return fault
 
     def _record(self, worker: int, text: str) -> None:
         """A ``fault`` event of the trace: what a fault did."""
-        self.sim.trace.record(self.sim.sched.now, worker, "fault", text)
+        self.parts.trace.record(self.parts.sched.now, worker, "fault", text)
 
     def _message_event(self, worker: int, event: str, msg: Message, note: str = "") -> None:
         """A message event (``drop``, ``duplicate``, ``hold``) through the trace's message API, so the
         trace can follow each message from its send to its end."""
-        self.sim.trace.message(self.sim.sched.now, worker, event, msg, note)
+        self.parts.trace.message(self.parts.sched.now, worker, event, msg, note)
 
     # -- sending -----------------------------------------------------------------------------------
     def _classify_send(self, msg: Message) -> frozenset[str]:
@@ -317,7 +278,7 @@ class NetworkFaults:
         for c in copies:
             copy = _copy(msg)
             self._message_event(msg.src, "duplicate", msg, f": a copy arrives +{c:g}s after it")
-            self.sim.trace.copied(msg, copy)  # the copy's events carry the original's message number
+            self.parts.trace.copied(msg, copy)  # the copy's events carry the original's message number
             self._record(msg.src, f"duplicate {msg.describe()}: a copy arrives +{c:g}s after it")
             deliveries.append((copy, delay + extra + c))
         if blocks:
@@ -345,7 +306,7 @@ class NetworkFaults:
         if msg.kind in _REQUEST_KINDS:
             self._requests.pop((msg.src, msg.id), None)
             self._count_copies(msg, 0)
-        self.sim.observers.stop_monitors(
+        self.parts.stop_monitors(
             f"{msg.describe()} was lost for good ({why}): the RRef protocol assumes every message but its "
             "retried control messages arrives"
         )
@@ -358,13 +319,13 @@ class NetworkFaults:
         if entry is not None:
             entry[1] += n
         self._count_copies(msg, 1 + n)
-        self.sim.observers.stop_monitors(
+        self.parts.stop_monitors(
             f"{msg.describe()} was duplicated: the RRef protocol assumes requests other than its control "
             "messages arrive once"
         )
 
     def _count_copies(self, msg: Message, copies: int) -> None:
-        world = self.sim.workers[msg.src].world
+        world = self.parts.workers[msg.src].world
         agent = world.agent if world is not None else None
         if agent is not None:
             agent.on_request_copies(msg, copies)
@@ -374,15 +335,16 @@ class NetworkFaults:
         # What a reply answers is known only when it is sent: keep its classes for its arrival (keyed
         # by id: unique while the message is in flight, and only ever looked up, never iterated).
         self._classes[id(msg)] = classes
-        self.sim.sched.schedule(delay, self.sim.links.deliver, msg)
+        self.parts.sched.schedule(delay, self.parts.deliver, msg)
 
     def on_arrival(self, msg: Message) -> bool:
         """``msg`` reaches its (live) destination: True when it is consumed here (queued at a paused
         worker, discarded as coming from a peer declared dead, or lost with a crash it triggers)."""
         classes = self._classes.pop(id(msg), None)
-        if self.distrusted and (msg.src, msg.dst) in self.distrusted:
-            self.sim.trace.record(
-                self.sim.sched.now,
+        distrusted = self.liveness.distrusted
+        if distrusted and (msg.src, msg.dst) in distrusted:
+            self.parts.trace.record(
+                self.parts.sched.now,
                 msg.dst,
                 "lost",
                 f"{msg.describe()}: from a peer this worker declared dead",
@@ -407,7 +369,7 @@ class NetworkFaults:
                 t.seen += 1
                 if t.seen == c.nth:
                     self._record(rank, f"{c}: worker {rank} {verb} {msg.describe()}, which is lost")
-                    self.sim.crash(rank)
+                    self.parts.crashes.crash_at(rank, None)
                     return True
         return False
 
@@ -422,7 +384,7 @@ class NetworkFaults:
             blocks.append(block)
             if len(blocks) == 1:
                 changed.append(link)
-        self._silence_changed(changed, f"{block.fault}")
+        self.liveness.silence_changed(changed, f"{block.fault}")
 
     def _end_block(self, block: _Block) -> None:
         self._remove_block(block, "ends")
@@ -447,9 +409,9 @@ class NetworkFaults:
                 self._send(q.msg, q.classes, q.delay)
                 released += 1
         self._record(-1, f"{block.fault}: {how}; {released} held message(s) released")
-        self._silence_changed(changed, "")
+        self.liveness.silence_changed(changed, "")
         for src, dst in changed:
-            self._notice_closure(src, dst)
+            self.liveness.notice_closure(src, dst)
         return released
 
     def blocks_of(self, kind: type) -> list[_Block]:
@@ -467,9 +429,9 @@ class NetworkFaults:
     # -- pauses ------------------------------------------------------------------------------------
     def pause(self, rank: int, duration: float) -> None:
         """Stop worker ``rank`` for ``duration`` seconds from now (see :class:`Pause`)."""
-        sim = self.sim
-        sched = sim.sched
-        if rank in sim.crashed:
+        parts = self.parts
+        sched = parts.sched
+        if rank in parts.crashes.crashed:
             return
         until = max(sched.now + duration, self.paused_until.get(rank, -math.inf))
         first = rank not in self.paused_until
@@ -478,8 +440,8 @@ class NetworkFaults:
         self._record(rank, f"pause worker {rank} until t={until:g}s ({duration:g}s)")
         sched.call_later(until - sched.now, lambda: self._resume(rank, until))
         if first:
-            others = [(rank, r) for r in range(sim.world_size) if r != rank]
-            self._silence_changed(others, f"worker {rank} paused")
+            others = [(rank, r) for r in range(parts.world_size) if r != rank]
+            self.liveness.silence_changed(others, f"worker {rank} paused")
         current = sched.current_task()
         if current is not None and current.worker == rank:
             sched.wake(current)  # runs again only when the pause is over (the scheduler defers it)
@@ -489,127 +451,27 @@ class NetworkFaults:
         if self.paused_until.get(rank) != until:
             return  # extended by a later pause
         del self.paused_until[rank]
-        sched = self.sim.sched
+        sched = self.parts.sched
         self._record(rank, f"resume worker {rank}")
         sched.unpause(rank)
         for msg, classes in self._paused_inbox.pop(rank, []):
             self._send(msg, classes, 0.0)
-        self._silence_changed([(rank, r) for r in range(self.sim.world_size) if r != rank], "")
-        for observer in range(self.sim.world_size):
-            self._notice_closure(observer, rank)
+        self.liveness.silence_changed([(rank, r) for r in range(self.parts.world_size) if r != rank], "")
+        for observer in range(self.parts.world_size):
+            self.liveness.notice_closure(observer, rank)
 
-    # -- silence: heartbeat-style failure detection --------------------------------------------------
-    def _is_silent(self, src: int, dst: int) -> bool:
+    # -- silence: what the liveness model asks ---------------------------------------------------------
+    def is_silent(self, src: int, dst: int) -> bool:
+        """Nothing from ``src`` reaches ``dst`` now (``src`` is paused, or the link is held or cut)."""
         return src in self.paused_until or bool(self._blocks.get((src, dst)))
 
-    def _silence_changed(self, pairs: list[tuple[int, int]], cause: str) -> None:
-        now = self.sim.sched.now
-        for pair in pairs:
-            src, dst = pair
-            if src == dst:
-                continue
-            silent = self._is_silent(src, dst)
-            if silent and pair not in self._silent:
-                entry = self._silent[pair] = _Silence(now, cause)
-                self._watch(pair, entry)
-            elif not silent:
-                self._silent.pop(pair, None)
-
-    def _watch(self, pair: tuple[int, int], entry: _Silence) -> None:
-        """Check the silence ``entry`` of ``pair`` once it lasts the listener's current bound (no
-        check with a bound of 0; nothing new when a check with this bound is already pending)."""
-        bound, _ = silence_bound(self.sim, pair[1])
-        if bound == entry.bound:
-            return
-        entry.bound = bound
-        if bound > 0:
-            now = self.sim.sched.now
-            delay = bound if entry.since == now else max(0.0, entry.since + bound - now)
-            self.sim.sched.call_later(delay, functools.partial(self._silence_check, pair, entry, bound))
-
-    def bound_changed(self, rank: int) -> None:
-        """Worker ``rank`` called ``init_rpc``: the silences it listens to are judged by its options."""
-        for pair, entry in list(self._silent.items()):
-            if pair[1] == rank:
-                self._watch(pair, entry)
-
-    def _ends_now(self, src: int, dst: int) -> bool:
+    def silence_ends_now(self, src: int, dst: int) -> bool:
         """The silence of src -> dst ends at this very instant (a pause or window that ends now)."""
-        now = self.sim.sched.now
+        now = self.parts.sched.now
         if src in self.paused_until and self.paused_until[src] > now:
             return False
         blocks = self._blocks.get((src, dst), [])
         return all(b.end is not None and b.end <= now for b in blocks)
-
-    def _silence_check(self, pair: tuple[int, int], entry: _Silence, bound: float) -> None:
-        if self._silent.get(pair) is not entry or entry.bound != bound or self._ends_now(*pair):
-            return
-        src, dst = pair
-        if silence_bound(self.sim, dst)[0] != bound:  # the listener shut down since: default options
-            self._watch(pair, entry)
-            return
-        self.declare_dead(dst, src, f"{entry.cause} at t={entry.since:g}s")
-
-    def declare_dead(self, observer: int, dead: int, why: str) -> None:
-        """``observer`` declares ``dead`` dead, as the gloo world does after heartbeat silence (of
-        ``observer``'s :func:`silence_bound`)."""
-        sim = self.sim
-        if observer in sim.crashed or dead in sim.crashed or (dead, observer) in self.distrusted:
-            return
-        self.distrusted.add((dead, observer))
-        bound, limit = silence_bound(sim, observer)
-        self._record(
-            observer,
-            f"worker {observer} declares worker {dead} dead: nothing from it for {bound:g} s ({why})",
-        )
-        sim.observers.stop_monitors(
-            f"worker {observer} declared worker {dead} dead (nothing from it for {bound:g} s; {why})"
-        )
-        self._tell(
-            observer,
-            dead,
-            Departure.SILENT,
-            f"no frame or heartbeat from it for more than {bound:g} s of simulated time (limit: {limit}; "
-            f"{why}); its process is stopped, hung or cut off from this one",
-        )
-        # The observer fails its link, which closes the pair's connection (gloo's PeerLink.abandon):
-        # the dead one finds the connection lost as soon as the closure can reach it, heartbeats or not.
-        self._closures[(observer, dead)] = sim.sched.now
-        self._notice_closure(observer, dead)
-
-    def _notice_closure(self, observer: int, dead: int) -> None:
-        """Let ``dead`` notice that ``observer`` closed their connection, unless it cannot yet: it is
-        paused, or the link from ``observer`` is held or cut (then its resume, or the link's healing,
-        calls this again)."""
-        declared_at = self._closures.get((observer, dead))
-        if declared_at is None or self._is_silent(observer, dead) or dead in self.paused_until:
-            return
-        del self._closures[(observer, dead)]
-        self.sim.sched.call_later(
-            self.sim.network.failure_detection,
-            lambda: self._connection_closed_by(observer, dead, declared_at),
-        )
-
-    def _connection_closed_by(self, observer: int, dead: int, declared_at: float) -> None:
-        """``dead`` (alive after all) finds its connection to ``observer`` closed: to it, ``observer``
-        is gone as a crashed worker is."""
-        sim = self.sim
-        if observer in sim.crashed or dead in sim.crashed or (observer, dead) in self.distrusted:
-            return
-        self.distrusted.add((observer, dead))
-        self._record(dead, f"worker {dead} finds its connection to worker {observer} closed")
-        self._tell(
-            dead,
-            observer,
-            Departure.CRASHED,
-            f"connection lost (closed by the peer, which declared this worker dead at t={declared_at:g} s)",
-        )
-
-    def _tell(self, rank: int, peer: int, departure: Departure, detail: str) -> None:
-        """Worker ``rank``, if still running RPC, learns that ``peer`` departed."""
-        world = self.sim.workers[rank].world
-        if world is not None and not world.stopped:
-            self.sim.crashes.peer_unavailable(world, rank, peer, departure, detail)
 
 
 def _copy(msg: Message) -> Message:

@@ -315,6 +315,21 @@ class Scheduler:
             meter.exit()
             meter.charge(worker)
 
+    def tasks_of(self, worker: int) -> list[Task]:
+        """The live tasks of ``worker``, oldest first: a list of its own, so killing them is safe."""
+        return [t for t in self.tasks.values() if t.worker == worker and not t.done]
+
+    def kill(self, task: Task) -> bool:
+        """End ``task`` for good, as a SIGKILL ends a thread: it is done and forgotten, and if it has
+        started, ``GreenletExit`` unwinds it now (from where it is parked). Returns whether it had
+        started (a task not yet started never runs)."""
+        task.done = True
+        self.tasks.pop(task.id, None)
+        g = task.g
+        if g is not None and not g.dead:
+            g.throw(greenlet.GreenletExit())
+        return g is not None
+
     def current_task(self) -> Task | None:
         return getattr(_getcurrent(), "task", None)
 

@@ -42,10 +42,11 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
+import twinrpc
 from twinrpc._future import CURRENT_BLOCKER, Future
 
 from .._errors import SimulationWarning
-from .._world import SimBlocker
+from ._blocker import SimBlocker
 
 #: ``time.time()`` inside a virtual-time run is this epoch (2024-01-01T00:00:00Z) plus the virtual
 #: clock, so a program's timestamps are the same on every run with the same seed.
@@ -71,8 +72,6 @@ def _library_dirs() -> tuple[str, ...]:
     dirs.update(
         p for p in sys.path if os.path.basename(os.path.normpath(p)) in ("site-packages", "dist-packages")
     )
-    import twinrpc
-
     # the whole simulator package (this file is in its _kernel/), and impl/ beside it
     simulator = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     dirs.update((os.path.dirname(os.path.abspath(twinrpc.__file__ or "")), simulator))

@@ -26,7 +26,6 @@ replaced), so a program that takes its rank as an argument runs unchanged.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import re
@@ -37,20 +36,22 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO, TypeVar, cast
+from typing import TextIO, TypeVar, cast
 
-from .. import _files as files
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
 from .._config import SimConfig
 from .._errors import LaunchError, SimulationDeadlock, SimulationError
-from .._faults._plan import FaultPlan
-from .._faults._swarm import Swarm
-from .._kernel._compute import ComputeModel
 from .._kernel._virtual_time import VIRTUAL_EPOCH, simulated_time
-from .._network._model import NetworkModel
+from .._model._compute import ComputeModel
+from .._model._files import load_faults as read_faults
+from .._model._network import NetworkModel
+from .._model._plan import FaultPlan
+from .._model._swarm import Swarm
 from .._traces._trace import Trace
 from ._processes import ProcessLauncher, simulated_processes
 from ._program import ProcessImage, ProcessImages, RankStream, encode_environ, prefix_for
-from ._torch import serve_torch_rpc
 
 DEFAULT_PREFIX_TEMPLATE = "[rank${rank}]:"
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -219,7 +220,7 @@ _T = TypeVar("_T")
 
 
 def _read(flag: str, load: Callable[[str], _T], path: str) -> _T:
-    """``load(path)`` (a reader of ``simulator/_files.py``), its errors as bad input to ``flag``."""
+    """``load(path)`` (a reader of ``simulator/_model/``), its errors as bad input to ``flag``."""
     try:
         return load(path)
     except (OSError, ValueError) as exc:
@@ -228,18 +229,18 @@ def _read(flag: str, load: Callable[[str], _T], path: str) -> _T:
 
 def load_network(path: str) -> NetworkModel:
     """A :class:`NetworkModel` from a JSON or TOML file of its fields."""
-    return _read("--network", files.load_network, path)
+    return _read("--network", NetworkModel.load, path)
 
 
 def load_compute(path: str) -> ComputeModel:
     """A :class:`ComputeModel` from a JSON or TOML file of its fields."""
-    return _read("--compute", files.load_compute, path)
+    return _read("--compute", ComputeModel.load, path)
 
 
 def load_faults(path: str) -> FaultPlan | Swarm:
     """A :class:`FaultPlan` (or a :class:`Swarm`) from a JSON or TOML file
     (:doc:`/howto/fault-plan`)."""
-    return _read("--faults", files.load_faults, path)
+    return _read("--faults", read_faults, path)
 
 
 # -- the run -------------------------------------------------------------------------------------------
@@ -247,6 +248,10 @@ def launch(
     options: LaunchOptions, *, stdout: TextIO | None = None, stderr: TextIO | None = None
 ) -> LaunchResult:
     """Run the program as ``options.nproc_per_node`` simulated workers and report as torchrun does."""
+    # heavy: torch.distributed.nn and .optim, which _torch serves twinrpc's in place of, take seconds
+    # to import; only a run needs them, not the other subcommands that load this module
+    from ._torch import serve_torch_rpc
+
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
     n = options.nproc_per_node
@@ -324,8 +329,6 @@ def _process_globals(threads: int) -> Iterator[None]:
     """What every worker process would set up for itself, for the run: torch's intra-op threads as
     ``OMP_NUM_THREADS`` says (torchrun's default is 1 with more than one process per node). Restored
     afterwards. (Each process's random generators are its own: ``_random_state``.)"""
-    import torch
-
     saved = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
@@ -344,8 +347,6 @@ def _report_failure(
     err: TextIO,
     environment: Mapping[str, str | None],
 ) -> None:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-
     if error is not None:
         what = "hung" if isinstance(error, SimulationDeadlock) else "failed"
         print(f"twinrpc.simulator: the simulation {what} at t={launcher.sim.now:.6f} s:\n{error}", file=err)
@@ -377,102 +378,3 @@ def _report_failure(
 
 
 # -- the subcommand --------------------------------------------------------------------------------------
-def _ranks(text: str) -> frozenset[int] | None:
-    if not text:
-        return None
-    try:
-        return frozenset(int(r) for r in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--local-ranks-filter must be a comma-separated list of integers e.g. 0,1,2; got {text!r}"
-        ) from None
-
-
-def _nproc(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--nproc-per-node must be an integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"--nproc-per-node must be at least 1, got {n}")
-    return n
-
-
-def register(subparsers: Any) -> None:
-    """Add the ``run`` subcommand."""
-    p = subparsers.add_parser(
-        "run",
-        allow_abbrev=False,  # the program's own options (--n=3) must not match ours by prefix
-        help="run a program as N simulated workers, as torchrun runs real ones",
-        description=(
-            "Run PROGRAM as N simulated workers of one deterministic simulation, with torchrun's "
-            "environment per worker and torch.distributed.rpc served by twinrpc. {rank}, {local_rank} "
-            "and {world_size} in ARGS are replaced per worker (twinrpc's extension)."
-        ),
-    )
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=_nproc, default=1, metavar="N")
-    p.add_argument("--seed", type=int, default=0, help="the simulation's seed (default 0)")
-    p.add_argument("--network", metavar="FILE", help="a NetworkModel as JSON or TOML")
-    p.add_argument(
-        "--compute", metavar="FILE", help="a ComputeModel as JSON or TOML: virtual time for torch operators"
-    )
-    p.add_argument("--faults", metavar="FILE", help="a FaultPlan as JSON or TOML")
-    p.add_argument("--trace", metavar="OUT", help="write the run's trace to OUT")
-    p.add_argument("--max-time", type=float, metavar="T", help="fail once virtual time passes T seconds")
-    p.add_argument(
-        "--check-determinism",
-        action="store_true",
-        help="run twice with the same seed; print the first difference and exit 1 if the runs differ",
-    )
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="MASTER_ADDR the workers see")
-    p.add_argument(
-        "--master-port", "--master_port", type=int, default=29500, help="MASTER_PORT the workers see"
-    )
-    p.add_argument(
-        "--log-line-prefix-template",
-        default=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", DEFAULT_PREFIX_TEMPLATE),
-        help="prefix of each output line ($rank, $local_rank, $role_name; default %(default)s)",
-    )
-    p.add_argument(
-        "--local-ranks-filter",
-        "--local_ranks_filter",
-        type=_ranks,
-        default=None,
-        help="show only these ranks' output, e.g. 0,1",
-    )
-    p.add_argument("program", metavar="PROGRAM")
-    p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
-    p.set_defaults(func=run_command)
-
-
-def run_command(args: argparse.Namespace) -> int:
-    """``run``'s entry point: returns the exit status."""
-    options = LaunchOptions(
-        program=args.program,
-        args=tuple(args.args),
-        nproc_per_node=args.nproc_per_node,
-        seed=args.seed,
-        network=args.network,
-        compute=args.compute,
-        faults=args.faults,
-        trace=args.trace,
-        max_time=args.max_time,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        log_line_prefix_template=args.log_line_prefix_template,
-        local_ranks_filter=args.local_ranks_filter,
-    )
-    try:
-        if args.check_determinism:
-            from ._determinism import launch_twice
-
-            return launch_twice(options)
-        return launch(options).status
-    except LaunchError as exc:
-        print(f"python -m twinrpc.simulator run: error: {exc}", file=sys.stderr)
-        return 2
-    except SyntaxError:
-        import traceback
-
-        traceback.print_exc(limit=0)
-        return 1

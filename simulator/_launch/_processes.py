@@ -41,12 +41,15 @@ import os
 import pickle
 import signal
 import sys
+import traceback
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import greenlet
+import torch.multiprocessing as tmp
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 from twinrpc._current import CURRENT_SLOT, WorkerSlot
 from twinrpc._world import TimerHandle
@@ -204,7 +207,7 @@ class ProcessLauncher:
         agent (the main process if none does) and its tasks; the worker's other processes live on."""
         sched = self.sim.sched
         victim = self.rpc_image.get(rank) or self.main_image(rank)
-        for task in [t for t in sched.tasks.values() if t.worker == rank and not t.done]:
+        for task in sched.tasks_of(rank):
             if self._image_of(task) not in (victim, None):
                 continue
             victim.kill_signal = signal.SIGKILL
@@ -213,13 +216,8 @@ class ProcessLauncher:
     def _stop(self, task: Task, image: ProcessImage) -> None:
         """End ``task`` of the killed process ``image``; a process whose main task has not started
         yet exits here (its joiners must learn it, and the task never runs)."""
-        sched = self.sim.sched
-        task.done = True
-        sched.tasks.pop(task.id, None)
-        g = task.g
-        if g is not None and not g.dead:
-            g.throw(greenlet.GreenletExit())
-        elif g is None and self._task_image.get(task.id) is image and image.exitcode is None:
+        started = self.sim.sched.kill(task)
+        if not started and self._task_image.get(task.id) is image and image.exitcode is None:
             code = image.exitcode = -int(image.kill_signal or signal.SIGKILL)
             image.exit_time = self.sim.now
             self._exited(image, code)
@@ -354,7 +352,7 @@ class ProcessLauncher:
 
         def reap(_: object) -> None:
             sched = sim.sched
-            for task in [t for t in sched.tasks.values() if t.worker == image.rank and not t.done]:
+            for task in sched.tasks_of(image.rank):
                 if self._image_of(task) is image:
                     self._stop(task, image)
 
@@ -411,8 +409,6 @@ class _SpawnEntry:
         self.args = args
 
     def __call__(self) -> None:
-        import traceback
-
         try:
             self.fn(self.index, *self.args)
         except KeyboardInterrupt:
@@ -437,8 +433,6 @@ class SimProcessContext:
     def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
         """Wait for every process; the first to fail terminates the others and raises torch's
         ``ProcessRaisedException``/``ProcessExitedException``, as torch's ``ProcessContext.join``."""
-        from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
-
         popens: list[SimPopen] = [p._popen for p in self.processes]  # type: ignore[attr-defined]
         while True:
             failed = [i for i, p in enumerate(popens) if p.returncode not in (None, 0)]
@@ -573,8 +567,6 @@ def _torch_wrapper(real: Callable[..., Any], simulated: Callable[..., Any]) -> C
 def simulated_processes(launcher: ProcessLauncher) -> Iterator[None]:
     """While the block runs, processes started from simulated processes are simulated."""
     global _LAUNCHER
-    import torch.multiprocessing as tmp
-
     tmp_spawn = sys.modules["torch.multiprocessing.spawn"]  # the attribute of that name is the function
 
     if _LAUNCHER is not None:

@@ -20,6 +20,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch.distributed
+import torch.distributed.nn as real_nn
+import torch.distributed.nn.api as real_nn_api
+import torch.distributed.nn.api.remote_module as real_remote_module
+import torch.distributed.optim as real_optim
+
+import twinrpc.autograd
+import twinrpc.nn
+import twinrpc.optim
+import twinrpc.rpc
+import twinrpc.rpc.api
+import twinrpc.rpc.functions
+import twinrpc.rpc.options
+
 _MISSING = object()
 
 
@@ -34,20 +48,6 @@ def _copy_with(real: types.ModuleType, **replaced: Any) -> types.ModuleType:
 @contextmanager
 def serve_torch_rpc() -> Iterator[None]:
     """For the block, ``torch.distributed.rpc``/``autograd``/``optim``/``nn.RemoteModule`` are twinrpc's."""
-    import torch.distributed
-    import torch.distributed.nn as real_nn
-    import torch.distributed.nn.api as real_nn_api
-    import torch.distributed.nn.api.remote_module as real_remote_module
-    import torch.distributed.optim as real_optim
-
-    import twinrpc.autograd
-    import twinrpc.nn
-    import twinrpc.optim
-    import twinrpc.rpc
-    import twinrpc.rpc.api
-    import twinrpc.rpc.functions
-    import twinrpc.rpc.options
-
     optim = _copy_with(real_optim, DistributedOptimizer=twinrpc.optim.DistributedOptimizer)
     nn = _copy_with(real_nn, RemoteModule=twinrpc.nn.RemoteModule)
     remote_module = _copy_with(real_remote_module, RemoteModule=twinrpc.nn.RemoteModule)

@@ -18,9 +18,9 @@ from twinrpc._message import REQUEST_KINDS, Message
 if TYPE_CHECKING:
     from .._faults._engine import NetworkFaults
     from .._kernel._scheduler import Scheduler
+    from .._model._network import NetworkModel
     from .._traces._trace import Trace
     from .._world import SimWorker
-    from ._model import NetworkModel
 
 
 class Links:

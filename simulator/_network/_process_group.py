@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -35,8 +35,7 @@ from twinrpc._future import Future
 from .._kernel._current import CURRENT_SIMULATION
 
 if TYPE_CHECKING:
-    from .._kernel._scheduler import Task
-    from .._simulation import Simulation
+    from .._kernel._scheduler import Scheduler, Task
 
 #: what the DDP logger and other C++ code read as the backend's name
 BACKEND_NAME = "twinrpc-sim"
@@ -71,15 +70,17 @@ class _PerWorkerWorld(c10d._World):
     the simulation's tasks."""
 
     def __init__(
-        self, sim: Simulation, state_of: Callable[[Task], _WorkerC10d], outside: c10d._World
+        self, sched: Scheduler, owner: object, state_of: Callable[[Task], _WorkerC10d], outside: c10d._World
     ) -> None:
-        self._sim = sim
+        self._sched = sched
+        #: the simulation whose tasks see the per-worker state (others, the process's own)
+        self._owner = owner
         self._state_of = state_of
         self._outside = outside
 
     def _state(self) -> Any:
-        task = self._sim.sched.current_task()
-        if task is None or CURRENT_SIMULATION.get() is not self._sim:
+        task = self._sched.current_task()
+        if task is None or CURRENT_SIMULATION.get() is not self._owner:
             return self._outside
         return self._state_of(task)
 
@@ -203,8 +204,10 @@ class Collectives:
     broadcast's root never waits.
     """
 
-    def __init__(self, sim: Simulation) -> None:
-        self.sim = sim
+    def __init__(self, sched: Scheduler, process_of: Callable[[Task], Hashable | None] | None) -> None:
+        self.sched = sched
+        #: which process a task runs in, when processes are not workers (``Simulation.process_of``)
+        self.process_of = process_of
         #: the c10d state of each worker (or simulated process: ``Simulation.process_of``)
         self.states: dict[Any, _WorkerC10d] = {}
         self._meetings: dict[tuple[Any, int], _Meeting] = {}
@@ -253,7 +256,7 @@ class Collectives:
         finally:
             self._cpp_stack.remove(parked)
             # runs once this task yields, after it has left its C++ call (or parked in it again)
-            self.sim.sched.schedule(0.0, lambda _arg: self._wake_top(), None)
+            self.sched.schedule(0.0, lambda _arg: self._wake_top(), None)
 
     def _release(self, parked: _Parked, error: BaseException | None = None) -> None:
         parked.released, parked.error = True, error
@@ -326,7 +329,7 @@ class Collectives:
         ``python -m twinrpc.simulator run``, its simulated process's (``Simulation.process_of``):
         process groups belong to processes, and the processes a program starts with ``mp.spawn``
         may set up theirs before they join RPC as a worker."""
-        process_of = self.sim.process_of
+        process_of = self.process_of
         key = process_of(task) if process_of is not None else None
         if key is None:
             key = task.worker
@@ -336,7 +339,7 @@ class Collectives:
         return state
 
     def _wait_at_engine_end(self, graph_task: int) -> _EngineWait:
-        task = self.sim.sched.current_task()
+        task = self.sched.current_task()
         assert task is not None
         key = (task.id, graph_task)
         wait = self._engine_waits.get(key)
@@ -353,7 +356,7 @@ class Collectives:
                 finally:
                     self._engine_stack.remove(wait)
                     # runs once this task yields, after its engine call has returned
-                    self.sim.sched.schedule(0.0, lambda _arg: self._wake_top(), None)
+                    self.sched.schedule(0.0, lambda _arg: self._wake_top(), None)
 
             torch.autograd.Variable._execution_engine.queue_callback(before_the_engine_ends)
         return wait
@@ -570,8 +573,7 @@ class _ProcessGroups:
         device_id: Any = None,
         **_ignored: Any,
     ) -> None:
-        sim = self.collectives.sim
-        task = sim.sched.current_task()
+        task = self.collectives.sched.current_task()
         if task is None:
             raise RuntimeError("twinrpc.simulator: init_process_group outside a simulated worker")
         state = self.collectives.state_of(task)
@@ -648,7 +650,7 @@ class _ProcessGroups:
         return pg
 
     def _state(self, what: str) -> _WorkerC10d:
-        task = self.collectives.sim.sched.current_task()
+        task = self.collectives.sched.current_task()
         if task is None:
             raise RuntimeError(f"twinrpc.simulator: {what} outside a simulated worker")
         return self.collectives.states[task.worker]
@@ -662,8 +664,7 @@ class _ProcessGroups:
         _simulated(group, "_verify_params_across_processes").verify_params(params)
 
     def destroy_process_group(self, group: Any = None) -> None:
-        sim = self.collectives.sim
-        task = sim.sched.current_task()
+        task = self.collectives.sched.current_task()
         if task is None:
             raise RuntimeError("twinrpc.simulator: destroy_process_group outside a simulated worker")
         state = self.collectives.state_of(task)
@@ -702,9 +703,12 @@ _SERVED = (
 
 
 @contextmanager
-def serve_process_groups(sim: Simulation) -> Iterator[None]:
-    """For the block, c10d's state is per simulated worker and process groups are simulated."""
-    collectives = Collectives(sim)
+def serve_process_groups(
+    sched: Scheduler, owner: object, process_of: Callable[[Task], Hashable | None] | None
+) -> Iterator[None]:
+    """For the block, c10d's state is per simulated worker (or per process: ``process_of``) and
+    process groups are simulated, for the tasks of the simulation ``owner``."""
+    collectives = Collectives(sched, process_of)
     groups = _ProcessGroups(collectives)
     outside = c10d._world
     saved = {
@@ -713,7 +717,7 @@ def serve_process_groups(sim: Simulation) -> Iterator[None]:
         for name in _SERVED
         if hasattr(module, name)
     }
-    c10d._world = _PerWorkerWorld(sim, collectives.state_of, outside)
+    c10d._world = _PerWorkerWorld(sched, owner, collectives.state_of, outside)
     for module, name in saved:
         setattr(module, name, getattr(groups, name))
     try:

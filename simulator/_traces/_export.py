@@ -6,6 +6,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ._export_html import to_html
+from ._export_perfetto import to_perfetto
+from ._export_shiviz import to_shiviz
+from ._export_text import to_text
+
 if TYPE_CHECKING:
     from ._trace import Trace
 
@@ -20,20 +25,12 @@ EXPORT_FORMATS: dict[str, tuple[str, str]] = {
 
 def _renderer(fmt: str) -> Callable[[Trace], str]:
     if fmt == "perfetto":
-        from ._export_perfetto import to_perfetto
-
         return to_perfetto
     if fmt == "shiviz":
-        from ._export_shiviz import to_shiviz
-
         return to_shiviz
     if fmt == "text":
-        from ._export_text import to_text
-
         return to_text
     if fmt == "html":
-        from ._export_html import to_html
-
         return to_html
     raise ValueError(f"unknown trace export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
 

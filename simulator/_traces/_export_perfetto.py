@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._trace import Trace, TraceEvent
 
+#: events whose detail names a message
+MESSAGE_EVENTS = frozenset({"send", "deliver", "drop", "duplicate", "hold", "lost", "bounce", "send-failed"})
 _RPC_TID = 0
 _TASK_TID = 1
 
@@ -27,8 +29,6 @@ def _category(event: str) -> str:
         return "rref"
     if event.startswith("autograd-"):
         return "autograd"
-    from ._trace import MESSAGE_EVENTS
-
     return "message" if event in MESSAGE_EVENTS else "lifecycle"
 
 

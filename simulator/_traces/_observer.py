@@ -14,7 +14,8 @@ from twinrpc._rref import GloballyUniqueId, OwnerState, UserState
 
 if TYPE_CHECKING:
     from .._checks._monitors import GenerationMonitor
-    from .._simulation import Simulation
+    from .._kernel._scheduler import Scheduler
+    from ._trace import Trace
 
 
 def _gid(g: GloballyUniqueId) -> str:
@@ -24,10 +25,9 @@ def _gid(g: GloballyUniqueId) -> str:
 class TraceObserver:
     """One per simulation: the ``RRefObserver`` and ``AutogradObserver`` of every worker's agent."""
 
-    def __init__(self, sim: Simulation, monitor: GenerationMonitor | None) -> None:
-        self.sim = sim
-        self.trace = sim.trace
-        self.sched = sim.sched
+    def __init__(self, sched: Scheduler, trace: Trace, monitor: GenerationMonitor | None) -> None:
+        self.trace = trace
+        self.sched = sched
         #: the online monitors of one generation to forward RRef events to (one trace observer per
         #: generation, simulator/_observers.py); cleared when they stop (a crash)
         self.monitor = monitor

@@ -35,9 +35,9 @@ from twinrpc._message import Kind, Message
 from twinrpc._trace_format import FORMAT, VERSION, event_line, header_line
 
 from .._errors import TraceFormatError
+from ._export import export
+from ._export_text import to_text
 
-#: events whose detail names a message
-MESSAGE_EVENTS = frozenset({"send", "deliver", "drop", "duplicate", "hold", "lost", "bounce", "send-failed"})
 #: events after which the message is gone (delivered, lost, dropped or bounced)
 _FINAL = frozenset({"deliver", "lost", "bounce", "drop"})
 #: a message kind -> its name, which a message event reads back in place of the kind (it renders the same)
@@ -447,8 +447,6 @@ class Trace:
         """The readable timeline, the same text as ``export("text")``: a header, then one line per
         event (the first ``limit``, or all) with its index, time, worker, detail and vector clock; a
         delivery also says when and by whom its message was sent."""
-        from ._export_text import to_text
-
         return to_text(self, limit=limit)
 
     def export(self, format: str, path: str | Path | None = None) -> str:
@@ -459,8 +457,6 @@ class Trace:
         Raises:
             ValueError: an unknown format.
         """
-        from ._export import export
-
         return export(self, format, path)
 
     # -- files -------------------------------------------------------------------------------------

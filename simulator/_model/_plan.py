@@ -29,23 +29,22 @@ Message kinds a fault addresses (``kind=``): a class, or the raw name of a ``twi
 
 What the faults mean is in the how-to (``docs/howto/fault-plan.md``); how they are applied is in
 ``simulator/_faults/_engine.py``. Hypothesis strategies for plans live in
-:mod:`twinrpc.simulator.strategies`; seeded *swarm* plans come from :meth:`FaultPlan.swarm`.
+:mod:`twinrpc.simulator.strategies`; seeded *swarm* plans come from :meth:`Swarm.plan`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twinrpc._message import Kind
 
-from .._errors import FaultPlanError
-
-if TYPE_CHECKING:
-    from ._swarm import Swarm
+from ._codec import build, convert, dump_data, plain, read_data, to_json, to_toml
+from ._errors import FaultPlanError
 
 #: default bound of the seeded delay between a user RRef's death and the send of its delete message
 DEFAULT_GC_DELAY = 50e-6
@@ -563,8 +562,6 @@ class FaultPlan:
     # -- plain data --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain data (``FaultPlan.from_dict(plan.to_dict()) == plan``); default values are left out."""
-        from .._files import plan_to_dict
-
         return plan_to_dict(self)
 
     @classmethod
@@ -574,44 +571,24 @@ class FaultPlan:
         Raises:
             FaultPlanError: naming the bad field, e.g. ``faults[1] (drop): unknown field 'knd'``.
         """
-        from .._files import plan_from_dict
-
         return plan_from_dict(data)
 
     @classmethod
     def load(cls, path: str | Path) -> FaultPlan:
         """Read a plan from a ``.json`` or ``.toml`` file (see the how-to for the format)."""
-        from .._files import load_plan
-
-        return load_plan(path)
+        return plan_from_dict(read_data(path), f"{path}: ")
 
     def dump(self, path: str | Path) -> None:
         """Write the plan to a ``.json`` or ``.toml`` file; :meth:`load` reads back an equal plan."""
-        from .._files import dump_data
-
         dump_data(self.to_dict(), path)
 
     def to_json(self) -> str:
         """The plan as JSON text."""
-        from .._files import to_json
-
         return to_json(self.to_dict())
 
     def to_toml(self) -> str:
         """The plan as TOML text."""
-        from .._files import to_toml
-
         return to_toml(self.to_dict())
-
-    @classmethod
-    def swarm(cls, seed: int, world_size: int, **options: Any) -> FaultPlan:
-        """A plan whose fault kinds, rates, delays, windows and victims are all drawn from ``seed``
-        (swarm testing, as FoundationDB and TigerBeetle do); ``options`` are those of
-        :class:`~twinrpc.simulator.Swarm`. Same seed, same plan."""
-        from ._swarm import Swarm
-
-        swarm: Swarm = Swarm(**options)
-        return swarm.plan(seed, world_size)
 
 
 def _unknown_keyword(name: str) -> str:
@@ -634,3 +611,70 @@ def _ranks_of(f: Any) -> list[tuple[str, int]]:
         elif fl.name in ("a", "b") and value is not None:
             out.extend((fl.name, r) for r in value)
     return out
+
+
+# -- the dict form (what a JSON or TOML file holds, see simulator/_model/_codec.py) ----------------
+_FAULTS: dict[str, type] = {
+    "delay": Delay,
+    "drop": Drop,
+    "duplicate": Duplicate,
+    "hold": Hold,
+    "partition": Partition,
+    "crash": Crash,
+    "pause": Pause,
+}
+_ACTIONS: dict[str, type] = {"deliver": Deliver, "delay": Delay, "drop": Drop, "duplicate": Duplicate}
+_NAME = {cls: name for name, cls in _FAULTS.items()} | {Deliver: "deliver"}
+
+
+# -- fault plans ---------------------------------------------------------------------------------------
+def fault_to_dict(fault: Any) -> dict[str, Any]:
+    return {"type": _NAME[type(fault)], **plain(fault)}
+
+
+def _item(data: Any, where: str, table: dict[str, type]) -> Any:
+    if not isinstance(data, dict):
+        example = f"{{type = {json.dumps(data)}}}" if isinstance(data, str) else '{type = "drop", ...}'
+        raise FaultPlanError(f"{where}: expected a table/object with a 'type', e.g. {example}; got {data!r}")
+    kind = data.get("type")
+    cls = table.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise FaultPlanError(f"{where}.type: {kind!r} is not one of {', '.join(table)}")
+    return build(cls, data, f"{where} ({kind})", skip=("type",))
+
+
+def plan_to_dict(plan: FaultPlan) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if plan.gc_delay != DEFAULT_GC_DELAY:
+        out["gc_delay"] = plan.gc_delay
+    if plan.actions:
+        out["actions"] = [fault_to_dict(a) for a in plan.actions]
+    if plan.faults:
+        out["faults"] = [fault_to_dict(f) for f in plan.faults]
+    return out
+
+
+def plan_from_dict(data: Any, where: str = "") -> FaultPlan:
+    if not isinstance(data, dict):
+        raise FaultPlanError(f"{where or 'fault plan'}: expected a table/object, got {type(data).__name__}")
+    if "swarm" in data:
+        raise FaultPlanError(
+            f"{where or 'fault plan'}: this describes a Swarm, not a FaultPlan; read it with "
+            "twinrpc.simulator.load_faults or Swarm.from_dict"
+        )
+    unknown = set(data) - {"gc_delay", "actions", "faults"}
+    if unknown:
+        raise FaultPlanError(
+            f"{where}unknown field {sorted(unknown)[0]!r}; a fault plan has gc_delay, actions and faults"
+        )
+    gc_delay = convert(data.get("gc_delay", DEFAULT_GC_DELAY), "float", f"{where}gc_delay")
+    lists = {}
+    for name, table in (("actions", _ACTIONS), ("faults", _FAULTS)):
+        items = data.get(name, [])
+        if not isinstance(items, list):
+            raise FaultPlanError(f"{where}{name}: expected a list, got {items!r}")
+        lists[name] = [_item(x, f"{where}{name}[{i}]", table) for i, x in enumerate(items)]
+    try:
+        return FaultPlan(lists["faults"], lists["actions"], gc_delay)
+    except (FaultPlanError, TypeError) as exc:
+        raise FaultPlanError(f"{where}{exc}") from None

@@ -1,5 +1,6 @@
-"""The simulator's plain-data format: fault plans, swarms, network and compute models as dicts,
-JSON and TOML files; one reader and one writer per format, which every ``load``/``from_dict`` calls.
+"""The file forms of the simulator's plain data: one reader and one writer per format (dicts,
+JSON and TOML files), checked against a dataclass's fields. Every model's ``to_dict``/``from_dict``/
+``load``/``dump`` (``simulator/_model/``) goes through them.
 
 The dict form is what :meth:`FaultPlan.to_dict` returns and what a file holds::
 
@@ -30,51 +31,23 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tomllib
 
 from ._errors import FaultPlanError
-from ._faults._plan import (
-    DEFAULT_GC_DELAY,
-    Crash,
-    Delay,
-    Deliver,
-    Drop,
-    Duplicate,
-    FaultPlan,
-    Hold,
-    Partition,
-    Pause,
-)
-from ._faults._swarm import Swarm  # at run time: load_faults' documented signature names it
-from ._network._model import NetworkModel
 
-if TYPE_CHECKING:
-    from ._kernel._compute import ComputeModel
-
-_FAULTS: dict[str, type] = {
-    "delay": Delay,
-    "drop": Drop,
-    "duplicate": Duplicate,
-    "hold": Hold,
-    "partition": Partition,
-    "crash": Crash,
-    "pause": Pause,
-}
-_ACTIONS: dict[str, type] = {"deliver": Deliver, "delay": Delay, "drop": Drop, "duplicate": Duplicate}
-_NAME = {cls: name for name, cls in _FAULTS.items()} | {Deliver: "deliver"}
 #: how a file says ``count=None`` (every matching message from the nth on)
-_ALL = "all"
+ALL = "all"
 
 
 # -- values ------------------------------------------------------------------------------------------
-def _convert(value: Any, annotation: str, where: str) -> Any:
+def convert(value: Any, annotation: str, where: str) -> Any:
     """``value`` read from a file, checked against a field's annotation (a string: the modules use
     ``from __future__ import annotations``)."""
     optional = annotation.endswith(" | None")
     base = annotation.removesuffix(" | None")
-    if value is None or (value == _ALL and annotation == "int | None"):
+    if value is None or (value == ALL and annotation == "int | None"):
         if optional:
             return None
         raise FaultPlanError(f"{where}: must not be null")
@@ -100,11 +73,11 @@ def _convert(value: Any, annotation: str, where: str) -> Any:
             value = [value]
         if not isinstance(value, list):
             raise FaultPlanError(f"{where}: expected a list, got {value!r}")
-        return tuple(_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+        return tuple(convert(v, item, f"{where}[{i}]") for i, v in enumerate(value))
     raise AssertionError(f"no converter for {annotation!r}")  # pragma: no cover
 
 
-def _build(cls: type, data: Any, where: str, skip: tuple[str, ...] = ()) -> Any:
+def build(cls: type, data: Any, where: str, skip: tuple[str, ...] = ()) -> Any:
     if not isinstance(data, dict):
         raise FaultPlanError(f"{where}: expected a table/object, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -115,7 +88,7 @@ def _build(cls: type, data: Any, where: str, skip: tuple[str, ...] = ()) -> Any:
         f = fields.get(key)
         if f is None:
             raise FaultPlanError(f"{where}: unknown field {key!r}; expected one of {', '.join(fields)}")
-        kwargs[key] = _convert(value, str(f.type), f"{where}.{key}")
+        kwargs[key] = convert(value, str(f.type), f"{where}.{key}")
     missing = [
         name
         for name, f in fields.items()
@@ -133,12 +106,12 @@ def _build(cls: type, data: Any, where: str, skip: tuple[str, ...] = ()) -> Any:
         raise FaultPlanError(f"{where}: {exc}") from None
 
 
-def _plain(obj: Any, include_defaults: bool = False) -> dict[str, Any]:
+def plain(obj: Any, include_defaults: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if value is None and f.default is not None:
-            out[f.name] = _ALL  # count=None: every message (TOML has no null)
+            out[f.name] = ALL  # count=None: every message (TOML has no null)
             continue
         if value is None or (
             not include_defaults and f.default is not dataclasses.MISSING and value == f.default
@@ -148,91 +121,7 @@ def _plain(obj: Any, include_defaults: bool = False) -> dict[str, Any]:
     return out
 
 
-# -- fault plans ---------------------------------------------------------------------------------------
-def fault_to_dict(fault: Any) -> dict[str, Any]:
-    return {"type": _NAME[type(fault)], **_plain(fault)}
-
-
-def _item(data: Any, where: str, table: dict[str, type]) -> Any:
-    if not isinstance(data, dict):
-        example = f"{{type = {json.dumps(data)}}}" if isinstance(data, str) else '{type = "drop", ...}'
-        raise FaultPlanError(f"{where}: expected a table/object with a 'type', e.g. {example}; got {data!r}")
-    kind = data.get("type")
-    cls = table.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise FaultPlanError(f"{where}.type: {kind!r} is not one of {', '.join(table)}")
-    return _build(cls, data, f"{where} ({kind})", skip=("type",))
-
-
-def plan_to_dict(plan: FaultPlan) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if plan.gc_delay != DEFAULT_GC_DELAY:
-        out["gc_delay"] = plan.gc_delay
-    if plan.actions:
-        out["actions"] = [fault_to_dict(a) for a in plan.actions]
-    if plan.faults:
-        out["faults"] = [fault_to_dict(f) for f in plan.faults]
-    return out
-
-
-def plan_from_dict(data: Any, where: str = "") -> FaultPlan:
-    if not isinstance(data, dict):
-        raise FaultPlanError(f"{where or 'fault plan'}: expected a table/object, got {type(data).__name__}")
-    if "swarm" in data:
-        raise FaultPlanError(
-            f"{where or 'fault plan'}: this describes a Swarm, not a FaultPlan; read it with "
-            "twinrpc.simulator.load_faults or Swarm.from_dict"
-        )
-    unknown = set(data) - {"gc_delay", "actions", "faults"}
-    if unknown:
-        raise FaultPlanError(
-            f"{where}unknown field {sorted(unknown)[0]!r}; a fault plan has gc_delay, actions and faults"
-        )
-    gc_delay = _convert(data.get("gc_delay", DEFAULT_GC_DELAY), "float", f"{where}gc_delay")
-    lists = {}
-    for name, table in (("actions", _ACTIONS), ("faults", _FAULTS)):
-        items = data.get(name, [])
-        if not isinstance(items, list):
-            raise FaultPlanError(f"{where}{name}: expected a list, got {items!r}")
-        lists[name] = [_item(x, f"{where}{name}[{i}]", table) for i, x in enumerate(items)]
-    try:
-        return FaultPlan(lists["faults"], lists["actions"], gc_delay)
-    except (FaultPlanError, TypeError) as exc:
-        raise FaultPlanError(f"{where}{exc}") from None
-
-
-# -- swarms and network models ---------------------------------------------------------------------------
-def swarm_to_dict(swarm: Swarm) -> dict[str, Any]:
-    return {"swarm": _plain(swarm, include_defaults=True)}
-
-
-def swarm_from_dict(data: Any, where: str = "") -> Swarm:
-    if not isinstance(data, dict) or set(data) != {"swarm"}:
-        raise FaultPlanError(f"{where or 'swarm'}: expected exactly one table, 'swarm'")
-    return _build(Swarm, data["swarm"], f"{where}swarm")  # type: ignore[no-any-return]
-
-
-def network_to_dict(model: NetworkModel) -> dict[str, Any]:
-    return _plain(model, include_defaults=True)
-
-
-def network_from_dict(data: Any, where: str = "") -> NetworkModel:
-    return _build(NetworkModel, data, where or "network model")  # type: ignore[no-any-return]
-
-
-def compute_to_dict(model: ComputeModel) -> dict[str, Any]:
-    return _plain(model, include_defaults=True)
-
-
-def compute_from_dict(data: Any, where: str = "") -> ComputeModel:
-    from ._kernel._compute import (
-        ComputeModel,  # _compute imports torch's dispatch machinery: only when asked
-    )
-
-    return _build(ComputeModel, data, where or "compute model")  # type: ignore[no-any-return]
-
-
-# -- files -------------------------------------------------------------------------------------------
+# -- files-------------------------------------------------------------------------------------------
 def read_data(path: str | Path) -> Any:
     """The content of a ``.json`` or ``.toml`` file (OSError if it cannot be read)."""
     path = Path(path)
@@ -250,7 +139,7 @@ def read_data(path: str | Path) -> Any:
     raise FaultPlanError(f"{path}: unknown file type {suffix!r}; use .json or .toml")
 
 
-def _data_from_text(text: str, flag: str) -> Any:
+def data_from_text(text: str, flag: str) -> Any:
     """What a command-line flag holds: a JSON object, or the path of a JSON or TOML file."""
     if text.lstrip().startswith("{"):
         try:
@@ -262,54 +151,9 @@ def _data_from_text(text: str, flag: str) -> Any:
     return read_data(text)
 
 
-def _source(text: str, flag: str) -> str:
+def source_of(text: str, flag: str) -> str:
     """How errors name a flag's value: the flag, and the file when it names one."""
     return flag if text.lstrip().startswith("{") else f"{flag} {text}"
-
-
-def plan_from_text(text: str, flag: str = "faults") -> FaultPlan:
-    """A fault plan given as a flag's value (``--sim-faults``, ``replay --faults``): its JSON
-    object, or the path of a JSON or TOML file; errors name ``flag``."""
-    return plan_from_dict(_data_from_text(text, flag), f"{_source(text, flag)}: ")
-
-
-def network_from_text(text: str, flag: str = "network") -> NetworkModel:
-    """A network model given as a flag's value (``--sim-network``, ``replay --network``): its JSON
-    object, or the path of a JSON or TOML file; errors name ``flag``."""
-    return network_from_dict(_data_from_text(text, flag), _source(text, flag))
-
-
-def compute_from_text(text: str, flag: str = "compute") -> ComputeModel:
-    """A compute model given as a flag's value (``--sim-compute``): its JSON object, or the path of a
-    JSON or TOML file; errors name ``flag``."""
-    return compute_from_dict(_data_from_text(text, flag), _source(text, flag))
-
-
-def load_plan(path: str | Path) -> FaultPlan:
-    return plan_from_dict(read_data(path), f"{path}: ")
-
-
-def load_network(path: str | Path) -> NetworkModel:
-    return network_from_dict(read_data(path), f"{path}")
-
-
-def load_compute(path: str | Path) -> ComputeModel:
-    return compute_from_dict(read_data(path), f"{path}")
-
-
-def load_faults(path: str | Path) -> FaultPlan | Swarm:
-    """Read a ``.json`` or ``.toml`` fault file: a :class:`~twinrpc.simulator.FaultPlan`, or a
-    :class:`~twinrpc.simulator.Swarm` when the file holds a ``swarm`` table (what ``--faults FILE``
-    accepts).
-
-    Raises:
-        FaultPlanError: the file is not JSON or TOML, or a field is unknown or malformed (named).
-        OSError: the file cannot be read.
-    """
-    data = read_data(path)
-    if isinstance(data, dict) and "swarm" in data:
-        return swarm_from_dict(data, f"{path}: ")
-    return plan_from_dict(data, f"{path}: ")
 
 
 def dump_data(data: dict[str, Any], path: str | Path) -> None:

@@ -16,7 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import FaultPlanError
+from ._codec import build, plain
+from ._errors import FaultPlanError
 from ._plan import (
     FAULT_KINDS,
     KIND_NAMES,
@@ -143,13 +144,19 @@ class Swarm:
     # -- plain data --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain data: ``{"swarm": {...}}`` (the form a ``--faults`` file takes for a swarm)."""
-        from .._files import swarm_to_dict
-
         return swarm_to_dict(self)
 
     @classmethod
     def from_dict(cls, data: Any) -> Swarm:
         """The swarm a dict of the :meth:`to_dict` form describes."""
-        from .._files import swarm_from_dict
-
         return swarm_from_dict(data)
+
+
+def swarm_to_dict(swarm: Swarm) -> dict[str, Any]:
+    return {"swarm": plain(swarm, include_defaults=True)}
+
+
+def swarm_from_dict(data: Any, where: str = "") -> Swarm:
+    if not isinstance(data, dict) or set(data) != {"swarm"}:
+        raise FaultPlanError(f"{where or 'swarm'}: expected exactly one table, 'swarm'")
+    return build(Swarm, data["swarm"], f"{where}swarm")  # type: ignore[no-any-return]

@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .._errors import FaultPlanError
+from ._codec import build, dump_data, plain, read_data
+from ._errors import FaultPlanError
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,8 +160,6 @@ class NetworkModel:
     def to_dict(self) -> dict[str, Any]:
         """Every field by name (``NetworkModel.from_dict(m.to_dict()) == m``), but those of hosts that
         keep their defaults: a model without hosts writes what it wrote before hosts existed."""
-        from .._files import network_to_dict
-
         data = network_to_dict(self)
         for name in _HOST_FIELDS:
             if data[name] == _DEFAULTS[name]:
@@ -174,21 +173,15 @@ class NetworkModel:
         Raises:
             FaultPlanError: naming an unknown or malformed field.
         """
-        from .._files import network_from_dict
-
         return network_from_dict(data)
 
     @classmethod
     def load(cls, path: str | Path) -> NetworkModel:
         """Read a model from a ``.json`` or ``.toml`` file (the form of :meth:`to_dict`)."""
-        from .._files import load_network
-
-        return load_network(path)
+        return network_from_dict(read_data(path), f"{path}")
 
     def dump(self, path: str | Path) -> None:
         """Write the model to a ``.json`` or ``.toml`` file."""
-        from .._files import dump_data
-
         dump_data(self.to_dict(), path)
 
 
@@ -199,3 +192,11 @@ _DEFAULTS: dict[str, Any] = {
     for f in fields(NetworkModel)
     if f.name in _HOST_FIELDS
 }
+
+
+def network_to_dict(model: NetworkModel) -> dict[str, Any]:
+    return plain(model, include_defaults=True)
+
+
+def network_from_dict(data: Any, where: str = "") -> NetworkModel:
+    return build(NetworkModel, data, where or "network model")  # type: ignore[no-any-return]
