@@ -322,7 +322,7 @@ def _shard(text: str) -> tuple[int, int]:
 def explore_command(args: argparse.Namespace) -> int:
     """``explore``'s entry point: the exit status."""
     if args.program == "merge":
-        from ._shards import merge_command
+        from ._shards import merge_command  # _shards builds on this module: imported when used
 
         return merge_command(args.args)
     err = sys.stderr
@@ -357,12 +357,12 @@ def explore_command(args: argparse.Namespace) -> int:
     jobs = default_jobs() if args.jobs is None else args.jobs
     try:
         if args.shard is not None:
-            from ._shards import run_shard
+            from ._shards import run_shard  # _shards builds on this module: imported when used
 
             return run_shard(plan, args, jobs)
         prepare_jobs(plan, jobs)
         calibration = plan.calibration()
-        if calibration._baseline():  # seed 0 without faults fails: nothing is smaller
+        if calibration.baseline():  # seed 0 without faults fails: nothing is smaller
             environment = dict(plan.runner.environment)
             plan.runner.close()
             return report(Found.of_calibration(calibration), plan, args, environment)

@@ -91,7 +91,7 @@ class ExplorationPlan:
         return range(-(-self.runs // BLOCK_RUNS))
 
     def calibration(self) -> _Search:
-        """The search that makes the calibration run (run 1): ``_baseline()`` runs it."""
+        """The search that makes the calibration run (run 1): ``baseline()`` runs it."""
         return _Search(
             _body(self, self.runner),
             self.strategy,
@@ -404,7 +404,7 @@ def prepare_jobs(plan: ExplorationPlan, jobs: int) -> None:
     """Start the server the worker processes fork from now (when there will be some), so that its
     imports overlap with what this process does first (the calibration run)."""
     if jobs > 1 and len(plan.blocks()) > 1 and _context(_preload(plan)).get_start_method() == "forkserver":
-        from multiprocessing import forkserver
+        from multiprocessing import forkserver  # POSIX only, and only with several jobs
 
         forkserver.ensure_running()
 
