@@ -402,7 +402,7 @@ class _TestRuns:
 def _explore_in_blocks(plan: ExplorationPlan, jobs: int) -> Found | None:
     """The failure with the lowest run index of ``plan``, found by ``jobs`` forks of this process."""
     calibration = plan.calibration()
-    if plan.calibrate and calibration.baseline():
+    if plan.calibrate and calibration.run_baseline():
         return Found.of_calibration(calibration)
     return explore_blocks(plan, plan.blocks(), calibration.horizon, jobs=jobs, fork=True).found
 

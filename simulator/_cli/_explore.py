@@ -362,7 +362,7 @@ def explore_command(args: argparse.Namespace) -> int:
             return run_shard(plan, args, jobs)
         prepare_jobs(plan, jobs)
         calibration = plan.calibration()
-        if calibration.baseline():  # seed 0 without faults fails: nothing is smaller
+        if calibration.run_baseline():  # seed 0 without faults fails: nothing is smaller
             environment = dict(plan.runner.environment)
             plan.runner.close()
             return report(Found.of_calibration(calibration), plan, args, environment)

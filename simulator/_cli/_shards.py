@@ -58,7 +58,7 @@ def run_shard(plan: ExplorationPlan, args: argparse.Namespace, jobs: int) -> int
     calibration = plan.calibration()
     found: Found | None = None
     runs = 1 if index == 0 else 0  # the calibration run is shard 0's (every shard makes it)
-    if calibration.baseline():
+    if calibration.run_baseline():
         found = Found.of_calibration(calibration) if index == 0 else None
         blocks: list[int] = []
         note = "run 1 (seed 0, no faults) failed: the exploration ends there, and shard 0 reports it"
@@ -219,7 +219,7 @@ def _again(plan: ExplorationPlan, failure: dict[str, Any], horizon: float | None
     """Run the failing run's block again, in order, and shrink the failure (it must be the same run)."""
     if failure["run"] == 1:  # the calibration run: already minimal
         calibration = plan.calibration()
-        if not calibration.baseline():
+        if not calibration.run_baseline():
             raise SimulationError(_differs(failure, "run 1 passes now"))
         plan.runner.close()
         return Found.of_calibration(calibration)

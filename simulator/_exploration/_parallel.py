@@ -91,7 +91,7 @@ class ExplorationPlan:
         return range(-(-self.runs // BLOCK_RUNS))
 
     def calibration(self) -> _Search:
-        """The search that makes the calibration run (run 1): ``baseline()`` runs it."""
+        """The search that makes the calibration run (run 1): ``run_baseline()`` runs it."""
         return _Search(
             _body(self, self.runner),
             self.strategy,

@@ -143,7 +143,7 @@ class _Search:
         self.best = (case, outcome)
         return True
 
-    def baseline(self) -> bool:
+    def run_baseline(self) -> bool:
         """The calibration run; True when it failed (and counts)."""
         case = self.baseline
         self.calls += 1
@@ -236,7 +236,7 @@ class _Search:
 
     def _explore(self) -> bool:
         hypothesis = require_hypothesis()
-        if self.calibrate and self.baseline():
+        if self.calibrate and self.run_baseline():
             return True  # seed 0 without faults fails: nothing is smaller
         generate, shrink = hypothesis.Phase.generate, hypothesis.Phase.shrink
         phases = (generate, shrink) if self.shrink else (generate,)
