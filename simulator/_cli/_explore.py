@@ -43,7 +43,7 @@ from .._exploration._failure import Failure
 from .._exploration._parallel import ExplorationPlan, Found, default_jobs, explore_blocks, prepare_jobs
 from .._exploration._reproduce import regression_header
 from .._launch._launch import LaunchOptions, environment_prefix, launch, load_compute, load_network
-from .._network._model import NetworkModel
+from .._model._network import NetworkModel
 
 
 def parse_traceback(text: str) -> tuple[str, str]:
