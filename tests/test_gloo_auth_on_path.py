@@ -98,7 +98,8 @@ def _worlds(stores: list[Any]) -> tuple[dict[int, Any], dict[int, BaseException]
 
     def make(rank: int) -> GlooWorld:
         store = dist.PrefixStore("twinrpc/0", auth.wrap(stores[rank]))  # type: ignore[attr-defined]
-        return GlooWorld(Joined(store, rank, 2, WORKERS, timedelta(seconds=WAIT), auth=auth), 2)
+        joined = Joined(store, rank, 2, WORKERS, timedelta(seconds=WAIT), auth=auth)
+        return GlooWorld(joined, 2, heartbeat_interval=5.0, heartbeat_misses=3, rpc_timeout=WAIT)
 
     return _in_threads(make, [0, 1])
 
