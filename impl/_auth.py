@@ -21,7 +21,7 @@ writes to the store is believed, nor anything recorded in an earlier run and wri
   to hash); the sequence number is not sent: both sides count header frames, so a frame replayed,
   reordered or dropped fails the check. What a header's first message sends apart from it (its payload
   in a frame of its own or in the same-host ring, its storages in frames of their own) has a *data
-  tag* in the header: Poly1305 (from ``cryptography``, about 3 GB/s against BLAKE2b's 0.8) under a
+  tag* in the header: Poly1305 (from ``cryptography``; several times faster than BLAKE2b) under a
   one-time key drawn from the link key, the direction and the header's sequence number. The receiver
   checks a header's tag before decoding it and the data tag before unpickling the payload or handing
   a storage on, so a frame that fails is dropped unused, and the link to its sender fails with
@@ -30,8 +30,9 @@ writes to the store is believed, nor anything recorded in an earlier run and wri
   the same user can map, which can read the job key anyway); and secrecy (frames are authenticated,
   not encrypted).
 
-Measured: a header's tag 1.3 us (HMAC-SHA256: 2.7 us); see benchmarks/bench_auth.py for what the key
-costs a call and a large tensor.
+Keyed BLAKE2b for header tags, because it is the cheapest keyed hash in the standard library (figures:
+docs/explanation/benchmarks.md); benchmarks/bench_auth.py measures what the key costs a call and a large
+tensor.
 """
 
 from __future__ import annotations

@@ -495,7 +495,7 @@ class Header(Record):
 
 #: receive buffers at least this big are fresh mmap()s every time (glibc's largest mmap threshold), so
 #: each receive would take a page fault per 4 KiB page; they are asked to use transparent huge pages
-#: instead (a 64 MiB receive: ~22 ms of faults down to ~7 ms, measured; reused memory costs ~5 ms).
+#: instead, which takes most of those faults away (figures: docs/explanation/benchmarks.md).
 _HUGEPAGE_MIN_BYTES = 32 << 20
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
