@@ -33,6 +33,7 @@ ELSEWHERE = {
     "twinrpc.simulator._model._errors.FaultPlanError",
     "twinrpc.simulator.Failure",  # defined in _exploration/_failure.py, named by its public module
     "twinrpc.simulator._exploration._search._Cached",
+    "twinrpc.simulator._exploration._search._Stopped",  # control flow inside a search, like _Cached
     "twinrpc.simulator._cli._trace._BadInput",
 }
 
