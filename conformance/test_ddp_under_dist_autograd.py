@@ -296,6 +296,9 @@ def _ddp_under_dist_autograd(
         backend="gloo", init_method=f"file://{init_file}", world_size=WORLD_SIZE, rank=ctx.rank
     )
     try:
+        # RPC is up before the process group here (the harness starts it), so the master's first calls,
+        # which make groups on the trainers, must wait until every rank has its default group
+        dist.barrier()
         result = None
         if ctx.rank == MASTER_RANK:
             result = _do_test_on_master(ctx, ddp_mode, simulate_uneven_inputs)
