@@ -8,28 +8,17 @@ landed in), and the RRef monitors (on by default) saw no violation.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from _benchmarks import load_benchmark
 from twinrpc.simulator import NetworkModel
-
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_sim_scale.py"
 
 
 @pytest.fixture(scope="module")
 def scale() -> ModuleType:
-    if str(BENCH.parent) not in sys.path:  # as when run as a script: its folder's helpers (_cli) import
-        sys.path.insert(0, str(BENCH.parent))
-    spec = importlib.util.spec_from_file_location("bench_sim_scale", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # functions travel by reference: the module must be importable
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_sim_scale")  # its functions travel by reference: registered as a module
 
 
 def _check(scale: ModuleType, result: object, world_size: int, servers: int, steps: int) -> None:

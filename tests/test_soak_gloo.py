@@ -9,7 +9,6 @@ resource is seen to fail it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from _benchmarks import load_benchmark
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_soak.py"
 #: the short soak: enough operations for each load to warm up and then run several times longer
@@ -26,12 +26,7 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def soak() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_soak", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_soak")  # its functions travel by reference: registered as a module
 
 
 def _curve(soak: ModuleType, rows: list[tuple[int, int, int, int]]) -> object:
