@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     options = LaunchOptions(program=str(PROGRAM), args=("--fixed",), nproc_per_node=3)
     plan = ExplorationPlan(ProgramRunner(options, None), 3, seed=0, runs=args.runs)
     calibration = plan.calibration()
-    if calibration._baseline():
+    if calibration.run_baseline():
         raise SystemExit("bench_explore: the calibration run failed: the fixed program must pass")
     plan.runner.close()
     counts = job_counts(args.max_jobs)
