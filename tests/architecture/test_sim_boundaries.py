@@ -1,4 +1,4 @@
-"""The simulator's objects keep to their seams, as the core's do (tests/test_core_boundaries.py).
+"""The simulator's objects keep to their seams, as the core's do (tests/architecture/test_core_boundaries.py).
 
 ``Simulation`` is a facade over collaborators that own their state (the scheduler, the rendezvous, the
 links, the crashes, the fault engine, the observers); they talk through public methods and the
