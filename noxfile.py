@@ -10,18 +10,20 @@ import nox
 
 ROOT = Path(__file__).parent
 nox.options.sessions = ["tests"]
-#: the unit tests of the gloo world's transport and failures, run again with the same-host path off
+#: the gloo world's transport and failure tests (tests/gloo/test_gloo_*.py and the three named here, and
+#: the hostile-peer ones of tests/security/), run again with the same-host path off
 GLOO_TESTS = (
-    "tests/test_gloo_*.py",
-    "tests/test_failure_gloo.py",
-    "tests/test_builtin_gloo.py",
-    "tests/test_soak_gloo.py",
+    "tests/gloo/test_gloo_*.py",
+    "tests/security/test_gloo_*.py",
+    "tests/gloo/test_failure_gloo.py",
+    "tests/gloo/test_builtin_gloo.py",
+    "tests/gloo/test_soak_gloo.py",
 )
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
 
 BACKENDS = ("sim", "gloo", "torch")
-#: the browser tests/test_trace_html_browser.py drives (Debian's chromium package)
+#: the browser tests/sim/test_trace_html_browser.py drives (Debian's chromium package)
 CHROMIUM = os.environ.get("TWINRPC_CHROMIUM", "/usr/bin/chromium")
 
 
@@ -53,14 +55,14 @@ def browser(session: nox.Session) -> None:
     """The HTML trace diagram in headless Chromium (installs Debian's chromium when missing)."""
     _install(session)
     _chromium(session)
-    session.run("pytest", "tests/test_trace_html_browser.py", "-q", *session.posargs)
+    session.run("pytest", "tests/sim/test_trace_html_browser.py", "-q", *session.posargs)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole test suite: unit tests, the conformance suite on every backend, then the docs."""
     _install(session, "test,docs,train")
-    _chromium(session)  # tests/test_trace_html_browser.py runs with the rest, in CI too
+    _chromium(session)  # tests/sim/test_trace_html_browser.py runs with the rest, in CI too
     session.run("pytest", "tests", "-q", "-n", _workers(), *session.posargs)
     for backend in BACKENDS:
         _conformance(session, backend)
@@ -258,7 +260,7 @@ def explore(session: nox.Session) -> None:
     examples = session.posargs[0] if session.posargs else "20000"
     session.run(
         "pytest",
-        "tests/test_rref_properties.py",
+        "tests/properties/test_rref_properties.py",
         "-q",
         "-k",
         "generated",
@@ -290,7 +292,7 @@ def twin(session: nox.Session) -> None:
     # One test runs every program: the per-test faulthandler dump (pyproject) would fire mid-run.
     session.run(
         "pytest",
-        "tests/test_twin_differential.py",
+        "tests/twin/test_twin_differential.py",
         "-q",
         "--hypothesis-show-statistics",
         "-o",

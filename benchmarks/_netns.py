@@ -1,6 +1,6 @@
 """Two hosts on one machine for the benchmarks: two Linux network namespaces joined by a veth pair.
 
-The setup ``tests/test_two_hosts.py`` uses too: each namespace has only its own private address (10.214.N.1 or
+The setup ``tests/gloo/test_two_hosts.py`` uses too: each namespace has only its own private address (10.214.N.1 or
 .2) and a loopback, so every byte between the two workers crosses the veth pair, as between two
 machines; the workers find each other by that address, and ``GLOO_SOCKET_IFNAME`` names each side's
 interface. The gloo world's same-host path (shared memory) stays off between namespaces: its discovery

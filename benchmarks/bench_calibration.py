@@ -6,7 +6,7 @@ In one run:
    argument and of float32 tensors from 1 KiB to 16 MiB, and small calls with 64 in flight
    (:func:`twinrpc.simulator.calibration.measure`), twice: on this host (the gloo world's
    shared-memory path, unless ``TWINRPC_SHM=0``), and between two hosts: two network namespaces
-   joined by a veth pair (``benchmarks/_netns.py``, the setup of ``tests/test_two_hosts.py``; needs
+   joined by a veth pair (``benchmarks/_netns.py``, the setup of ``tests/gloo/test_two_hosts.py``; needs
    root). Where namespaces cannot be made, the loopback gloo path with ``TWINRPC_SHM=0`` stands for
    the link between hosts, and the output says so. A raw gloo pair measures the transport's own
    ping-pong floor on this host for reference.

@@ -11,7 +11,7 @@ benchmarks/bench_calibration.py writes): messages and scheduler events, wall tim
 messages per wall-clock second and the virtual/wall ratio.
 
 Run: ``nox -s bench`` or ``python benchmarks/bench_sim_scale.py [--workers 256] [--servers 4]
-[--steps 3] [--network FILE] [--profile]``. tests/test_sim_scale.py runs :func:`run_job` as a correctness test.
+[--steps 3] [--network FILE] [--profile]``. tests/sim/test_sim_scale.py runs :func:`run_job` as a correctness test.
 """
 
 from __future__ import annotations

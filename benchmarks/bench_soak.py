@@ -44,7 +44,7 @@ slack covers; ``--contexts 40000`` shows the plateau.
 
 Also checked at the end of the RRef load: worker 1 owns no RRef and no fork any more (the deletes have
 arrived). The exit status is 1 if any check fails. ``--json`` writes the samples and verdicts (the
-bounded CI test, tests/test_soak_gloo.py, runs a short soak through it).
+bounded CI test, tests/gloo/test_soak_gloo.py, runs a short soak through it).
 """
 
 from __future__ import annotations

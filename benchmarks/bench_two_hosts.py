@@ -1,7 +1,7 @@
 """Two hosts: twinrpc between two network namespaces against the raw gloo floor measured there.
 
 Two Linux network namespaces joined by a veth pair stand for two machines (the setup of
-``tests/test_two_hosts.py``, in ``benchmarks/_netns.py``): every byte between the two workers crosses
+``tests/gloo/test_two_hosts.py``, in ``benchmarks/_netns.py``): every byte between the two workers crosses
 the veth pair through the kernel's TCP stack, and the gloo world's same-host path (shared memory) is
 off, as between hosts. Rank 0 of each pair runs in namespace A, rank 1 in B. Measured, in alternating
 rounds as ``bench_gloo.py`` does: the round-trip latency of ``rpc_sync`` with a builtin and with a tiny

@@ -68,7 +68,7 @@ ThreadCounters = tuple[str, float, int]
 Snapshot = dict[str, Any]
 
 
-# -- reading the counters (pure parts first: tests/test_bench_wakeups.py) ------------------------------
+# -- reading the counters (pure parts first: tests/bench/test_bench_wakeups.py) ------------------------------
 def parse_wakeups(status: str) -> int:
     """``voluntary_ctxt_switches`` of a ``/proc/.../status`` text."""
     for line in status.splitlines():

@@ -3,7 +3,7 @@
 ``nox -s bench`` runs the benchmarks with ``--json benchmarks/results/<name>.json`` and then this script,
 which writes ``docs/explanation/benchmark-results.md``: every figure with its target, the measured
 ratio, the machine, the date, the commit and the command. The page is never edited by hand;
-``tests/test_bench_results.py`` checks that the committed page is what the committed JSON renders to.
+``tests/bench/test_bench_results.py`` checks that the committed page is what the committed JSON renders to.
 
 Run: ``python benchmarks/render_results.py [--results DIR] [--out FILE] [--check]``.
 """

@@ -14,7 +14,7 @@ Run it on PyTorch, either way::
 Run it on twinrpc's gloo world: make a copy with the imports changed (``import torch.distributed.rpc
 as rpc`` becomes ``import twinrpc.rpc as rpc``), by hand or with ``python examples/port_imports.py
 examples/torch_program.py /tmp/twin_program.py``, and launch the copy the same way.
-tests/test_gloo_launch.py does exactly this and compares the two outputs.
+tests/gloo/test_gloo_launch.py does exactly this and compares the two outputs.
 """
 
 from __future__ import annotations

@@ -49,8 +49,9 @@ from ._model._plan import (
 )
 from ._model._swarm import Swarm
 from ._simulation import RunResult, Simulation, WorkerOutcome, current, now, sleep
-from ._traces._diff import Divergence, diff_traces
-from ._traces._trace import MessageInfo, Trace, TraceEvent
+from ._traces._data import Divergence, MessageInfo, TraceEvent
+from ._traces._diff import diff_traces
+from ._traces._trace import Trace
 
 __all__ = [
     "FAULT_KINDS",

@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ._traces._diff import Divergence
+    from ._traces._data import Divergence
 
 
 class SimulationError(RuntimeError):

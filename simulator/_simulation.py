@@ -53,7 +53,7 @@ from ._parts import RunParts
 from ._rendezvous import Rendezvous
 from ._traces._observer import TraceObserver
 from ._traces._trace import Trace
-from ._world import SimWorker
+from ._world import SimWorker, WorkerParts
 
 _GC_GEN0_THRESHOLD = 20_000
 
@@ -181,9 +181,9 @@ class Simulation:
         #: rank -> virtual time of its crash (see :meth:`crash`)
         self.crashed = self.crashes.crashed
         self.blocker = SimBlocker(self.sched, self.crashed)
-        self.workers.extend(SimWorker(self, r) for r in range(n))
         #: the message path (simulator/_network/_links.py)
         self.links = Links(
+            n,
             self.sched,
             self.trace,
             self.network,
@@ -194,6 +194,20 @@ class Simulation:
         #: the simulated store: static and dynamic groups (simulator/_rendezvous.py)
         self.rendezvous = Rendezvous(n, self.sched, self.trace, self.workers, self._heartbeats_changed)
         self.heartbeat_options = self.rendezvous.heartbeat_options
+        #: what the workers and their worlds are built from (simulator/_world.py)
+        self.worker_parts = WorkerParts(
+            self,
+            self.sched,
+            self.trace,
+            self.blocker,
+            self.gc_delay,
+            self.rendezvous.connect,
+            self.links.send,
+            self.links.bounce,
+            self.crashes.announce_departure,
+            self.observers.protocol_observers,
+        )
+        self.workers.extend(SimWorker(self.worker_parts, r) for r in range(n))
         if self.compute is not None:
             self.sched.meter = ComputeMeter(self.compute, self.links.book)
         #: what the collaborators built after this point are made of (simulator/_parts.py)
@@ -327,7 +341,7 @@ class Simulation:
         processes than the command did (``mp.spawn(fn, nprocs=W)`` under ``--nproc-per-node 1``): a
         process that calls ``init_rpc(rank=k)`` becomes worker ``k``, created here if the world is
         smaller. It has no main program of its own (:meth:`run` waits only for the first ones)."""
-        worker = SimWorker(self, self.world_size)
+        worker = SimWorker(self.worker_parts, self.world_size)
         self.workers.append(worker)
         self.world_size += 1
         self.rendezvous.world_size = self.world_size

@@ -1,4 +1,9 @@
-"""One simulated worker's world: the simulator's implementation of ``twinrpc._world.World``."""
+"""One simulated worker's world: the simulator's implementation of ``twinrpc._world.World``.
+
+A worker and its worlds are built from :class:`WorkerParts`, the parts of the run they use and the
+callbacks of the collaborators above them (the links, the crashes, the observers, the rendezvous),
+never from the ``Simulation``: the worlds stand below the collaborators, which name ``SimWorker``.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,8 @@ import collections
 import contextvars
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import greenlet
 
@@ -28,7 +34,9 @@ from twinrpc._world import (
 from ._kernel._current import CURRENT_SIMULATION
 
 if TYPE_CHECKING:
-    from ._simulation import Simulation
+    from ._kernel._blocker import SimBlocker
+    from ._kernel._scheduler import Scheduler
+    from ._traces._trace import Trace
 
 _log = logging.getLogger("twinrpc.simulator")
 _getcurrent = greenlet.getcurrent
@@ -36,24 +44,63 @@ _DELIVER = "deliver"
 _REPLY_KINDS = (Kind.RESPONSE, Kind.EXCEPTION)
 
 
+class Join(Protocol):
+    """How a worker joins its group (``Rendezvous.connect``, simulator/_rendezvous.py)."""
+
+    def __call__(
+        self,
+        worker: SimWorker,
+        *,
+        name: str,
+        rank: int,
+        world_size: int | None,
+        options: JoinOptions,
+        generation: int,
+    ) -> Connection: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerParts:
+    """What every worker of one run and its worlds are built from (see the module docstring)."""
+
+    #: what ``twinrpc.simulator.current()`` returns in the worker's tasks (the kernel carries it opaque)
+    simulation: object
+    sched: Scheduler
+    trace: Trace
+    blocker: SimBlocker
+    #: the seeded bound of the delay before a dead user RRef's delete is sent
+    gc_delay: float
+    #: joins a group (``Rendezvous.connect``)
+    join: Join
+    #: puts a message a world sends on its way (``Links.send``): returns nothing, it may not return
+    #: at all (a fault crashes the sender)
+    send: Callable[[SimWorld, Message], None]
+    #: a message reached a worker not running RPC (``Links.bounce``)
+    bounce: Callable[[Message, Departure], None]
+    #: a world's worker shut down RPC: its peers learn it (``Crashes.announce_departure``)
+    announce_departure: Callable[[SimWorld, Departure], None]
+    #: what the agents of a group of a generation report to (``RunObservers.protocol_observers``)
+    protocol_observers: Callable[[int], ProtocolObservers]
+
+
 class SimWorker:
     """The per-worker state a simulation keeps across init_rpc/shutdown cycles."""
 
-    def __init__(self, sim: Simulation, rank: int) -> None:
-        self.sim = sim
+    def __init__(self, parts: WorkerParts, rank: int) -> None:
+        self.parts = parts
         self.rank = rank
         self.slot = WorkerSlot(connect=self.connect)
         self.context = contextvars.Context()
         self.context.run(CURRENT_SLOT.set, self.slot)
-        self.context.run(CURRENT_BLOCKER.set, sim.blocker)
-        self.context.run(CURRENT_SIMULATION.set, sim)
+        self.context.run(CURRENT_BLOCKER.set, parts.blocker)
+        self.context.run(CURRENT_SIMULATION.set, parts.simulation)
         self.world: SimWorld | None = None
         self.crashed = False
 
     def spawn(self, name: str, fn: Callable[..., Any], *args: Any) -> None:
         if self.crashed:
             return  # a crashed worker starts nothing (its timers and deliveries included)
-        self.sim.sched.spawn(self.rank, self.context, name, self._run_unless_crashed, (fn, args))
+        self.parts.sched.spawn(self.rank, self.context, name, self._run_unless_crashed, (fn, args))
 
     def _run_unless_crashed(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         if not self.crashed:  # the worker may have crashed between spawn and start
@@ -64,7 +111,7 @@ class SimWorker:
     ) -> Connection:
         """This worker's ``twinrpc._world.Connect``: ``init_rpc`` joins the simulated world through the
         simulation's store (simulator/_rendezvous.py)."""
-        return self.sim.rendezvous.connect(
+        return self.parts.join(
             self, name=name, rank=rank, world_size=world_size, options=options, generation=generation
         )
 
@@ -75,17 +122,15 @@ class SimWorld(World):
     clock_name = "simulated"
 
     def __init__(self, worker: SimWorker, num_worker_threads: int, generation: int = 0) -> None:
-        sim = worker.sim
+        parts = worker.parts
         self.worker = worker
         #: the worker's k-th init_rpc joins generation k's group (simulator/_rendezvous.py)
         self.generation = generation
-        self.sched = sim.sched
-        self.trace = sim.trace
-        #: the message path every send takes (simulator/_network/_links.py)
-        self.links = sim.links
-        self._crashes = sim.crashes
-        self._observers = sim.observers
-        self._gc_delay = sim.gc_delay
+        self.sched = parts.sched
+        self.trace = parts.trace
+        #: the message path every send takes (``Links.send``, simulator/_network/_links.py)
+        self._send = parts.send
+        self._parts = parts
         self.rank = worker.rank
         self.agent: WorldEvents | None = None
         self.stopped = False
@@ -124,25 +169,7 @@ class SimWorld(World):
             return
         if msg.tensors:
             msg.tensors = copy_storages(msg.tensors)
-        nbytes = msg.nbytes
-        links = self.links
-        network = links.network
-        sched = self.sched
-        delay = network.delay(msg.src, msg.dst, nbytes, sched.rng)
-        if links.booking:  # the sender's time: what its task computed before this send, then pickling
-            meter = sched.meter
-            if meter is not None:
-                meter.charge(self.rank)
-            delay += links.book(self.rank, network.message_cost) - sched.now
-        self.trace.sent(sched.now, self.rank, msg, nbytes)
-        due = sched.now + delay
-        if due > self.last_arrival.get(msg.dst, 0.0):
-            self.last_arrival[msg.dst] = due
-        faults = links.faults
-        if faults is None:
-            sched.schedule(delay, links.deliver, msg)
-        else:  # fault hook (simulator/_faults/_engine.py): delay, drop, duplicate, hold
-            faults.route(msg, delay)
+        self._send(self, msg)
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         self.worker.spawn(getattr(fn, "__name__", "task"), fn, *args)
@@ -178,12 +205,12 @@ class SimWorld(World):
     def observers(self) -> ProtocolObservers:
         """The trace (simulator/_traces/_observer.py), which forwards RRef events to the online monitors
         (simulator/_checks/_monitors.py); the monitors alone when the trace is off."""
-        return self._observers.protocol_observers(self.generation)
+        return self._parts.protocol_observers(self.generation)
 
     def schedule_rref_delete(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` on a task after a seeded delay in [0, gc_delay): when a dead user RRef's
         delete is sent is a scheduling choice of the simulation (twinrpc._rref_context)."""
-        delay = self.sched.rng.random() * self._gc_delay
+        delay = self.sched.rng.random() * self._parts.gc_delay
         self.sched.call_later(delay, lambda: self.worker.spawn("rref-delete", fn))
 
     def start(self, agent: WorldEvents) -> None:
@@ -204,7 +231,7 @@ class SimWorld(World):
         self.stopped = True
         self.agent = None
         self.departure = Departure.LEFT if graceful else Departure.SHUT_DOWN
-        self._crashes.announce_departure(self, self.departure)
+        self._parts.announce_departure(self, self.departure)
 
     # -- deliveries (called by the Simulation) -------------------------------------------------------
     def deliver(self, msg: Message) -> None:
@@ -221,7 +248,7 @@ class SimWorld(World):
         elif not self.stopped:
             self._early.append(msg)
         else:
-            self.links.bounce(msg, self.departure or Departure.SHUT_DOWN)
+            self._parts.bounce(msg, self.departure or Departure.SHUT_DOWN)
 
     def _receive_reply(self, agent: WorldEvents, msg: Message) -> None:
         """Handle a reply right here, on no task of its own, as the gloo world's link receiver does:

@@ -1,5 +1,5 @@
 """Attacks on a worker's ``unpickle_allow`` through twinrpc's own always-allowed helpers, run in both
-worlds by tests/test_allowlist_escape.py. worker1 (the victim) allows only a few names of this module;
+worlds by tests/security/test_allowlist_escape.py. worker1 (the victim) allows only a few names of this module;
 worker0 (a keyed peer that wants to run code on it) calls the helpers as an attacker would, with
 ``rpc.remote`` and ``rpc.rpc_sync`` aimed at them directly. Run as a script it is one gloo worker
 (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set) and prints worker0's outcomes as JSON."""

@@ -1,4 +1,4 @@
-"""Idle connections to a gloo worker's listener (tests/test_gloo_exposure.py): worker1 starts with a
+"""Idle connections to a gloo worker's listener (tests/security/test_gloo_exposure.py): worker1 starts with a
 soft open-file limit of LOW and a hard one of HIGH, as under ``ulimit -n``; worker0 opens IDLE
 connections to worker1's loopback listening ports, more than LOW, then calls worker1 again. Run as
 a script it is one gloo worker (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) and prints worker0's

@@ -1,4 +1,4 @@
-"""One worker of a launch test (tests/test_gloo_launch.py). Not a test module: run as a script.
+"""One worker of a launch test (tests/gloo/test_gloo_launch.py). Not a test module: run as a script.
 
 ``python tests/_launch_worker.py SCENARIO ARGS...`` with RANK and WORLD_SIZE (and MASTER_ADDR/PORT for
 env://) in the environment. Each step prints ``rank R: STEP ok`` when it worked; any failure raises, so

@@ -1,4 +1,4 @@
-"""One scan for both boundary tests (tests/test_core_boundaries.py, tests/test_sim_boundaries.py):
+"""One scan for both boundary tests (tests/architecture/test_core_boundaries.py, tests/architecture/test_sim_boundaries.py):
 ``obj._name`` where ``obj`` is another object, i.e. a shortcut across a seam."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A module that imports globals defined elsewhere, as a trainer script does (tests/test_unpickle_allow.py):
+"""A module that imports globals defined elsewhere, as a trainer script does (tests/security/test_unpickle_allow.py):
 a pattern for this module must not allow them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One program run in both worlds by tests/test_unpickle_allow.py: worker1 unpickles only what its
+"""One program run in both worlds by tests/security/test_unpickle_allow.py: worker1 unpickles only what its
 ``unpickle_allow`` names, worker0 only what twinrpc itself needs. Run as a script it is one gloo
 worker (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set) and prints its outcomes as JSON."""
 

@@ -8,18 +8,22 @@ from pathlib import Path
 import pytest
 
 # The harness tests import the conformance package from the repository root, also when pytest's
-# working directory changes (pytester runs each test in its own temporary directory).
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+# working directory changes (pytester runs each test in its own temporary directory). The tests are
+# packages by family (tests/gloo/, tests/sim/, ...: each has an __init__.py, so two folders may hold
+# test files of the same name), and they import the helpers at the top of tests/ (_launch.py,
+# _spawn_world.py, twin/, ...) as top-level modules: tests/ is on sys.path too.
+_ROOT = Path(__file__).resolve().parents[1]
+for _path in (str(_ROOT), str(_ROOT / "tests")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 pytest_plugins = ["pytester"]
 
 #: Modules whose tests take 10-60 s each (real processes), run first: pytest-xdist hands out tests in
 #: collection order, and a slow test that sorts near the end leaves one worker running alone after the
-#: other has finished. Measured with ``--durations``: test_tutorial_programs.py 20-60 s a test (three
-#: worlds, TensorPipe's start-up), test_twin_differential.py 15-33 s, test_readme.py (an exploration)
-#: and test_docs_examples.py up to 30 s (its gloo programs).
+#: other has finished. Measured with ``--durations``: docs/test_tutorial_programs.py 20-60 s a test
+#: (three worlds, TensorPipe's start-up), twin/test_twin_differential.py 15-33 s, docs/test_readme.py
+#: (an exploration) and docs/test_docs_examples.py up to 30 s (its gloo programs). By file name.
 SLOW_MODULES = (
     "test_tutorial_programs.py",
     "test_twin_differential.py",

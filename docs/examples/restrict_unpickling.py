@@ -2,7 +2,7 @@
 a call of anything else is refused before it runs, and the next allowed call works.
 
 Run it: ``python docs/examples/restrict_unpickling.py`` (in the simulator; the gloo world behaves the
-same, tests/test_unpickle_allow.py runs both).
+same, tests/security/test_unpickle_allow.py runs both).
 """
 
 from __future__ import annotations

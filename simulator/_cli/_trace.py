@@ -21,7 +21,7 @@ from twinrpc._message import Kind
 
 from .._errors import TraceFormatError
 from .._traces._diff import diff_traces
-from .._traces._export import EXPORT_FORMATS, export
+from .._traces._export import EXPORT_FORMATS
 from .._traces._trace import Trace
 
 
@@ -92,7 +92,7 @@ def _export(args: argparse.Namespace) -> int:
     except _BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    text = export(trace, args.format, args.output)
+    text = trace.export(args.format, args.output)
     if args.output is None:
         sys.stdout.write(text)
     else:

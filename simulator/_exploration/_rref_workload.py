@@ -1,6 +1,6 @@
 """RRef workloads: lists of RRef operations run by worker 0 of a three-worker simulation, monitors on.
 
-The RRef property tests (``tests/test_rref_properties.py``, ``nox -s explore``) draw a *workload*
+The RRef property tests (``tests/properties/test_rref_properties.py``, ``nox -s explore``) draw a *workload*
 with :func:`workloads` and a *schedule* with :func:`twinrpc.simulator.strategies.rref_fault_plans`
 (per-message delays, drops and duplicates of retried control messages, link holds, the delay before a
 dead user RRef's delete goes out) plus the simulation seed. :func:`run_workload` runs one pair with the

@@ -5,6 +5,6 @@ Frozen values that know nothing of the engine that runs them: the fault kinds an
 :class:`~twinrpc.simulator.NetworkModel` (``_network``), :class:`~twinrpc.simulator.ComputeModel`
 (``_compute``), their dicts, JSON and TOML (``_codec``, and ``_files`` for ``--faults FILE`` and flag
 values) and the error they raise (``_errors``). Nothing here imports the rest of the simulator
-(tests/test_sim_boundaries.py): the kernel, the network, the fault engine and the entry points stand
+(tests/architecture/test_sim_boundaries.py): the kernel, the network, the fault engine and the entry points stand
 on it.
 """

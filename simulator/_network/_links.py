@@ -20,13 +20,14 @@ if TYPE_CHECKING:
     from .._kernel._scheduler import Scheduler
     from .._model._network import NetworkModel
     from .._traces._trace import Trace
-    from .._world import SimWorker
+    from .._world import SimWorker, SimWorld
 
 
 class Links:
     """The message path of one simulation.
 
     Args:
+        world_size: the simulation's number of workers (``busy_until`` grows with a worker added later).
         sched: the simulation's scheduler (virtual time, events).
         trace: its trace (lost and bounced messages are recorded).
         network: its network model (``message_cost``).
@@ -39,6 +40,7 @@ class Links:
 
     def __init__(
         self,
+        world_size: int,
         sched: Scheduler,
         trace: Trace,
         network: NetworkModel,
@@ -56,7 +58,7 @@ class Links:
         self.booking = booking
         #: rank -> virtual time until which its message handling (``network.message_cost``) and its
         #: computation (the compute model) are booked
-        self.busy_until = [0.0] * len(workers)
+        self.busy_until = [0.0] * world_size
         #: the fault engine every message goes through (simulator/_faults/_engine.py), once a plan or
         #: the first fault verb installs it; None: no faults, no cost
         self.faults: NetworkFaults | None = None
@@ -70,6 +72,30 @@ class Links:
         end = (busy if busy > now else now) + cost
         self.busy_until[rank] = end
         return end
+
+    def send(self, sender: SimWorld, msg: Message) -> None:
+        """``sender`` sends ``msg`` (``SimWorld.send``, once it knows the message goes out): the network
+        delays it, the fault engine may delay, drop, duplicate or hold it, and it is due to arrive."""
+        nbytes = msg.nbytes
+        network = self.network
+        sched = self.sched
+        rank = sender.rank
+        delay = network.delay(msg.src, msg.dst, nbytes, sched.rng)
+        if self.booking:  # the sender's time: what its task computed before this send, then pickling
+            meter = sched.meter
+            if meter is not None:
+                meter.charge(rank)
+            delay += self.book(rank, network.message_cost) - sched.now
+        self.trace.sent(sched.now, rank, msg, nbytes)
+        due = sched.now + delay
+        last_arrival = sender.last_arrival
+        if due > last_arrival.get(msg.dst, 0.0):
+            last_arrival[msg.dst] = due
+        faults = self.faults
+        if faults is None:
+            sched.schedule(delay, self.deliver, msg)
+        else:  # fault hook (simulator/_faults/_engine.py): delay, drop, duplicate, hold
+            faults.route(msg, delay)
 
     def deliver(self, msg: Message) -> None:
         """``msg`` arrives at its destination (it is handled now, or after ``network.message_cost``)."""

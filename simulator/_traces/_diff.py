@@ -10,62 +10,15 @@ share (their clocks, task switches and internal events differ by construction).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ._data import Divergence
+
 if TYPE_CHECKING:
-    from ._trace import Trace, TraceEvent
+    from ._data import TraceEvent
+    from ._trace import Trace
 
 _STRUCTURAL_EVENTS = ("send", "deliver")
-
-
-@dataclass(frozen=True, slots=True)
-class Divergence:
-    """The first difference between trace A and trace B.
-
-    Attributes:
-        index: the position of the first difference: the event index (exact mode), or the position
-            in ``worker``'s sequence of sends and deliveries (structural mode).
-        worker: the worker of the differing event (A's; B's where A has no event there).
-        time: the differing event's time (A's, else B's).
-        a: A's event there, or ``None`` when A ended first.
-        b: B's event there, or ``None`` when B ended first.
-        context_a: A's events around the difference (a few before, the event, a few after).
-        context_b: B's events around the difference.
-        structural: whether this came from a structural comparison.
-    """
-
-    index: int
-    worker: int
-    time: float
-    a: TraceEvent | None
-    b: TraceEvent | None
-    context_a: tuple[TraceEvent, ...]
-    context_b: tuple[TraceEvent, ...]
-    structural: bool = False
-
-    def describe(self, names: tuple[str, str] = ("A", "B")) -> str:
-        """A readable report: where, both events, and the context in each trace."""
-        na, nb = names
-        where = (
-            f"position {self.index} of worker {self.worker}'s sends and deliveries (times and ids ignored)"
-            if self.structural
-            else f"event #{self.index}"
-        )
-        lines = [f"traces diverge at {where}, t={self.time:.9f}, worker {self.worker}:"]
-        lines.append(f"  {na}: {_show(self.a, na)}")
-        lines.append(f"  {nb}: {_show(self.b, nb)}")
-        for name, context, mark in ((na, self.context_a, self.a), (nb, self.context_b, self.b)):
-            lines.append(f"context in {name}:")
-            if not context:
-                lines.append("    (no events)")
-            for ev in context:
-                lines.append(f"  {'>' if ev is mark else ' '} #{ev.index:<6} {ev.line()}")
-        return "\n".join(lines)
-
-
-def _show(ev: TraceEvent | None, name: str) -> str:
-    return f"#{ev.index} {ev.line()}" if ev is not None else f"(no event: trace {name} ended)"
 
 
 def _key(ev: TraceEvent) -> tuple[str, int, str, str]:

@@ -12,7 +12,7 @@ from ._export_shiviz import to_shiviz
 from ._export_text import to_text
 
 if TYPE_CHECKING:
-    from ._trace import Trace
+    from ._data import TraceData
 
 #: export format -> (file suffix, what it is for)
 EXPORT_FORMATS: dict[str, tuple[str, str]] = {
@@ -23,7 +23,7 @@ EXPORT_FORMATS: dict[str, tuple[str, str]] = {
 }
 
 
-def _renderer(fmt: str) -> Callable[[Trace], str]:
+def _renderer(fmt: str) -> Callable[[TraceData], str]:
     if fmt == "perfetto":
         return to_perfetto
     if fmt == "shiviz":
@@ -35,8 +35,8 @@ def _renderer(fmt: str) -> Callable[[Trace], str]:
     raise ValueError(f"unknown trace export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
 
 
-def export(trace: Trace, fmt: str, path: str | Path | None = None) -> str:
-    """Render ``trace`` as ``fmt``; also write it to ``path`` when given. Returns the text."""
+def export(trace: TraceData, fmt: str, path: str | Path | None = None) -> str:
+    """Render ``trace`` (``Trace._data()``) as ``fmt``; also write it to ``path`` when given. Returns the text."""
     text = _renderer(fmt)(trace)
     if path is not None:
         Path(path).write_text(text, encoding="utf-8", newline="\n")

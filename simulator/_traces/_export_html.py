@@ -17,7 +17,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._trace import Trace
+    from ._data import TraceData
 
 _TEMPLATE = "_export_html_template.html"
 
@@ -29,11 +29,11 @@ def _json_for_script(obj: Any) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-def to_html(trace: Trace, *, title: str | None = None) -> str:
+def to_html(trace: TraceData, *, title: str | None = None) -> str:
     """The trace as one HTML page (see the module docstring)."""
-    events = trace.events()
-    n = max(trace.world_size, len(trace.workers), 1 + max((ev.worker for ev in events), default=-1))
-    names = [trace.worker_name(r) for r in range(n)]
+    events = trace.events
+    n = trace.world_size
+    names = list(trace.names)
     if title is None:
         seed = f", seed {trace.seed}" if trace.seed is not None else ""
         title = f"twinrpc trace ({trace.source}{seed}, {n} workers, {len(events)} events)"

@@ -14,7 +14,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._trace import Trace, TraceEvent
+    from ._data import TraceData, TraceEvent
 
 #: events whose detail names a message
 MESSAGE_EVENTS = frozenset({"send", "deliver", "drop", "duplicate", "hold", "lost", "bounce", "send-failed"})
@@ -32,10 +32,10 @@ def _category(event: str) -> str:
     return "message" if event in MESSAGE_EVENTS else "lifecycle"
 
 
-def to_perfetto_dict(trace: Trace) -> dict[str, Any]:
+def to_perfetto_dict(trace: TraceData) -> dict[str, Any]:
     """The trace as a Chrome trace event document (``{"traceEvents": [...], ...}``)."""
-    events = trace.events()
-    n = max(trace.world_size, len(trace.workers), 1 + max((ev.worker for ev in events), default=-1))
+    events = trace.events
+    n = trace.world_size
     t0 = events[0].time if events and trace.clock == "wall" else 0.0
     out: list[dict[str, Any]] = []
     sim_pid = n  # the simulation itself (worker -1)
@@ -102,11 +102,11 @@ def to_perfetto_dict(trace: Trace) -> dict[str, Any]:
             "clock": trace.clock,
             "seed": trace.seed,
             "world_size": n,
-            "workers": [trace.worker_name(r) for r in range(n)],
+            "workers": list(trace.names),
         },
     }
 
 
-def to_perfetto(trace: Trace) -> str:
+def to_perfetto(trace: TraceData) -> str:
     """The trace as Chrome trace / Perfetto JSON text."""
     return json.dumps(to_perfetto_dict(trace), ensure_ascii=False, separators=(",", ":"), allow_nan=False)

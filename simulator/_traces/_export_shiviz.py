@@ -14,13 +14,13 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._trace import Trace
+    from ._data import TraceData
 
 #: the log-parsing regular expression written on the file's first line (ShiViz's default)
 SHIVIZ_REGEX = r"(?<event>.*)\n(?<host>\S*) (?<clock>{.*})"
 
 
-def _hosts(trace: Trace, n: int) -> list[str]:
+def _hosts(trace: TraceData, n: int) -> list[str]:
     hosts: list[str] = []
     for rank in range(n):
         host = re.sub(r"\s+", "_", trace.worker_name(rank)) or f"rank{rank}"
@@ -30,10 +30,10 @@ def _hosts(trace: Trace, n: int) -> list[str]:
     return hosts
 
 
-def to_shiviz(trace: Trace) -> str:
+def to_shiviz(trace: TraceData) -> str:
     """The trace as a ShiViz log (see the module docstring)."""
-    events = trace.events()
-    n = max(trace.world_size, len(trace.workers), 1 + max((ev.worker for ev in events), default=-1))
+    events = trace.events
+    n = trace.world_size
     hosts = _hosts(trace, n)
     lines = [SHIVIZ_REGEX, ""]
     own = 0  # the simulation's own clock

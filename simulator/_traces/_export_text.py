@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._trace import Trace
+    from ._data import TraceData
 
 
-def to_text(trace: Trace, *, limit: int | None = None) -> str:
+def to_text(trace: TraceData, *, limit: int | None = None) -> str:
     """The timeline (the first ``limit`` events, or all)."""
-    events = trace.events()
-    n = max(trace.world_size, len(trace.workers), 1 + max((ev.worker for ev in events), default=-1))
-    names = [trace.worker_name(r) for r in range(n)]
+    events = trace.events
+    n = trace.world_size
+    names = trace.names
     seed = f", seed {trace.seed}" if trace.seed is not None else ""
     unit = "virtual seconds" if trace.clock == "virtual" else "wall-clock seconds"
     out = [

@@ -27,7 +27,6 @@ import heapq
 import json
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from twinrpc._message import Kind, Message
 from twinrpc._trace_format import FORMAT, VERSION, event_line, header_line
 
 from .._errors import TraceFormatError
+from ._data import MessageInfo, TraceData, TraceEvent
 from ._export import export
 from ._export_text import to_text
 
@@ -111,59 +111,6 @@ def _named_message(detail: tuple[Any, ...]) -> bool:
         and type(nbytes) is int
         and (seq is None or (type(seq) is int and seq >= 0))
     )
-
-
-@dataclass(frozen=True, slots=True)
-class MessageInfo:
-    """The message a trace event is about.
-
-    Attributes:
-        kind: the message kind's name (``"CALL"``, ``"RESPONSE"``, ...).
-        id: the message id (per sender; a reply carries its request's id).
-        src: the sender's rank.
-        dst: the destination's rank.
-        nbytes: payload plus tensor bytes.
-        seq: the message number: one per send, shared by every event about that message; ``None``
-            when unknown (a send that never left, or an unpaired event of a recorded gloo run).
-    """
-
-    kind: str
-    id: int
-    src: int
-    dst: int
-    nbytes: int
-    seq: int | None
-
-    def describe(self) -> str:
-        return f"{self.kind}#{self.id} {self.src}->{self.dst} ({self.nbytes} B)"
-
-
-@dataclass(frozen=True, slots=True)
-class TraceEvent:
-    """One event of a trace.
-
-    Attributes:
-        time: virtual seconds (wall-clock seconds in a recorded gloo run).
-        worker: the rank the event happened on; ``-1`` for the simulation itself (monitors).
-        event: what happened (``send``, ``deliver``, ``switch``, ``rref-user-created``, ...).
-        detail: the event's text.
-        message: the message of a message event (``send``, ``deliver``, ``drop``, ...), else ``None``.
-        clock: the worker's vector clock after the event (one entry per rank), ``None`` for
-            worker ``-1``.
-        index: the event's position in the trace.
-    """
-
-    time: float
-    worker: int
-    event: str
-    detail: str
-    message: MessageInfo | None = None
-    clock: tuple[int, ...] | None = None
-    index: int = -1
-
-    def line(self) -> str:
-        """The event as a line of :meth:`Trace.text`."""
-        return f"{self.time:.9f} w{self.worker} {self.event} {self.detail}"
 
 
 def _render(detail: Any) -> str:
@@ -436,6 +383,13 @@ class Trace:
             return "simulation"
         return self.workers[rank] if rank < len(self.workers) else f"rank{rank}"
 
+    def _data(self) -> TraceData:
+        """The events, with every rank they name named: what the exports and the file render."""
+        events = tuple(self)
+        n = max(self.world_size, len(self.workers), 1 + max((ev.worker for ev in events), default=-1))
+        names = tuple(self.worker_name(r) for r in range(n))
+        return TraceData(events, names, self.seed, self.source, self.clock)
+
     def digest(self) -> str:
         """A SHA-256 over every event: equal digests mean identical runs."""
         h = hashlib.sha256()
@@ -447,7 +401,7 @@ class Trace:
         """The readable timeline, the same text as ``export("text")``: a header, then one line per
         event (the first ``limit``, or all) with its index, time, worker, detail and vector clock; a
         delivery also says when and by whom its message was sent."""
-        return to_text(self, limit=limit)
+        return to_text(self._data(), limit=limit)
 
     def export(self, format: str, path: str | Path | None = None) -> str:
         """Render the trace for a viewer: ``"perfetto"`` (Chrome trace JSON), ``"shiviz"``,
@@ -457,21 +411,25 @@ class Trace:
         Raises:
             ValueError: an unknown format.
         """
-        return export(self, format, path)
+        return export(self._data(), format, path)
 
     # -- files -------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
         """Write the trace as JSON lines: a header (format, version, seed, world size, worker names),
         then one event a line with its message and vector clock. Same events = the same bytes."""
-        events = self.events()
-        n = max(self.world_size, len(self.workers), 1 + max((ev.worker for ev in events), default=-1))
-        names = [self.worker_name(r) for r in range(n)]
+        data = self._data()
         with open(path, "w", encoding="utf-8", newline="\n") as f:
             f.write(
-                header_line(source=self.source, clock=self.clock, seed=self.seed, world_size=n, workers=names)
+                header_line(
+                    source=self.source,
+                    clock=self.clock,
+                    seed=self.seed,
+                    world_size=data.world_size,
+                    workers=list(data.names),
+                )
                 + "\n"
             )
-            for ev in events:
+            for ev in data.events:
                 m = ev.message
                 msg = (m.kind, m.id, m.src, m.dst, m.nbytes, m.seq) if m is not None else None
                 f.write(event_line(ev.time, ev.worker, ev.event, ev.detail, msg, ev.clock) + "\n")

@@ -58,7 +58,7 @@ _log = logging.getLogger("twinrpc")
 
 #: TEST-ONLY switch: when True, a user that forks its RRef does NOT keep itself alive until the owner
 #: accepted the child, i.e. guarantee G2 is broken on purpose. The simulator's monitors and the
-#: property tests must catch this (tests/test_rref_properties.py). Never set it in real programs.
+#: property tests must catch this (tests/properties/test_rref_properties.py). Never set it in real programs.
 _testing_disable_g2 = False
 
 _LEAK_WARNING = (

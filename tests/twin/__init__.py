@@ -2,7 +2,7 @@
 
 ``programs`` draws small RPC programs as data, ``interpreter`` runs one unchanged in the simulator
 and in gloo processes, ``outcome`` says what a run observed, ``runners`` runs both worlds and gives
-the verdict. ``tests/test_twin_differential.py`` is the bounded CI run; ``nox -s twin`` the long one.
+the verdict. ``tests/twin/test_twin_differential.py`` is the bounded CI run; ``nox -s twin`` the long one.
 
 Imported as ``twin`` (``tests/`` is on ``sys.path`` under pytest and in the harness's processes).
 """

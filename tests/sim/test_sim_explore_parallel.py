@@ -26,7 +26,7 @@ from twinrpc.simulator._exploration._parallel import (
     explore_blocks,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PS_RACE = ROOT / "docs" / "examples" / "ps_race.py"
 RACE_FOUND = "twinrpc.simulator.explore: run 17 failed; shrunk in 25 more runs to seed 0 and 1 fault"
 

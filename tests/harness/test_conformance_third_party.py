@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "docs" / "examples"
 BACKEND = "slow_network_backend:SlowNetworkBackend"
 OWN_FILE = EXAMPLES / "slow_network_backend.deviations.toml"

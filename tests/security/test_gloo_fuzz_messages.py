@@ -23,7 +23,7 @@ C unpickler (3.11) then grows its memo array to twice that index and zeroes it, 
 storing at 2**30 take 16 GiB and most of a minute, the receiver's heartbeats stop and its peers declare
 it dead. Such payloads are not sent here (``_memo_bomb``); PyTorch's RPC unpickles the same way.
 
-tests/test_gloo_fuzz.py fuzzes the frames themselves. ``TWINRPC_FUZZ_EXAMPLES`` raises the number of
+tests/security/test_gloo_fuzz.py fuzzes the frames themselves. ``TWINRPC_FUZZ_EXAMPLES`` raises the number of
 examples (the default keeps the world to seconds, once started).
 """
 

@@ -24,7 +24,7 @@ from twinrpc.simulator._exploration._signature import message_pattern
 
 import twinrpc.rpc as rpc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 PROGRAM = (
     '\n"""A counter server and two trainers that lose an update when their RPCs interleave."""\n'

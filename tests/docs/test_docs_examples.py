@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from _warm_python import close, python
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 EXAMPLES = DOCS / "examples"
 
@@ -67,12 +67,12 @@ def test_pages_hold_no_inline_python_only_included_files():
         text = page.read_text(encoding="utf-8")
         assert not re.search(r"^```(python|py|pycon)\s*$", text, re.MULTILINE), (
             f"{page.relative_to(ROOT)} has an inline Python block: put the code in docs/examples/ "
-            "and literalinclude it, so tests/test_docs_examples.py runs it"
+            "and literalinclude it, so tests/docs/test_docs_examples.py runs it"
         )
 
 
 # Included by the docs and run elsewhere: examples/tutorials/rnn.py and examples/tutorials/ddp_rpc.py
-# (tests/test_tutorial_programs.py runs each PyTorch example program in three worlds).
+# (tests/docs/test_tutorial_programs.py runs each PyTorch example program in three worlds).
 
 
 def test_every_included_file_exists_and_is_run_here():
@@ -215,7 +215,7 @@ def test_dynamic_group_trainers_join_and_leave_while_the_server_runs(world: str)
 
 
 # -- the parameter-server tutorial: the main job, examples/parameter_server.py, short runs ------------
-# (tests/test_dist_train_example.py trains it to its accuracy on the simulator)
+# (tests/docs/test_dist_train_example.py trains it to its accuracy on the simulator)
 def _parameter_server_short_run(world: str, out_dir: Path) -> dict[str, Any]:
     short = ["--epochs", "1", "--max-batches", "3", "--out-dir", str(out_dir)]
     out = _run("examples/parameter_server.py", "--world", world, *short, warm=world == "gloo")
@@ -303,7 +303,7 @@ def test_pause_a_peer_from_the_program_under_the_simulator_command():
 def test_slow_network_backend_runs_the_conformance_suite():
     # slow_network_backend.py: a sample of the suite (the whole suite on the sim backend is CI's job),
     # with its deviation SLOWNET-1 from slow_network_backend.deviations.toml as two strict xfails (the
-    # deviations file's own checks: tests/test_conformance_third_party.py)
+    # deviations file's own checks: tests/harness/test_conformance_third_party.py)
     out = _run(
         "-m",
         "pytest",

@@ -16,7 +16,7 @@ injects them raw on the bad pair's process group, followed by the data frames th
 * the receiver and worker2 still exchange messages both ways.
 
 Out of scope, because gloo cannot survive it: a frame LONGER than the receive posted for it aborts the
-receiving process inside gloo (see tests/test_failure_gloo.py), so header frames are at most
+receiving process inside gloo (see tests/gloo/test_failure_gloo.py), so header frames are at most
 HEADER_BYTES and data frames have the sizes the header announced. ``TWINRPC_FUZZ_EXAMPLES`` raises the
 number of examples for a longer run (the default keeps this file to seconds).
 """

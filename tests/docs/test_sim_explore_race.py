@@ -6,7 +6,7 @@ The program is the race tutorial's (docs/examples/ps_race.py): the seeds' parame
 trainers), with a small model and five batches of random data so that a run takes milliseconds. It
 is written for ``torch.distributed.rpc``; here it is imported once with those modules served by
 twinrpc, and explored with :func:`twinrpc.simulator.explore` (the tutorial does the same from the
-command line, tests/test_docs_examples.py runs that). The race: a trainer's optimizer step updates
+command line, tests/docs/test_docs_examples.py runs that). The race: a trainer's optimizer step updates
 the server's parameters in place; landing between another trainer's forward and its backward, it
 makes that backward fail with "one of the variables needed for gradient computation has been
 modified by an inplace operation" (PyTorch too). ``ps_race.FIXED = True`` is the tutorial's fix.
@@ -25,7 +25,7 @@ from twinrpc.simulator import Failure, explore, replay
 from twinrpc.simulator._launch._torch import serve_torch_rpc
 
 RACE = "modified by an inplace operation"
-PROGRAM = Path(__file__).resolve().parents[1] / "docs" / "examples" / "ps_race.py"
+PROGRAM = Path(__file__).resolve().parents[2] / "docs" / "examples" / "ps_race.py"
 
 
 def _import_program() -> ModuleType:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "parameter_server.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "parameter_server.py"
 # The training job's own dependencies (the `train` extra, which `nox -s tests` installs) are imported
 # outright: a missing one must fail the run, never skip it.
 import matplotlib  # noqa: E402, F401

@@ -23,7 +23,7 @@ CHROMIUM = Path(os.environ.get("TWINRPC_CHROMIUM", "/usr/bin/chromium"))
 #: headless, and nothing that reaches for the network (this machine has none): the flags of the docs'
 #: screenshot script, which renders the race tutorial's diagram the same way
 FLAGS: list[str] = runpy.run_path(
-    str(Path(__file__).resolve().parents[1] / "docs/examples/trace_screenshot.py")
+    str(Path(__file__).resolve().parents[2] / "docs/examples/trace_screenshot.py")
 )["FLAGS"]
 
 

@@ -1,4 +1,4 @@
-"""The simulator's objects keep to their seams, as the core's do (tests/test_core_boundaries.py).
+"""The simulator's objects keep to their seams, as the core's do (tests/architecture/test_core_boundaries.py).
 
 ``Simulation`` is a facade over collaborators that own their state (the scheduler, the rendezvous, the
 links, the crashes, the fault engine, the observers); they talk through public methods and the
@@ -109,7 +109,7 @@ def test_the_facade_keeps_the_public_face_of_simulation() -> None:
 #: the simulator's floors, lowest first (docs/explanation/architecture.md, "The simulator's floors"):
 #: a module's floor is that of the longest prefix of its name (relative to twinrpc.simulator) listed here
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("plain data", ("_model",)),
+    ("plain data", ("_model", "_traces._data")),
     ("errors", ("_errors",)),
     ("traces", ("_traces",)),
     ("kernel", ("_kernel",)),
@@ -146,9 +146,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 #: the entry points: the modules besides Simulation's own that may name ``Simulation``
 ENTRY_POINTS = ("_simulation", "_config", *FLOORS[-1][1])
-#: the most imports that may run from a lower floor up; two do today, both type-only and each waiting on
-#: the change that removes it: the worlds name Simulation (SimWorker is built from it, until the World
-#: seam gives it its parts), and the errors module names ``Divergence`` for NondeterminismError
+#: the most imports that may run from a lower floor up (none does today)
 MAX_IMPORTS_UP = 4
 MAX_LOCAL_IMPORTS = 19
 
@@ -266,40 +264,11 @@ def test_the_plain_data_imports_nothing_else_of_the_simulator() -> None:
 
 
 def test_no_import_circle_is_wider_than_two_modules() -> None:
-    """Module-level and function-local imports alike (a type-only import runs never: see the next test)."""
-    wide = [sorted(c) for c in _circles([i for i in _imports() if not i.typing_only]) if len(c) > 2]
+    """Module-level, function-local and type-only imports alike: a module that names another for its
+    types depends on it as much as one that calls it (the worlds are built from ``WorkerParts``, not
+    from ``Simulation``; the trace's exports and ``NondeterminismError`` use ``_traces/_data.py``)."""
+    wide = [sorted(c) for c in _circles(_imports()) if len(c) > 2]
     assert wide == []
-
-
-#: the circles type-only imports still close, each waiting on a change: the worlds build SimWorker from the
-#: whole Simulation (until the World seam work gives it its parts), which ties in every collaborator that
-#: names SimWorker; the trace's exporters annotate the Trace whose methods call them, and the errors
-#: module annotates NondeterminismError.divergence with the trace diff's Divergence
-TYPE_ONLY_CIRCLES = (
-    {
-        "_world",
-        "_simulation",
-        "_config",
-        "_crashes",
-        "_faults._engine",
-        "_liveness",
-        "_network._links",
-        "_parts",
-        "_rendezvous",
-    },
-    {"_errors", "_traces._trace", "_traces._diff", "_traces._export"}
-    | {f"_traces._export_{fmt}" for fmt in ("html", "perfetto", "shiviz", "text")},
-)
-
-
-def test_type_only_imports_close_no_new_circle() -> None:
-    """With type-only imports counted, every circle wider than two modules is (part of) a known one."""
-    new = [
-        sorted(c)
-        for c in _circles(_imports())
-        if len(c) > 2 and not any(c <= known for known in TYPE_ONLY_CIRCLES)
-    ]
-    assert new == []
 
 
 def test_at_most_four_imports_run_from_a_lower_floor_up() -> None:
@@ -338,8 +307,7 @@ def test_only_the_simulation_and_the_entry_points_name_simulation() -> None:
             and not any(i.source.startswith(p + ".") for p in ENTRY_POINTS if p)
         }
     )
-    # the worlds may still build SimWorker from the whole simulation (see MAX_IMPORTS_UP)
-    assert set(naming) <= {"_world"}, naming
+    assert naming == []
 
 
 def test_the_graph_reader_finds_imports_of_every_kind() -> None:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+
 from twin import Builtin, Fail, GlooRunner, Leave, Program, Remote, SimRunner, Start, Wait, check, programs
 from twin.programs import DEPARTURE_KINDS
 from twin.runners import LOADED_HOST_JITTER, LOADED_HOST_SEEDS

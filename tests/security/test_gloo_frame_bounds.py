@@ -1,6 +1,6 @@
 """What one message may announce (impl/_framing.py: ``MAX_MESSAGE_BYTES``, ``check_announced``): checked
 on the decoded header, before a receive buffer is allocated. The link-level behaviour (the link fails,
-the receiver's other links keep working) is in tests/test_failure_gloo.py."""
+the receiver's other links keep working) is in tests/gloo/test_failure_gloo.py."""
 
 from __future__ import annotations
 

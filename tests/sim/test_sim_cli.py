@@ -27,7 +27,7 @@ from twinrpc.simulator._launch._launch import LaunchOptions
 
 import twinrpc.rpc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 _REAL = {
     "time": time.time,

@@ -9,7 +9,7 @@ worker die tells the leader before its contribution, so the leader names the dea
 the follower's leaving reaches it before its own news of the death. The leader fails the all-gather
 only once every live worker has contributed, or its timeout passed; a follower fails at once only
 when the leader is gone. (That the leader keeps serving meanwhile is shown on the simulator:
-tests/test_failure_sim.py.)
+tests/sim/test_failure_sim.py.)
 """
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ def test_the_explore_command_runs_under_compute_and_its_replay_command_carries_i
 _FIXTURE_TEST = """
 import pytest
 from twinrpc.simulator import ComputeModel
-from test_sim_config import COST, FREE, FLAT, program
+from sim.test_sim_config import COST, FREE, FLAT, program
 
 @pytest.mark.simulation(network=FLAT{marker})
 def test_charged(simulation):
@@ -257,7 +257,7 @@ def test_charged(simulation):
 
 
 def test_the_pytest_fixture_takes_compute_by_marker_and_by_option(pytester: pytest.Pytester) -> None:
-    pytester.syspathinsert(Path(__file__).parent)
+    pytester.syspathinsert(Path(__file__).parents[1])
     plugins = ("unraisableexception", "xdist", "xdist.looponfail", "benchmark")
     no = [a for p in plugins for a in ("-p", f"no:{p}")]
     pytester.makepyfile(test_marked=_FIXTURE_TEST.format(marker=", compute=ComputeModel(flop_cost=1e-9)"))
@@ -271,7 +271,7 @@ def test_the_pytest_fixture_takes_compute_by_marker_and_by_option(pytester: pyte
 def test_a_failing_fixture_test_prints_a_replay_command_that_carries_the_compute_model(
     pytester: pytest.Pytester,
 ) -> None:
-    pytester.syspathinsert(Path(__file__).parent)
+    pytester.syspathinsert(Path(__file__).parents[1])
     plugins = ("unraisableexception", "xdist", "xdist.looponfail", "benchmark")
     no = [a for p in plugins for a in ("-p", f"no:{p}")]
     pytester.makepyfile(

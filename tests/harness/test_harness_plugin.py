@@ -269,7 +269,7 @@ def test_matrix_json_records_spec_ids_backend_and_outcome(suite: pytest.Pytester
 def test_matrix_json_under_xdist_includes_deselected_tests(
     suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
     suite.makepyfile(
         """
         import pytest

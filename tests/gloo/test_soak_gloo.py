@@ -18,7 +18,7 @@ from types import ModuleType
 import pytest
 from _benchmarks import load_benchmark
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_soak.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_soak.py"
 #: the short soak: enough operations for each load to warm up and then run several times longer
 SHORT = {"calls": 20_000, "rrefs": 2_000, "contexts": 500}
 MiB = 1 << 20

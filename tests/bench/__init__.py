@@ -1,0 +1,1 @@
+"""The benchmarks' command lines and the results page, without timing anything."""

@@ -1,0 +1,1 @@
+"""The README, the docs' examples and tutorials, and PyTorch's example programs, run as written."""

@@ -1,0 +1,1 @@
+"""The real world (impl/): its transport, launch and failures, in real processes on wall-clock time."""

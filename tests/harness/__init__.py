@@ -1,0 +1,1 @@
+"""The conformance harness itself (conformance/harness/): its spec reader, plugin and backends."""

@@ -1,0 +1,1 @@
+"""Hypothesis properties on the simulator: generated workloads under generated schedules and faults."""
