@@ -16,6 +16,8 @@ them is the core's (``twinrpc._membership``). Keys, under the generation's ``twi
 * ``ready/<joiner uid>/<member uid>``: a member's answer to a join notice: ``dynamic`` and the group's
   members as *that member* knows them (its own view: the list it joined with, the joins and leaves
   it was told of since), in the list's format.
+* ``accepted/<uid>``, ``refused/<uid>``: joiner ``uid`` went on with its join (the members that
+  answered connect to it) or refused the list (they connect nothing).
 
 **Bound to this run.** The member list in the store is only what some worker wrote there, and with
 a job key its MAC is the same in every run with the same key: a list recorded earlier (in an earlier
@@ -187,6 +189,18 @@ class StoreGroup:
             AuthenticationError (with a job key; else StaleMembersError): an answer lists other
                 members than the list: the list was recorded earlier and written back.
         """
+        try:
+            self._confirm(seconds)
+        except BaseException:
+            self.store.set(f"refused/{self.me.uid}", "1")  # the members that answered connect nothing
+            raise
+        with self._view_lock:
+            self._view = {**self._others, self.me.info.id: self.me}
+        self._write(list(self._view.values()))
+        self._listed = True
+        self.store.set(f"accepted/{self.me.uid}", "1")  # the members that answered connect to us now
+
+    def _confirm(self, seconds: float) -> None:
         listed = _format(list(self._others.values()))
         pending = {f"ready/{self.me.uid}/{m.uid}": m for m in self._others.values() if not m.stopped}
         deadline = time.monotonic() + seconds
@@ -208,17 +222,14 @@ class StoreGroup:
                     "recorded in an earlier run and written back)",
                 )
             time.sleep(_ANSWER_POLL)
-        with self._view_lock:
-            self._view = {**self._others, self.me.info.id: self.me}
-        self._write(list(self._view.values()))
-        self._listed = True
 
     def _check_answer(self, member: Member, answer: str, listed: str) -> None:
         kind, _, view = answer.partition("\n")
         if kind == "dynamic" and _parse(view) == _parse(listed):
             return
         what = (
-            f"the group's member list in the store ({_describe(listed)}) is not what {member.info}, "
+            f"the group's member list in the store ({_describe(listed)}) is not what "
+            f"{member.info.name!r} (rank {member.info.id}), "
             f"a live member answering this join, knows ({_describe(view)} in a group of kind {kind!r}): "
             "the list was recorded earlier (in an earlier run or torchrun attempt, or before the last "
             "join or leave) and written back; this worker did not join"
@@ -249,6 +260,24 @@ class StoreGroup:
             others = [m for m in self._view.values() if m.uid != self.me.uid]
         self._write(others)
         self._listed = False
+
+    def joiner_went_on(self, notice: JoinNotice) -> bool:
+        """On the watcher, after answering ``notice``: wait until its joiner accepted the group's
+        list (True: connect to it) or refused it, or this world stops (False), at most the store's
+        timeout (False)."""
+        uid = notice.member.uid
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while time.monotonic() < deadline:
+            if self._watch_store.check([f"accepted/{uid}"]):
+                return True
+            if self._watch_store.check([f"refused/{uid}"]) or self._watch_store.check(
+                [f"stopped/{self.me.uid}"]
+            ):
+                _log.info("twinrpc: %s did not join: it refused the group's member list", notice.member.info)
+                return False
+            time.sleep(_ANSWER_POLL)
+        _log.warning("twinrpc: %s never went on with its join", notice.member.info)
+        return False
 
     def pair_store(self, joiner_uid: str) -> Any:
         """The keys the gloo pairs of one join meet under (unique per joiner incarnation)."""

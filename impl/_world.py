@@ -199,6 +199,8 @@ class GlooWorld(World):
                 return
             if self._stopped:
                 continue  # the joiner's connect to us fails (bounded by its store timeout)
+            if not group.joiner_went_on(notice):
+                continue
             info = notice.member.info
             try:
                 pg, auth = self._connect(notice.pair_store, info.id)

@@ -9,6 +9,7 @@ connects to the attacker, nothing altered is delivered, and the other links go o
 from __future__ import annotations
 
 import gc
+import operator
 import os
 import socket
 import struct
@@ -203,6 +204,157 @@ def test_names_recorded_in_an_earlier_run_are_refused(monkeypatch: pytest.Monkey
     assert [w.name for w in got[0].workers] == ["worker0", "worker1"]  # rank 0 read honest entries
     assert 1 not in got and isinstance(errors[1], AuthenticationError), (got, errors)
     assert "earlier run" in str(errors[1]) and "'name/0'" in str(errors[1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# A dynamic group's member list written back
+# ---------------------------------------------------------------------------------------------------
+#: a dynamic joiner waits this long for its members' answers (heartbeat_interval * heartbeat_misses)
+ANSWER_WAIT = 2.0
+#: bounds each world of processes, and each wait of theirs for the attacker
+DYNAMIC_WORLD = 90.0
+
+
+def _dynamic_options(init_file: str) -> Any:
+    import twinrpc.rpc as rpc
+
+    return rpc.RpcBackendOptions(
+        init_method=f"file://{init_file}", rpc_timeout=20, heartbeat_interval=0.5, heartbeat_misses=4
+    )
+
+
+def _dynamic_program(index: int, init_file: str, shared: dict[str, Any]) -> Any:
+    """A worker of a dynamic group that joins when told: rank ``shared["ranks"][index]`` waits for
+    ``go<rank>``, joins as ``worker<rank>`` and sets ``in<rank>`` (failing, it returns what init_rpc
+    raised and how long it took). A member waits for ``done``, calls each member it knows, sets
+    ``called<rank>``, waits for ``left`` and returns the members and the calls' answers."""
+    import twinrpc.rpc as rpc
+    from twinrpc._current import current_agent
+
+    rank = shared["ranks"][index]
+    shared[f"go{rank}"].wait(DYNAMIC_WORLD)
+    start = time.monotonic()
+    try:
+        rpc.init_rpc(f"worker{rank}", rank=rank, rpc_backend_options=_dynamic_options(init_file))
+    except Exception as exc:
+        shared[f"in{rank}"].set()
+        return {"raised": type(exc).__name__, "error": str(exc), "after": time.monotonic() - start}
+    shared[f"in{rank}"].set()
+    shared["done"].wait(DYNAMIC_WORLD)
+    members = [w.name for w in current_agent().workers]
+    calls = {w: rpc.rpc_sync(w, operator.add, args=(rank, 1)) for w in members if w != f"worker{rank}"}
+    shared[f"called{rank}"].set()
+    shared["left"].wait(DYNAMIC_WORLD)  # every member made its calls
+    rpc.shutdown(graceful=False)
+    return {"members": members, "calls": calls}
+
+
+def _recorder(path: str) -> Any:
+    """The attacker's hand on a run's store: no key, the file only (its handle keeps the file)."""
+    return dist.FileStore(path, -1)  # type: ignore[attr-defined]
+
+
+def _run_dynamic(
+    path: str, ranks: list[int], attack: Callable[[dict[str, Any]], list[int]]
+) -> dict[int, Any]:
+    """Keyed processes of :func:`_dynamic_program` at ``ranks`` over the store at ``path``, while the
+    attacker's ``attack(shared)`` runs; it lets each rank join (:func:`_joins`) and returns the ranks
+    that are members at the end. Every rank's result, by rank."""
+    from _spawn_world import preloaded_context, run_keyed_world
+
+    mp = preloaded_context()
+    events = [f"{e}{r}" for r in ranks for e in ("go", "in", "called")] + ["done", "left"]
+    shared: dict[str, Any] = {e: mp.Event() for e in events}
+
+    def started(procs: list[Any]) -> None:
+        members = attack(shared)
+        shared["done"].set()
+        for r in members:
+            assert shared[f"called{r}"].wait(DYNAMIC_WORLD), f"member {r} never made its calls"
+        shared["left"].set()
+
+    got = run_keyed_world(
+        _dynamic_program,
+        ["the job's key"] * len(ranks),
+        path,
+        DYNAMIC_WORLD,
+        started=started,
+        ranks=ranks,
+        **shared,
+    )
+    return {ranks[i]: value for i, value in got.items()}
+
+
+def _joins(shared: dict[str, Any], rank: int) -> None:
+    """Let ``rank`` join; return once its init_rpc returned or raised."""
+    shared[f"go{rank}"].set()
+    assert shared[f"in{rank}"].wait(DYNAMIC_WORLD), f"rank {rank} never finished init_rpc"
+
+
+def test_a_member_list_recorded_in_an_earlier_run_is_refused_within_the_answer_wait(tmp_path: Path) -> None:
+    """An earlier run of the job had worker0 and worker1 in its group; the attacker writes its list
+    back over this run's (worker0 alone). worker2 posts its join to the members listed, whose inboxes
+    nobody reads now: no live member confirms the list, so worker2 refuses it after the answer wait,
+    saying why; worker0 never hears of it."""
+    earlier_path = str(tmp_path / "earlier")
+    earlier = _recorder(earlier_path)
+    recorded: dict[str, bytes] = {}
+
+    def record(shared: dict[str, Any]) -> list[int]:
+        _joins(shared, 0)
+        _joins(shared, 1)
+        recorded["twinrpc/0/members"] = earlier.get("twinrpc/0/members")
+        return [0, 1]
+
+    _run_dynamic(earlier_path, [0, 1], record)
+    assert len(_plain(recorded["twinrpc/0/members"]).splitlines()) == 2
+
+    now_path = str(tmp_path / "now")
+    now = _recorder(now_path)
+
+    def replay(shared: dict[str, Any]) -> list[int]:
+        _joins(shared, 0)
+        for key, value in recorded.items():
+            now.set(key, value)
+        _joins(shared, 2)
+        return [0]
+
+    got = _run_dynamic(now_path, [0, 2], replay)
+    print(got)
+    refused = got[2]
+    assert refused["raised"] == "WorkerUnavailableError", refused
+    assert "earlier run and written back" in refused["error"] and "worker0" in refused["error"]
+    assert ANSWER_WAIT <= refused["after"] < ANSWER_WAIT + 15, refused
+    assert got[0] == {"members": ["worker0"], "calls": {}}  # worker0 never heard of worker2
+
+
+def test_a_member_list_rolled_back_in_this_run_is_refused_by_the_live_members_answers(
+    tmp_path: Path,
+) -> None:
+    """The attacker records the list while worker0 is alone, and writes it back once worker1 has
+    joined: worker2 would not know worker1. worker0 answers worker2's join with the group as it
+    knows it (worker0 and worker1): worker2 refuses at once, naming authentication and the list;
+    worker0 and worker1 still list each other only, and call each other."""
+    path = str(tmp_path / "rendezvous")
+    store = _recorder(path)
+
+    def roll_back(shared: dict[str, Any]) -> list[int]:
+        _joins(shared, 0)
+        alone = store.get("twinrpc/0/members")
+        _joins(shared, 1)
+        store.set("twinrpc/0/members", alone)
+        _joins(shared, 2)
+        return [0, 1]
+
+    got = _run_dynamic(path, [0, 1, 2], roll_back)
+    print(got)
+    refused = got[2]
+    assert refused["raised"] == "AuthenticationError", refused
+    assert "authentication failed" in refused["error"] and "written back" in refused["error"]
+    assert "'worker1' (rank 1" in refused["error"], refused  # what worker0 answered
+    assert refused["after"] < ANSWER_WAIT, refused
+    assert got[0] == {"members": ["worker0", "worker1"], "calls": {"worker1": 1}}
+    assert got[1] == {"members": ["worker0", "worker1"], "calls": {"worker0": 2}}
 
 
 # ---------------------------------------------------------------------------------------------------
