@@ -33,6 +33,7 @@ import torch.distributed as dist
 from _gloo_pair import WAIT, Inbox, end_links, wait_failed
 from twinrpc.impl import _rendezvous
 from twinrpc.impl._auth import MARK, AuthenticationError, JobAuth
+from twinrpc.impl._dynamic_group import StoreGroup
 from twinrpc.impl._link import PeerLink, make_pair_group
 from twinrpc.impl._rendezvous import Joined, join
 from twinrpc.impl._stores import WrappedStore, scrub_gloo_address
@@ -359,6 +360,17 @@ def test_a_member_list_rolled_back_in_this_run_is_refused_by_the_live_members_an
     assert refused["after"] < ANSWER_WAIT, refused
     assert got[0] == {"members": ["worker0", "worker1"], "calls": {"worker1": 1}}
     assert got[1] == {"members": ["worker0", "worker1"], "calls": {"worker0": 2}}
+
+
+def test_an_emptied_member_list_is_refused_with_a_key() -> None:
+    """An empty value carries no MAC, and no keyed worker writes one (the last member to leave
+    deletes the list): a keyed joiner refuses it rather than take the group for empty."""
+    store = JobAuth(KEY).wrap(dist.HashStore())
+    group = StoreGroup(store, WorkerInfo("worker1", 1), timedelta(seconds=WAIT), keyed=True)
+    store.set("members", "")
+    with pytest.raises(AuthenticationError, match="'members' is empty"):
+        group.add_me()
+    assert StoreGroup(store, WorkerInfo("worker1", 1), timedelta(seconds=WAIT)).add_me() == []  # no key
 
 
 # ---------------------------------------------------------------------------------------------------
