@@ -215,7 +215,7 @@ def test_names_recorded_in_an_earlier_run_are_refused(monkeypatch: pytest.Monkey
 # A dynamic group's member list written back
 # ---------------------------------------------------------------------------------------------------
 #: a dynamic joiner waits this long for its members' answers (heartbeat_interval * heartbeat_misses)
-ANSWER_WAIT = 2.0
+ANSWER_WAIT = 5.0
 #: bounds each world of processes, and each wait of theirs for the attacker
 DYNAMIC_WORLD = 90.0
 
@@ -224,7 +224,7 @@ def _dynamic_options(init_file: str) -> Any:
     import twinrpc.rpc as rpc
 
     return rpc.RpcBackendOptions(
-        init_method=f"file://{init_file}", rpc_timeout=20, heartbeat_interval=0.5, heartbeat_misses=4
+        init_method=f"file://{init_file}", rpc_timeout=20, heartbeat_interval=1.0, heartbeat_misses=5
     )
 
 
