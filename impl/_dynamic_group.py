@@ -32,6 +32,7 @@ rolled-back one is contradicted by the live members' answers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -43,6 +44,7 @@ from typing import Any
 import torch.distributed as dist
 
 from twinrpc._departure import Departure, departure_error
+from twinrpc._errors import RPCError
 from twinrpc._membership import MIXED_GROUP_ERROR
 from twinrpc._worker_info import WorkerInfo
 
@@ -81,10 +83,6 @@ def mark_kind(store: Any, kind: str) -> None:
     found = raw.decode()
     if found != kind:
         raise RuntimeError(MIXED_GROUP_ERROR)
-
-
-class StaleMembersError(RuntimeError):
-    """The group's member list is not what its live members know (see the module docstring)."""
 
 
 class StoreGroup:
@@ -186,13 +184,14 @@ class StoreGroup:
             WorkerUnavailableError: a member did not answer within ``seconds``: its process died
                 without leaving the group (a crash, or an exit through os._exit), or the list was
                 recorded in an earlier run and names workers of that run.
-            AuthenticationError (with a job key; else StaleMembersError): an answer lists other
-                members than the list: the list was recorded earlier and written back.
+            AuthenticationError (with a job key; else RPCError): an answer lists other members
+                than the list: the list was recorded earlier and written back.
         """
         try:
             self._confirm(seconds)
         except BaseException:
-            self.store.set(f"refused/{self.me.uid}", "1")  # the members that answered connect nothing
+            with contextlib.suppress(Exception):  # the members that answered connect nothing
+                self.store.set(f"refused/{self.me.uid}", "1")
             raise
         with self._view_lock:
             self._view = {**self._others, self.me.info.id: self.me}
@@ -236,7 +235,7 @@ class StoreGroup:
         )
         if self.keyed:
             raise AuthenticationError(f"authentication failed: {what}")
-        raise StaleMembersError(f"RPC group membership: {what}")
+        raise RPCError(f"RPC group membership: {what}")
 
     def changed(self, info: WorkerInfo, is_join: bool) -> None:
         """``info`` joined (after its notice reached the watcher) or left: update this worker's view."""
