@@ -16,8 +16,8 @@ them is the core's (``twinrpc._membership``). Keys, under the generation's ``twi
 * ``ready/<joiner uid>/<member uid>``: a member's answer to a join notice: ``dynamic`` and the group's
   members as *that member* knows them (its own view: the list it joined with, the joins and leaves
   it was told of since), in the list's format.
-* ``accepted/<uid>``, ``refused/<uid>``: joiner ``uid`` went on with its join (the members that
-  answered connect to it) or refused the list (they connect nothing).
+* ``outcome/<uid>``: ``accepted`` once joiner ``uid`` went on with its join (the members that
+  answered connect to it), ``refused`` if it refused the list (they connect nothing).
 
 **Bound to this run.** The member list in the store is only what some worker wrote there, and with
 a job key its MAC is the same in every run with the same key: a list recorded earlier (in an earlier
@@ -54,8 +54,6 @@ _log = logging.getLogger("twinrpc.impl")
 
 #: how long a member's watcher waits for its next inbox entry before asking again (quietly)
 _WATCH_WAIT = timedelta(days=1)
-#: how often a joiner looks for its members' answers (seconds)
-_ANSWER_POLL = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,31 +185,30 @@ class StoreGroup:
             AuthenticationError (with a job key; else RPCError): an answer lists other members
                 than the list: the list was recorded earlier and written back.
         """
+        outcome = f"outcome/{self.me.uid}"  # what the members that answered wait for
         try:
             self._confirm(seconds)
         except BaseException:
-            with contextlib.suppress(Exception):  # the members that answered connect nothing
-                self.store.set(f"refused/{self.me.uid}", "1")
+            with contextlib.suppress(Exception):  # they connect nothing
+                self.store.set(outcome, "refused")
             raise
         with self._view_lock:
             self._view = {**self._others, self.me.info.id: self.me}
         self._write(list(self._view.values()))
         self._listed = True
-        self.store.set(f"accepted/{self.me.uid}", "1")  # the members that answered connect to us now
+        self.store.set(outcome, "accepted")  # they connect to us now
 
     def _confirm(self, seconds: float) -> None:
         listed = _format(list(self._others.values()))
-        pending = {f"ready/{self.me.uid}/{m.uid}": m for m in self._others.values() if not m.stopped}
         deadline = time.monotonic() + seconds
-        while pending:
-            for key, member in list(pending.items()):
-                if self.store.check([key]):
-                    self._check_answer(member, self.store.get(key).decode(), listed)
-                    del pending[key]
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                member = min(pending.values(), key=lambda m: m.info.id)
+        for member in sorted(self._others.values(), key=lambda m: m.info.id):
+            if member.stopped:
+                continue
+            key = f"ready/{self.me.uid}/{member.uid}"
+            try:
+                left = max(deadline - time.monotonic(), 0.001)
+                self.store.wait([key], timedelta(seconds=left))
+            except RuntimeError as exc:  # a timeout (FileStore raises a plain RuntimeError)
                 raise departure_error(
                     member.info,
                     self.me.info,
@@ -219,8 +216,8 @@ class StoreGroup:
                     f"it did not answer this worker's join within {seconds:g} s (it died without leaving "
                     "the group; or, if no such worker runs now, the group's member list naming it was "
                     "recorded in an earlier run and written back)",
-                )
-            time.sleep(_ANSWER_POLL)
+                ) from exc
+            self._check_answer(member, self.store.get(key).decode(), listed)
 
     def _check_answer(self, member: Member, answer: str, listed: str) -> None:
         kind, _, view = answer.partition("\n")
@@ -262,21 +259,18 @@ class StoreGroup:
 
     def joiner_went_on(self, notice: JoinNotice) -> bool:
         """On the watcher, after answering ``notice``: wait until its joiner accepted the group's
-        list (True: connect to it) or refused it, or this world stops (False), at most the store's
-        timeout (False)."""
-        uid = notice.member.uid
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        while time.monotonic() < deadline:
-            if self._watch_store.check([f"accepted/{uid}"]):
-                return True
-            if self._watch_store.check([f"refused/{uid}"]) or self._watch_store.check(
-                [f"stopped/{self.me.uid}"]
-            ):
-                _log.info("twinrpc: %s did not join: it refused the group's member list", notice.member.info)
-                return False
-            time.sleep(_ANSWER_POLL)
-        _log.warning("twinrpc: %s never went on with its join", notice.member.info)
-        return False
+        list (True: connect to it) or refused it (False), at most the store's timeout (False)."""
+        try:
+            self._watch_store.wait([f"outcome/{notice.member.uid}"], self.timeout)
+            went_on = self._watch_store.get(f"outcome/{notice.member.uid}") == b"accepted"
+        except RuntimeError as exc:  # a timeout, or AuthenticationError: not a keyed worker's
+            _log.warning(
+                "twinrpc: %s never said whether it went on with its join: %s", notice.member.info, exc
+            )
+            return False
+        if not went_on:
+            _log.info("twinrpc: %s did not join: it refused the group's member list", notice.member.info)
+        return went_on
 
     def pair_store(self, joiner_uid: str) -> Any:
         """The keys the gloo pairs of one join meet under (unique per joiner incarnation)."""
