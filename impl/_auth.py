@@ -14,7 +14,9 @@ writes to the store is believed, nor anything recorded in an earlier run and wri
   pair's entries (gloo's addresses, the same-host offers) under the *link key*, made from the two
   peers' nonces (:meth:`JobAuth.link`, exchanged before the pair's gloo group is made). A reader's own
   nonce is new, so an entry written in any earlier run, or an earlier torchrun attempt, or with a
-  nonce replayed in place of a peer's, fails its check: the reader raises and connects nowhere.
+  nonce replayed in place of a peer's, fails its check: the reader raises and connects nowhere. A
+  dynamic group's member list is confirmed by its live members' answers to a joiner's challenge
+  instead (impl/_dynamic_group.py).
 * **Frames.** Every header frame carries a tag (keyed BLAKE2b under the link key) over its meaningful
   bytes (the fixed fields, the messages and the riders), the direction (sender and receiver ranks) and
   its sequence number on the link, which are hashed in the tag's own place (one contiguous run of bytes

@@ -358,7 +358,7 @@ def join_dynamic(
     store = dist.PrefixStore(f"twinrpc/{generation}", root if auth is None else auth.wrap(root))  # type: ignore[attr-defined]
     try:
         mark_kind(store, "dynamic")
-        group = StoreGroup(store, WorkerInfo(name, rank), timeout)
+        group = StoreGroup(store, WorkerInfo(name, rank), timeout, keyed=auth is not None)
         group.lock()
     except AuthenticationError as exc:
         raise _auth_failed(name, rank, init_method, exc) from exc

@@ -138,10 +138,10 @@ class GlooWorld(World):
             if heartbeat_interval > 0
             else joined.timeout.total_seconds()
         )
+        if self._group is not None:  # every member answers our join notice before anything connects
+            self._group.confirm(silence)
         for peer in sorted(self.workers):
             if peer != self.rank and peer not in joined.stopped:
-                if self._group is not None:  # a member connects once it has read our join notice
-                    self._group.wait_ready(peer, silence)
                 pg, auth = self._connect(pair_store, peer)
                 self.links[peer] = self._make_link(peer, pg, auth)
         self._store = joined.store
@@ -199,6 +199,8 @@ class GlooWorld(World):
                 return
             if self._stopped:
                 continue  # the joiner's connect to us fails (bounded by its store timeout)
+            if not group.joiner_went_on(notice):
+                continue
             info = notice.member.info
             try:
                 pg, auth = self._connect(notice.pair_store, info.id)

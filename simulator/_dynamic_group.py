@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 
 from twinrpc._future import Future
+from twinrpc._worker_info import WorkerInfo
 
 from ._kernel._scheduler import Scheduler
 
@@ -68,3 +69,7 @@ class DynamicMember:
 
     def remove(self) -> None:
         self.group.members.pop(self.rank, None)
+
+    def changed(self, info: WorkerInfo, is_join: bool) -> None:
+        """Nothing to track: the simulated store holds only what this simulation's workers wrote
+        (nothing of an earlier run can be written back), so a joiner takes its members as they are."""

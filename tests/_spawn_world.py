@@ -75,6 +75,42 @@ def run_world(
     return out
 
 
+def preloaded_context() -> Any:
+    """Worker processes forked from a server that imported torch and twinrpc once (a new interpreter
+    importing torch takes seconds of CPU; each process still starts with no world and no threads)."""
+    import multiprocessing
+
+    mp = multiprocessing.get_context("forkserver")
+    mp.set_forkserver_preload(["torch", "twinrpc.rpc", "twinrpc.impl"])
+    return mp
+
+
+def _keyed_child(program: Any, rank: int, key: str | None, init_file: str, shared: dict[str, Any]) -> None:
+    if key is None:
+        os.environ.pop("TWINRPC_AUTH_KEY", None)
+    else:
+        os.environ["TWINRPC_AUTH_KEY"] = key
+    report(shared, rank, program, rank, init_file, shared)
+
+
+def run_keyed_world(
+    program: Callable[..., Any],
+    keys: list[str | None],
+    init_file: str,
+    timeout: float,
+    *,
+    started: Callable[[list[Any]], None] | None = None,
+    **extra: Any,
+) -> dict[int, Any]:
+    """Run ``program(rank, init_file, shared)`` on one fresh process (of :func:`preloaded_context`)
+    per key, ``TWINRPC_AUTH_KEY`` set to it (or unset for None); every rank's result, as
+    :func:`run_world` (``started`` too). ``shared`` holds ``extra`` and the results' queue."""
+    mp = preloaded_context()
+    shared: dict[str, Any] = {"results": mp.Queue(), **extra}
+    args = [(program, r, key, init_file, shared) for r, key in enumerate(keys)]
+    return run_world(mp, _keyed_child, args, shared, timeout, started=started)
+
+
 def bad_peer_world(
     rank: int, shared: dict[str, Any], send_bad_frame: Callable[[Any], None], wait: float
 ) -> Any:

@@ -35,6 +35,9 @@ def update_group_membership(info: WorkerInfo, is_join: bool) -> None:
     if agent.unpickle_allow is not None:
         agent.unpickle_allow.check_type(info, WorkerInfo, "update_group_membership")
     agent.update_membership(info, bool(is_join))
+    membership = agent.world.membership
+    if membership is not None:
+        membership.changed(info, bool(is_join))
 
 
 def member_ready() -> None:
@@ -69,12 +72,20 @@ def join_group(agent: RpcAgent, membership: GroupMembership) -> None:
         try:
             _on_every_member(agent, update_group_membership, (agent.info, True))
         except BaseException:
-            for w in agent.workers:  # best effort: a member that died meanwhile is gone anyway
+            # Best effort (a member that died meanwhile is gone anyway), but waited for: a member
+            # still listing this worker would contradict the next joiner's member list.
+            told = []
+            for w in agent.workers:
                 if w.id != agent.info.id:
                     try:
-                        agent.call(w, update_group_membership, (agent.info, False), None, -1.0)
+                        told.append(agent.call(w, update_group_membership, (agent.info, False), None, -1.0))
                     except Exception:
                         pass
+            for fut in told:
+                try:
+                    fut.wait()
+                except Exception:
+                    pass
             raise
     except BaseException:
         try:

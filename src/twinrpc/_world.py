@@ -108,6 +108,10 @@ class GroupMembership(Protocol):
     def remove(self) -> None:
         """Remove this worker's name and rank from the store (the token is held)."""
 
+    def changed(self, info: WorkerInfo, is_join: bool) -> None:
+        """This member's agent was told that ``info`` joined or left the group (the joiner or leaver
+        holds the token)."""
+
 
 # -- the join -------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)

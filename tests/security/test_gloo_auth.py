@@ -9,9 +9,7 @@ time, and a process without the key gets nothing unpickled through the store or 
 
 from __future__ import annotations
 
-import multiprocessing
 import operator
-import os
 import pickle
 import struct
 import threading
@@ -25,7 +23,7 @@ import torch.distributed as dist
 from _gloo_pair import WAIT, Inbox
 from _gloo_pair import end_links as _end
 from _gloo_pair import wait_failed as _wait_failed
-from _spawn_world import bad_peer_world, report, run_world
+from _spawn_world import bad_peer_world, preloaded_context, run_keyed_world
 from twinrpc.impl._auth import MARK, AuthenticationError, AuthStore, FrameAuth, JobAuth, job_key
 from twinrpc.impl._framing import (
     HEADER_BYTES,
@@ -320,29 +318,12 @@ RENDEZVOUS = 30.0
 
 
 def _context() -> Any:
-    """Worker processes forked from a server that imported torch and twinrpc once (a new interpreter
-    importing torch takes seconds of CPU; each process still starts with no world and no threads)."""
-    mp = multiprocessing.get_context("forkserver")
-    mp.set_forkserver_preload(["torch", "twinrpc.rpc", "twinrpc.impl"])
-    return mp
-
-
-def _child(program: Any, rank: int, key: str | None, init_file: str, shared: dict[str, Any]) -> None:
-    if key is None:
-        os.environ.pop("TWINRPC_AUTH_KEY", None)
-    else:
-        os.environ["TWINRPC_AUTH_KEY"] = key
-    report(shared, rank, program, rank, init_file, shared)
+    return preloaded_context()
 
 
 def _run_world(program: Any, keys: list[str | None], tmp_path: Path, **extra: Any) -> dict[int, Any]:
-    """Run ``program(rank, init_file, shared)`` on one fresh process per key (``TWINRPC_AUTH_KEY`` set
-    to it, or unset for None); every rank's result. Every process is SIGKILLed at the end."""
-    mp = _context()
-    shared: dict[str, Any] = {"results": mp.Queue(), **extra}
-    init_file = str(tmp_path / "rendezvous")
-    args = [(program, r, key, init_file, shared) for r, key in enumerate(keys)]
-    return run_world(mp, _child, args, shared, WORLD_TIMEOUT)
+    """Run ``program(rank, init_file, shared)`` on one fresh process per key (see run_keyed_world)."""
+    return run_keyed_world(program, keys, str(tmp_path / "rendezvous"), WORLD_TIMEOUT, **extra)
 
 
 def _options(init_file: str) -> Any:

@@ -1,15 +1,21 @@
 """An attacker without the job key between the workers (impl/_auth.py): it replays store entries it
-recorded in an earlier run of the same job, and changes a byte of a tensor on the wire.
+recorded in an earlier run of the same job (a pair's, a static group's names, a dynamic group's
+member list), and relays a link's TCP connection, changing a byte of a tensor on the way.
 
-The worlds run in this process (gloo pairs in threads), with the attacker's store (and listener) or
-its hand on the wire in the middle; each attack must end in an :class:`AuthenticationError`: nothing
-connects to the attacker, nothing altered is delivered, and the other links go on.
+The pair and static-group worlds run in this process (gloo pairs in threads), with the attacker's
+store (and listener) or its relay in the middle; the dynamic groups run in processes of their own
+over a file store the attacker writes to. Each attack must end in a refusal naming authentication or
+the stale entry: nothing connects to the attacker, nothing altered is delivered, no worker lists a
+member it should not, and the other links go on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import operator
 import os
+import selectors
 import socket
 import struct
 import subprocess
@@ -27,8 +33,8 @@ import torch.distributed as dist
 from _gloo_pair import WAIT, Inbox, end_links, wait_failed
 from twinrpc.impl import _rendezvous
 from twinrpc.impl._auth import MARK, AuthenticationError, JobAuth
+from twinrpc.impl._dynamic_group import StoreGroup
 from twinrpc.impl._link import PeerLink, make_pair_group
-from twinrpc.impl._pair import TAG
 from twinrpc.impl._rendezvous import Joined, join
 from twinrpc.impl._stores import WrappedStore, scrub_gloo_address
 from twinrpc.impl._world import GlooWorld
@@ -206,37 +212,335 @@ def test_names_recorded_in_an_earlier_run_are_refused(monkeypatch: pytest.Monkey
 
 
 # ---------------------------------------------------------------------------------------------------
+# A dynamic group's member list written back
+# ---------------------------------------------------------------------------------------------------
+#: a dynamic joiner waits this long for its members' answers (heartbeat_interval * heartbeat_misses)
+ANSWER_WAIT = 5.0
+#: bounds each world of processes, and each wait of theirs for the attacker
+DYNAMIC_WORLD = 90.0
+
+
+def _dynamic_options(init_file: str) -> Any:
+    import twinrpc.rpc as rpc
+
+    return rpc.RpcBackendOptions(
+        init_method=f"file://{init_file}", rpc_timeout=20, heartbeat_interval=1.0, heartbeat_misses=5
+    )
+
+
+def _dynamic_program(index: int, init_file: str, shared: dict[str, Any]) -> Any:
+    """A worker of a dynamic group that joins when told: rank ``shared["ranks"][index]`` waits for
+    ``go<rank>``, joins as ``worker<rank>`` and sets ``in<rank>`` (failing, it returns what init_rpc
+    raised and how long it took). A member waits for ``done``, calls each member it knows, sets
+    ``called<rank>``, waits for ``left`` and returns the members and the calls' answers."""
+    import twinrpc.rpc as rpc
+    from twinrpc._current import current_agent
+
+    rank = shared["ranks"][index]
+    shared[f"go{rank}"].wait(DYNAMIC_WORLD)
+    start = time.monotonic()
+    try:
+        rpc.init_rpc(f"worker{rank}", rank=rank, rpc_backend_options=_dynamic_options(init_file))
+    except Exception as exc:
+        shared[f"in{rank}"].set()
+        return {"raised": type(exc).__name__, "error": str(exc), "after": time.monotonic() - start}
+    shared[f"in{rank}"].set()
+    shared["done"].wait(DYNAMIC_WORLD)
+    members = [w.name for w in current_agent().workers]
+    calls = {w: rpc.rpc_sync(w, operator.add, args=(rank, 1)) for w in members if w != f"worker{rank}"}
+    shared[f"called{rank}"].set()
+    shared["left"].wait(DYNAMIC_WORLD)  # every member made its calls
+    rpc.shutdown(graceful=False)
+    return {"members": members, "calls": calls}
+
+
+def _recorder(path: str) -> Any:
+    """The attacker's hand on a run's store: no key, the file only (its handle keeps the file)."""
+    return dist.FileStore(path, -1)  # type: ignore[attr-defined]
+
+
+def _run_dynamic(
+    path: str, ranks: list[int], attack: Callable[[dict[str, Any]], list[int]]
+) -> dict[int, Any]:
+    """Keyed processes of :func:`_dynamic_program` at ``ranks`` over the store at ``path``, while the
+    attacker's ``attack(shared)`` runs; it lets each rank join (:func:`_joins`) and returns the ranks
+    that are members at the end. Every rank's result, by rank."""
+    from _spawn_world import preloaded_context, run_keyed_world
+
+    mp = preloaded_context()
+    events = [f"{e}{r}" for r in ranks for e in ("go", "in", "called")] + ["done", "left"]
+    shared: dict[str, Any] = {e: mp.Event() for e in events}
+
+    def started(procs: list[Any]) -> None:
+        members = attack(shared)
+        shared["done"].set()
+        for r in members:
+            assert shared[f"called{r}"].wait(DYNAMIC_WORLD), f"member {r} never made its calls"
+        shared["left"].set()
+
+    got = run_keyed_world(
+        _dynamic_program,
+        ["the job's key"] * len(ranks),
+        path,
+        DYNAMIC_WORLD,
+        started=started,
+        ranks=ranks,
+        **shared,
+    )
+    return {ranks[i]: value for i, value in got.items()}
+
+
+def _joins(shared: dict[str, Any], rank: int) -> None:
+    """Let ``rank`` join; return once its init_rpc returned or raised."""
+    shared[f"go{rank}"].set()
+    assert shared[f"in{rank}"].wait(DYNAMIC_WORLD), f"rank {rank} never finished init_rpc"
+
+
+def test_a_member_list_recorded_in_an_earlier_run_is_refused_within_the_answer_wait(tmp_path: Path) -> None:
+    """An earlier run of the job had worker0 and worker1 in its group; the attacker writes its list
+    back over this run's (worker0 alone). worker2 posts its join to the members listed, whose inboxes
+    nobody reads now: no live member confirms the list, so worker2 refuses it after the answer wait,
+    saying why; worker0 never hears of it."""
+    earlier_path = str(tmp_path / "earlier")
+    earlier = _recorder(earlier_path)
+    recorded: dict[str, bytes] = {}
+
+    def record(shared: dict[str, Any]) -> list[int]:
+        _joins(shared, 0)
+        _joins(shared, 1)
+        recorded["twinrpc/0/members"] = earlier.get("twinrpc/0/members")
+        return [0, 1]
+
+    _run_dynamic(earlier_path, [0, 1], record)
+    assert len(_plain(recorded["twinrpc/0/members"]).splitlines()) == 2
+
+    now_path = str(tmp_path / "now")
+    now = _recorder(now_path)
+
+    def replay(shared: dict[str, Any]) -> list[int]:
+        _joins(shared, 0)
+        for key, value in recorded.items():
+            now.set(key, value)
+        _joins(shared, 2)
+        return [0]
+
+    got = _run_dynamic(now_path, [0, 2], replay)
+    print(got)
+    refused = got[2]
+    assert refused["raised"] == "WorkerUnavailableError", refused
+    assert "earlier run and written back" in refused["error"] and "worker0" in refused["error"]
+    assert ANSWER_WAIT <= refused["after"] < ANSWER_WAIT + 15, refused
+    assert got[0] == {"members": ["worker0"], "calls": {}}  # worker0 never heard of worker2
+
+
+def test_a_member_list_rolled_back_in_this_run_is_refused_by_the_live_members_answers(
+    tmp_path: Path,
+) -> None:
+    """The attacker records the list while worker0 is alone, and writes it back once worker1 has
+    joined: worker2 would not know worker1. worker0 answers worker2's join with the group as it
+    knows it (worker0 and worker1): worker2 refuses at once, naming authentication and the list;
+    worker0 and worker1 still list each other only, and call each other."""
+    path = str(tmp_path / "rendezvous")
+    store = _recorder(path)
+
+    def roll_back(shared: dict[str, Any]) -> list[int]:
+        _joins(shared, 0)
+        alone = store.get("twinrpc/0/members")
+        _joins(shared, 1)
+        store.set("twinrpc/0/members", alone)
+        _joins(shared, 2)
+        return [0, 1]
+
+    got = _run_dynamic(path, [0, 1, 2], roll_back)
+    print(got)
+    refused = got[2]
+    assert refused["raised"] == "AuthenticationError", refused
+    assert "authentication failed" in refused["error"] and "written back" in refused["error"]
+    assert "'worker1' (rank 1" in refused["error"], refused  # what worker0 answered
+    assert refused["after"] < ANSWER_WAIT, refused
+    assert got[0] == {"members": ["worker0", "worker1"], "calls": {"worker1": 1}}
+    assert got[1] == {"members": ["worker0", "worker1"], "calls": {"worker0": 2}}
+
+
+def test_an_emptied_member_list_is_refused_with_a_key() -> None:
+    """An empty value carries no MAC, and no keyed worker writes one (the last member to leave
+    deletes the list): a keyed joiner refuses it rather than take the group for empty."""
+    store = JobAuth(KEY).wrap(dist.HashStore())
+    group = StoreGroup(store, WorkerInfo("worker1", 1), timedelta(seconds=WAIT), keyed=True)
+    store.set("members", "")
+    with pytest.raises(AuthenticationError, match="'members' is empty"):
+        group.add_me()
+    assert StoreGroup(store, WorkerInfo("worker1", 1), timedelta(seconds=WAIT)).add_me() == []  # no key
+
+
+# ---------------------------------------------------------------------------------------------------
 # Data changed in flight
 # ---------------------------------------------------------------------------------------------------
-class _OnTheWire:
-    """The sender's gloo group as seen through an attacker on the wire: every frame goes out as
-    sent, except that one byte of the first data frame of ``size`` bytes is changed (in a copy:
-    the sender's tensor stays as it was)."""
+class _Relay:
+    """A TCP relay on the path of one gloo connection: it accepts the connection the pair's initiator
+    makes and opens its own to the real listener, then forwards both directions byte for byte (the
+    8-byte sequence number gloo's initiator writes first, then every frame), except that the first
+    run of ``pattern`` it sees has one byte changed. Non-blocking, on one selector thread: a direction
+    is read only while its outgoing buffer is small (so a slow side never makes the relay buffer without
+    bound, and neither direction waits on the other), and an end of stream from one side is passed
+    on as a half-close once that direction is drained."""
 
-    def __init__(self, pg: Any, size: int) -> None:
-        self._pg = pg
-        self._size = size
+    _CHUNK = 1 << 16
+    _HIGH_WATER = 1 << 20
+
+    def __init__(self, host: str, below: int, target: tuple[str, int], pattern: bytes) -> None:
+        self.target = target
+        self.pattern = pattern
         self.changed = 0
+        self.forwarded = 0
+        self.sock = self._bind(host, below)
+        self.port = self.sock.getsockname()[1]
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
 
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
-        if tag != TAG and tensors[0].numel() == self._size and not self.changed:
-            self.changed += 1
-            tensors = [tensors[0].clone()]
-            tensors[0][self._size // 2] ^= 0x10
-        return self._pg.send(tensors, dst, tag)
+    @staticmethod
+    def _bind(host: str, below: int) -> socket.socket:
+        """A listening socket at ``host`` whose port, as gloo compares ports (the raw sockaddr field:
+        network order read as a native integer), is below ``below``, so that the initiator of the pair,
+        seeing the relay in place of its peer, still initiates: a port of the form 256 * k reads as k."""
+        for k in range(4, 256):
+            if k >= below:
+                break
+            sock = socket.socket()
+            try:
+                sock.bind((host, 256 * k))
+            except OSError:
+                sock.close()
+                continue
+            sock.listen(1)
+            return sock
+        raise RuntimeError(f"no free port at {host} that gloo orders below {below}")
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pg, name)
+    def _run(self) -> None:
+        self.sock.settimeout(WAIT)
+        client, _ = self.sock.accept()
+        server = socket.create_connection(self.target, timeout=WAIT)
+        ends = [client, server]
+        for end in ends:
+            end.setblocking(False)
+            end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # per direction (from, to): bytes read from ``from`` and not yet written to ``to``; EOF seen
+        pending = {0: bytearray(), 1: bytearray()}
+        eof = {0: False, 1: False}
+        shut = {0: False, 1: False}
+        sel = selectors.DefaultSelector()
+        interest = {0: 0, 1: 0}
+        while not self._stop and not (shut[0] and shut[1]):
+            for i, end in enumerate(ends):  # what to wait for on each end now
+                events = 0
+                if not eof[i] and len(pending[i]) < self._HIGH_WATER:
+                    events |= selectors.EVENT_READ
+                if pending[1 - i]:
+                    events |= selectors.EVENT_WRITE
+                if events != interest[i]:
+                    if not interest[i]:
+                        sel.register(end, events, i)
+                    elif not events:
+                        sel.unregister(end)
+                    else:
+                        sel.modify(end, events, i)
+                    interest[i] = events
+            for key, mask in sel.select(timeout=0.1):
+                i = key.data
+                end = ends[i]
+                try:
+                    if mask & selectors.EVENT_READ and not eof[i]:
+                        data = end.recv(self._CHUNK)
+                        if data:
+                            pending[i] += self._tamper(data)
+                        else:
+                            eof[i] = True
+                    if mask & selectors.EVENT_WRITE and pending[1 - i]:
+                        sent = end.send(pending[1 - i])
+                        del pending[1 - i][:sent]
+                        self.forwarded += sent
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:  # a side reset its connection: so does the relay, to the other
+                    self._stop = True
+                    break
+            for i in (0, 1):  # a drained direction whose source ended: half-close it onward
+                if eof[i] and not pending[i] and not shut[i]:
+                    shut[i] = True
+                    with contextlib.suppress(OSError):
+                        ends[1 - i].shutdown(socket.SHUT_WR)
+        sel.close()
+        for end in ends:
+            end.close()
+
+    def _tamper(self, data: bytes) -> bytes:
+        if self.changed:
+            return data
+        at = data.find(self.pattern)
+        if at < 0:
+            return data
+        self.changed += 1
+        out = bytearray(data)
+        out[at + len(self.pattern) // 2] ^= 0x10
+        return bytes(out)
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(WAIT)
+        self.sock.close()
 
 
-def _links(store: Any, me: int, peer: int, inbox: Inbox) -> tuple[PeerLink, PeerLink]:
-    """``me``'s keyed link to ``peer`` and back (``peer`` delivers to ``inbox``), started."""
+class _ThroughRelay(WrappedStore):
+    """A pair's store (above the link's authenticated store: the entries gloo reads are checked
+    already) as the network position of the attacker makes it: the peer address that the pair's
+    initiating side reads points at a :class:`_Relay`, which forwards to the real listener.
+
+    Only the initiator's view may change, and only so that it still initiates: gloo decides which
+    side of a pair connects by comparing the two addresses each side holds (IP, then the raw port
+    field; ``Device::isInitiator``). Redirect the listening side, or give the initiator a relay
+    port that compares the other way, and both sides wait for the other to connect (nothing ever
+    reaches the relay; the pair hangs until gloo's timeout), or both connect: which of the two
+    depends on the ports the kernel handed out, so a relay put in front of an arbitrary side hangs
+    some runs and not others."""
+
+    def __init__(self, inner: Any, me: int, peer: int, pattern: bytes) -> None:
+        super().__init__(inner)
+        low, high = min(me, peer), max(me, peer)
+        #: gloo's address entries of the pair (group ranks: the lower global rank is 0)
+        self._own = f"pair/{low}-{high}/0/{0 if me == low else 1}"
+        self._peer = f"pair/{low}-{high}/0/{1 if me == low else 0}"
+        self.pattern = pattern
+        self.relay: _Relay | None = None
+
+    def get(self, key: str) -> bytes:
+        value = super().get(key)
+        if key != self._peer:
+            return value
+        own = super().get(self._own)  # this side wrote its own address first
+        at, own_at = _gloo_port_at(value), _gloo_port_at(own)
+        host = socket.inet_ntoa(value[at + 2 : at + 6])
+        assert host == socket.inet_ntoa(own[own_at + 2 : own_at + 6]), "both ends on one address"
+        raw_peer = int.from_bytes(value[at : at + 2], "little")  # as gloo compares (isInitiator)
+        raw_own = int.from_bytes(own[own_at : own_at + 2], "little")
+        if raw_own < raw_peer:
+            return value  # this side listens: the other side's read gets the relay
+        port = struct.unpack_from(">H", value, at)[0]
+        self.relay = _Relay(host, raw_own, (host, port), self.pattern)
+        return value[:at] + struct.pack(">H", self.relay.port) + value[at + 2 :]
+
+
+def _links(
+    store: Any, me: int, peer: int, inbox: Inbox, path: Callable[[Any, int, int], Any] = lambda s, r, p: s
+) -> tuple[PeerLink, PeerLink]:
+    """``me``'s keyed link to ``peer`` and back (``peer`` delivers to ``inbox``), started; each side
+    makes the pair's connection over ``path(the link's store, its rank, the other's)``."""
     auth = JobAuth(KEY)
 
     def make(rank: int) -> PeerLink:
         other = peer if rank == me else me
         link = auth.link(store, rank, other)
-        pg = make_pair_group(link.store, rank, other)
+        pg = make_pair_group(path(link.store, rank, other), rank, other)
         deliver = inbox if rank == peer else (lambda m: None)
         out = PeerLink(rank, other, pg, deliver, lambda p, exc: None, auth=link.frames)
         out.peer_name = f"'worker{other}' (rank {other})"
@@ -249,34 +553,47 @@ def _links(store: Any, me: int, peer: int, inbox: Inbox) -> tuple[PeerLink, Peer
     return made[me], made[peer]
 
 
-def test_a_storage_changed_in_flight_fails_the_link_naming_the_peer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """worker0 -> worker1 crosses the attacker, worker2 -> worker1 does not (both keyed, over gloo
-    alone: TWINRPC_SHM=0). One byte of the 16 KiB storage of 7.0s that worker0 sends is changed on
-    the way: the message is not delivered, worker1's link from worker0 fails naming authentication
-    and worker0, and worker2's messages still arrive."""
+def test_a_storage_changed_by_a_relay_on_the_path_fails_the_link_naming_the_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """worker0 -> worker1 crosses a TCP relay (the attacker holds the network between them, not the
+    key), worker2 -> worker1 does not (both keyed, over gloo alone: TWINRPC_SHM=0). The relay
+    forwards every byte, and changes one of the 16 KiB storage of 7.0s that worker0 sends: the
+    message is not delivered, worker1's link from worker0 fails naming authentication and worker0,
+    and worker2's messages still arrive."""
     monkeypatch.setenv("TWINRPC_SHM", "0")
     store = JobAuth(KEY).wrap(dist.HashStore())
     inbox = Inbox()
-    sender, victim = _links(dist.PrefixStore("a", store), 0, 1, inbox)  # type: ignore[attr-defined]
+    sevens = torch.full((4096,), 7.0)
+    pattern = sevens[:16].view(torch.uint8).numpy().tobytes()
+    paths: list[_ThroughRelay] = []
+
+    def through_relay(link_store: Any, me: int, peer: int) -> Any:
+        paths.append(_ThroughRelay(link_store, me, peer, pattern))
+        return paths[-1]
+
+    sender, victim = _links(dist.PrefixStore("a", store), 0, 1, inbox, through_relay)  # type: ignore[attr-defined]
     friend, victim2 = _links(dist.PrefixStore("b", store), 2, 1, inbox)  # type: ignore[attr-defined]
-    storage = torch.full((4096,), 7.0).view(torch.uint8)
-    wire = _OnTheWire(sender.sender._pg, storage.numel())
-    sender.sender._pg = wire
+    relays = [p.relay for p in paths if p.relay is not None]
+    assert len(relays) == 1, "exactly one side (the initiator) connects, through the relay"
+    relay = relays[0]
     try:
         sender.send(Message(Kind.CALL, 1, 0, 1, b"before"))
         inbox.wait_for(1)
-        sender.send(Message(Kind.CALL, 2, 0, 1, b"sevens", [storage]))
+        sender.send(Message(Kind.CALL, 2, 0, 1, b"sevens", [sevens.view(torch.uint8)]))
         error = wait_failed(victim)
         friend.send(Message(Kind.CALL, 3, 2, 1, b"after, from worker2"))
         got = inbox.wait_for(2)
-        print(error)
-        assert wire.changed == 1 and bool((storage.view(torch.float32) == 7.0).all())
+        print(error, f"relay forwarded {relay.forwarded} bytes", sep="\n")
+        assert relay.changed == 1 and relay.forwarded > sevens.numel() * 4
+        assert bool((sevens == 7.0).all())
         assert [m.payload for m in got] == [b"before", b"after, from worker2"]
         assert isinstance(error, AuthenticationError)
         assert "authentication failed" in str(error) and "'worker0' (rank 0)" in str(error)
         assert victim2.failed is None and friend.failed is None
     finally:
         end_links(sender, victim, friend, victim2)
+        relay.close()
 
 
 # ---------------------------------------------------------------------------------------------------
