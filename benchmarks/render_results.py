@@ -117,13 +117,34 @@ def _extra(doc: dict[str, Any]) -> list[str]:
     if extra.get("wakeups"):
         lines += _wakeups(extra["wakeups"])
     if extra.get("explore"):
+        lines += _explore(extra)
+    return lines
+
+
+def _explore(extra: dict[str, Any]) -> list[str]:
+    """bench_explore.py's start-up and whole-exploration figures, beside the search's."""
+    runs = extra["explore"]
+    if "search_runs_per_s" not in runs[0]:  # results written before the search was measured apart
         cells = "; ".join(
             f"{e['jobs']} job{'s' if e['jobs'] > 1 else ''}: {_num(e['runs_per_s'])} runs/s, "
             f"{_num(e['wall_s'])} s, the first run done after {_num(e['first_run_s'])} s"
-            for e in extra["explore"]
+            for e in runs
         )
-        lines.append(f"- Medians over the rounds (worker start-up included in the time): {cells}.")
-    return lines
+        return [f"- Medians over the rounds (worker start-up included in the time): {cells}."]
+    searching = "; ".join(
+        f"{e['jobs']} job{'s' if e['jobs'] > 1 else ''}: {_num(e['search_runs_per_s'])} runs/s" for e in runs
+    )
+    start = "; ".join(
+        f"{e['jobs']} job{'s' if e['jobs'] > 1 else ''}: every job searching after "
+        f"{_num(e['all_searching_s'])} s, {_num(e['runs_per_s'])} runs/s over the whole "
+        f"{_num(e['wall_s'])} s"
+        for e in runs
+    )
+    return [
+        f"- The search while every job searches (medians over the rounds): {searching}.",
+        f"- Start-up: the server the jobs fork from was ready after {_num(extra['explore_server_s'])} s "
+        f"(once per exploration, beside its calibration run); then, per exploration: {start}.",
+    ]
 
 
 def _per_op(worker: dict[str, Any], key: str) -> str:

@@ -71,6 +71,8 @@ class Rendezvous:
         self._dynamic: dict[int, DynamicGroup] = {}
         #: generation -> rank -> the job key its worker joined with (None: none), static and dynamic
         self._keys: dict[int, dict[int, bytes | None]] = {}
+        #: generation -> rank -> the options a static group's member joined with, until it completes
+        self._options: dict[int, dict[int, JoinOptions]] = {}
         #: rank -> (heartbeat_interval, heartbeat_misses) of its latest init_rpc's options: how long it
         #: lets a silent peer be before declaring it dead (simulator/_liveness.py, silence_bound)
         self.heartbeat_options: dict[int, tuple[float, int]] = {}
@@ -110,15 +112,32 @@ class Rendezvous:
         keys[worker.rank] = options.auth_key
         self.trace.name_worker(worker.rank, name)
         self.trace.record(self.sched.now, worker.rank, "init", f"{name} generation {generation}")
+        self._options.setdefault(generation, {})[worker.rank] = options
         if len(arrived) == world_size:
-            self.sched.call_later(RENDEZVOUS_DELAY, lambda: done.set_result(None))
+            self.sched.call_later(RENDEZVOUS_DELAY, lambda: self._complete_static(generation, done))
         done.wait()
         _check_keys(name, worker.rank, keys, arrived)
         infos, roster = self._roster(generation, arrived)
-        world = SimWorld(worker, options.num_worker_threads, generation)
-        worker.world = world
-        self._heartbeats_of(worker.rank, options)
+        world = worker.world
+        assert world is not None and world.generation == generation
         return Connection(world, infos[worker.rank], roster)
+
+    def _complete_static(self, generation: int, done: Future[None]) -> None:
+        """Every member of generation ``generation``'s static group has arrived: give each its
+        world, then let them all return. As PyTorch's ``init_rpc`` returns on no worker before every
+        agent is up (it all-gathers over RPC first) and the gloo world's does not before every pair
+        is connected, a member that is slow to resume (paused) takes calls from the start: they wait
+        in its world until its agent starts, and never find it "not initialised"."""
+        arrived = self._arrived[generation]
+        keys = self._keys[generation]
+        if len({keys[r] for r in arrived}) == 1 and self._roster_error(generation, arrived) is None:
+            for rank, options in sorted(self._options.pop(generation).items()):
+                worker = self.workers[rank]
+                if worker.crashed:
+                    continue
+                worker.world = SimWorld(worker, options.num_worker_threads, generation)
+                self._heartbeats_of(rank, options)
+        done.set_result(None)
 
     def open_round(self, rank: int, since: int) -> int:
         """The generation a process that newly joins as ``rank`` takes part in: the first, from
@@ -142,6 +161,19 @@ class Rendezvous:
         """The workers of a static group (by rank) and their Roster, once for all its members: each
         member building its own took N^2 time and kept N^2 WorkerInfo objects alive. Raises, for
         each member, when two share a name."""
+        _, infos, roster, error = self._built_roster(generation, arrived)
+        if error is not None:
+            raise RuntimeError(error)
+        assert roster is not None
+        return infos, roster
+
+    def _roster_error(self, generation: int, arrived: dict[int, str]) -> str | None:
+        """Why the static group cannot be built (two members share a name), or None."""
+        return self._built_roster(generation, arrived)[3]
+
+    def _built_roster(
+        self, generation: int, arrived: dict[int, str]
+    ) -> tuple[int, list[WorkerInfo], Roster | None, str | None]:
         cached = self._rosters.get(generation)
         if cached is None or cached[0] != len(arrived):
             by_name: dict[str, int] = {}
@@ -157,10 +189,7 @@ class Rendezvous:
             infos = [WorkerInfo(arrived[r], r) for r in sorted(arrived)] if error is None else []
             roster = Roster(infos) if infos else None
             cached = self._rosters[generation] = (len(arrived), infos, roster, error)
-        if cached[3] is not None:
-            raise RuntimeError(cached[3])
-        assert cached[2] is not None
-        return cached[1], cached[2]
+        return cached
 
     def _join_dynamic(
         self, worker: SimWorker, *, name: str, options: JoinOptions, generation: int

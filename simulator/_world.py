@@ -120,6 +120,8 @@ class SimWorld(World):
     """Sends through the simulated network, runs tasks on the scheduler, keeps virtual time."""
 
     clock_name = "simulated"
+    #: every simulated task runs on the simulating thread, whatever the process it is in went through
+    threaded = False
 
     def __init__(self, worker: SimWorker, num_worker_threads: int, generation: int = 0) -> None:
         parts = worker.parts

@@ -274,9 +274,10 @@ class ProgramRunner:
     """Runs one case of a program file as ``run`` does (:func:`_outcome`), in a working directory of
     its own: one per process of a parallel exploration (it is pickled into each)."""
 
-    #: what the server the worker processes fork from imports first: torch, the slow import (the
-    #: simulator is imported after the fork, as in this process: see ``CaseRunner``)
-    preload = ("torch",)
+    #: what the server the worker processes fork from imports first: what a run imports (torch, the
+    #: launcher, and torch.distributed.nn and .optim, which it serves twinrpc's in place of), so that a
+    #: job imports nothing before its first run
+    preload = ("torch", __name__, "twinrpc.simulator._launch._torch")
 
     def __init__(self, options: LaunchOptions, network: NetworkModel | None) -> None:
         self.options = options

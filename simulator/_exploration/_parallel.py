@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 #: runs in a block: the unit of work a job takes, and of what a block's search explores on its own
 BLOCK_RUNS = 20
+#: what every job imports to search: the server the jobs fork from imports it once, before they fork
+#: (a run does not depend on what its process imported before: tests/sim/test_trace_determinism.py)
+SEARCH_MODULES = ("hypothesis", "hypothesis.strategies", __name__)
 #: the exploration length a block's hypothesis search is tuned for (the ``explore`` default's), so
 #: that block 0 draws the cases the sequential exploration draws first
 TUNED_FOR = 200
@@ -58,8 +61,8 @@ class CaseRunner(Protocol):
     # pytest test, which knows its world size only when it runs)
 
     # optional: ``preload``, the modules the server the worker processes fork from imports first
-    # (forkserver): libraries whose import is slow, never twinrpc.simulator itself (a launcher
-    # imported before the fork runs some programs differently from one imported after it)
+    # (forkserver), besides the search's own (:data:`SEARCH_MODULES`): whatever the runs import, so
+    # that a job starts searching as soon as it is forked instead of importing them again
 
     def close(self) -> None: ...
 
@@ -268,7 +271,8 @@ class Progress:
         isatty = getattr(self.stream, "isatty", None)
         self.enabled = bool(isatty and isatty())
 
-    def add(self, runs: int = 1, failures: int = 0) -> None:
+    def add(self, runs: int = 1, failures: int = 0, job: int = 0) -> None:
+        """``runs`` more runs done (by job ``job``), ``failures`` of them failed."""
         self.runs += runs
         self.failures += failures
         now = time.monotonic()
@@ -400,17 +404,27 @@ def _context(preload: Sequence[str]) -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def prepare_jobs(plan: ExplorationPlan, jobs: int) -> None:
+def prepare_jobs(plan: ExplorationPlan, jobs: int, *, wait: bool = False) -> None:
     """Start the server the worker processes fork from now (when there will be some), so that its
-    imports overlap with what this process does first (the calibration run)."""
-    if jobs > 1 and len(plan.blocks()) > 1 and _context(_preload(plan)).get_start_method() == "forkserver":
+    imports overlap with what this process does first (the calibration run). ``wait``: return only
+    once it has imported them and forked a first process (a benchmark times that)."""
+    ctx = _context(_preload(plan))
+    if jobs > 1 and len(plan.blocks()) > 1 and ctx.get_start_method() == "forkserver":
         from multiprocessing import forkserver  # POSIX only, and only with several jobs
 
         forkserver.ensure_running()
+        if wait:
+            first = ctx.Process(target=_nothing)
+            first.start()
+            first.join()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _preload(plan: ExplorationPlan) -> list[str]:
-    return list(getattr(plan.runner, "preload", ()))
+    return [*getattr(plan.runner, "preload", ()), *SEARCH_MODULES]
 
 
 def _parallel(
@@ -444,7 +458,7 @@ def _parallel(
         while len(exited) < jobs:
             for kind, job, payload in _messages(results, workers, exited):
                 if kind == "run":
-                    progress.add()
+                    progress.add(job=job)
                 elif kind == "block":
                     runs += payload.runs
                     if payload.found is not None:

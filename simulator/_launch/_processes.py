@@ -276,8 +276,7 @@ class ProcessLauncher:
         if image.parent is None:
             image.stdout.finish()  # type: ignore[attr-defined]
             image.stderr.finish()  # type: ignore[attr-defined]
-        agent_alive = sim.workers[rank].slot.agent is not None
-        if self.rpc_image.get(rank) is image and agent_alive and rank not in sim.crashed:
+        if self.rpc_image.get(rank) is image and self._connected(rank) and rank not in sim.crashed:
             # The process that ran the worker's RPC agent is gone without rpc.shutdown(): its
             # connections close, and its peers notice as they notice a crash.
             sim.trace.record(
@@ -288,6 +287,12 @@ class ProcessLauncher:
             )
             sim.sched.schedule(0.0, lambda _: sim.crash(rank))
         self.popen[image].exited(code)
+
+    def _connected(self, rank: int) -> bool:
+        """Whether worker ``rank`` is connected to its group: from the moment its group formed (its
+        ``init_rpc`` may not have returned yet) until it shut down RPC."""
+        world = self.sim.workers[rank].world
+        return world is not None and not world.stopped
 
     def start_child(self, process: multiprocessing.process.BaseProcess) -> SimPopen:
         """``process.start()`` from a simulated process: start it as a simulated process."""
@@ -346,7 +351,7 @@ class ProcessLauncher:
         image.kill_signal = sig
         sim = self.sim
         rank = image.rank
-        if self.rpc_image.get(rank) is image and sim.workers[rank].slot.agent is not None:
+        if self.rpc_image.get(rank) is image and self._connected(rank):
             sim.crash(rank, at=sim.now)  # a dead RPC process is a crashed worker
             return
 

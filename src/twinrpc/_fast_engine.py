@@ -559,10 +559,11 @@ def run_backward(container: DistAutogradContainer, context_id: int, roots: Any, 
         observer.autograd_event(container.rank, "backward-started", context_id, f"pass {gp.pass_id}")
     outcome = "failed"
     seeds: list[torch.Tensor | None] = [torch.ones_like(r) for r in roots]
-    if on_fork_survivor():
+    if on_fork_survivor() and container.agent.world.threaded:
         # This thread forked from a parent that may have used OpenMP: its kernels could wait forever
         # for helper threads the fork did not copy (twinrpc._fork). Upstream runs every backward on its
-        # engine's threads; run this one on a world task.
+        # engine's threads; run this one on a world task. (A simulated task is no thread: whether the
+        # simulating process forked must not change the schedule.)
         container.agent.world.spawn(gp.feed, _ROOT, seeds)
     else:
         gp.feed(_ROOT, seeds)

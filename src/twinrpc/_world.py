@@ -228,6 +228,10 @@ class World(abc.ABC):
     #: this worker's handle on its dynamic group's store (LIFE-5, ``twinrpc._membership``); None in a
     #: static group. A world made by a dynamic join returns holding the group's membership token.
     membership: GroupMembership | None = None
+    #: whether the world's tasks are threads of this process (the gloo world). The simulator's are not
+    #: (every simulated task runs on the simulating thread): what that thread went through, such as a
+    #: fork (``twinrpc._fork``), is no business of the program's, and must not change its schedule.
+    threaded: bool = True
 
     @property
     @abc.abstractmethod

@@ -119,6 +119,7 @@ def test_a_world_that_defines_no_hooks_gets_the_real_worlds_defaults() -> None:
 
     world.schedule_rref_delete(delete)  # deferred to a task, never run inside __del__
     assert world.spawned == [delete]
+    assert world.threaded  # its tasks are threads of this process, as the gloo world's
 
 
 def test_a_world_that_lacks_a_required_method_cannot_be_made() -> None:

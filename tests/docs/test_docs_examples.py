@@ -410,6 +410,19 @@ def test_ps_race_runs_once_and_passes_with_seed_0() -> None:
     ]
 
 
+def test_the_fixed_ps_race_passes_with_the_server_paused_while_the_group_forms(tmp_path: Path) -> None:
+    # The run bench_explore stopped at: the server paused from t=40 us (before init_rpc completes at
+    # 1 ms) to 2.04 ms. The trainers' first calls wait for it instead of finding it "not initialised".
+    plan = tmp_path / "pause.json"
+    plan.write_text('{"faults": [{"type": "pause", "worker": 0, "duration": 0.002, "at": 4e-05}]}')
+    run = _simulator("run", "--nproc-per-node", "3", "--seed", "0", "--faults", str(plan), PS_RACE, "--fixed")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(run.stdout.splitlines()) == [
+        "[rank1]:Trainer 1: 5 batches, last loss 1.4940",
+        "[rank2]:Trainer 2: 5 batches, last loss 1.5012",
+    ]
+
+
 def test_ps_race_is_found_shrunk_replayed_and_drawn_and_the_pinned_bug_still_fails(tmp_path: Path) -> None:
     # 2-3. The tutorial's exploration (with --expect fail and another --out: the same runs, the same
     # output; the regression test it writes pins the bug instead of asserting the fix).

@@ -384,6 +384,17 @@ def test_a_paused_worker_replies_after_the_pause() -> None:
     assert faults[0].startswith("pause worker 1") and faults[-1] == "resume worker 1"
 
 
+def test_a_worker_paused_while_init_rpc_completes_takes_calls_once_it_resumes() -> None:
+    # Worker 1 is paused before the group completes (t=1 ms) until t=2.04 ms: worker 0's init_rpc
+    # returns at 1 ms and its call must wait for worker 1, not fail with "it has not initialised
+    # RPC" (PyTorch's init_rpc returns on no worker before every agent is up; gloo's call waits too).
+    # Whether the held call or the resumed init_rpc runs first at t=2.04 ms is the seed's choice.
+    plan = FaultPlan([Pause(1, 0.002, at=4e-05)])
+    for seed in range(8):
+        value, elapsed = _run(_call_a_paused_worker, None, seed=seed, faults=plan).values()[0]
+        assert value == 3 and 0.00104 < elapsed < 0.0012, seed
+
+
 def test_a_worker_that_pauses_itself_returns_after_the_pause() -> None:
     sim = Simulation(2, seed=2)
     assert sim.run(_pause_myself, sim).values()[1] == pytest.approx(2.0)

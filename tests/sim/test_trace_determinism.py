@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import _trace_scenarios as scenarios
 import pytest
 from twinrpc.simulator import NondeterminismError, SimulationDeadlock, check_determinism, sleep
@@ -62,3 +65,18 @@ def test_a_deterministic_failure_is_passed_on() -> None:
 def test_trace_off_is_refused() -> None:
     with pytest.raises(ValueError, match="do not pass trace=False"):
         check_determinism(scenarios.rpc_calls, 2, trace=False)
+
+
+def test_a_run_in_a_forked_process_is_the_run_of_a_fresh_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An explore worker forked from a server that imported twinrpc comes through the fork on this very
+    # thread (twinrpc._fork's survivor), as no fresh process does. Every simulated task runs on it, so
+    # the backward pass of the gloo world's fork workaround (a task of its own) must not be taken here:
+    # the run, and so the replay command's, would differ.
+    import twinrpc._fork
+
+    fresh = check_determinism(scenarios.rich, 3, seed=9).trace
+    monkeypatch.setattr(twinrpc._fork, "_survivor", (os.getpid(), threading.get_ident()))
+    assert twinrpc._fork.on_fork_survivor()
+    forked = check_determinism(scenarios.rich, 3, seed=9).trace
+    assert any(ev.event == "autograd-backward-started" for ev in forked)
+    assert forked.digest() == fresh.digest()
