@@ -73,6 +73,7 @@ class SimWorld(World):
     """Sends through the simulated network, runs tasks on the scheduler, keeps virtual time."""
 
     clock_name = "simulated"
+    owns_process = False  # every simulated worker, and every simulation, shares this process
 
     def __init__(self, worker: SimWorker, num_worker_threads: int, generation: int = 0) -> None:
         sim = worker.sim

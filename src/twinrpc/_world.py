@@ -224,6 +224,9 @@ class World(abc.ABC):
     #: this worker's handle on its dynamic group's store (LIFE-5, ``twinrpc._membership``); None in a
     #: static group. A world made by a dynamic join returns holding the group's membership token.
     membership: GroupMembership | None = None
+    #: the worker has its process to itself (the gloo world), so ``init_rpc`` may tune the process:
+    #: it freezes the heap it finds (``twinrpc._heap``); the simulator runs many workers in one process
+    owns_process: bool = True
 
     @property
     @abc.abstractmethod
