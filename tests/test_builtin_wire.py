@@ -308,7 +308,7 @@ TENSOR_AT = ARGS_AT + 3  # its first item
 @pytest.mark.parametrize(
     ("mutate", "match"),
     [
-        (lambda p: _patched(p, 1, b"\x09"), r"kind 9 is neither a call \(1\) nor a value \(2\)"),
+        (lambda p: _patched(p, 1, b"\x09"), r"kind 9 is neither a call \(1\), a value \(2\) nor an envelope \(3\)"),
         (lambda p: p + b"\x00", "1 bytes follow the call"),
         (lambda p: _patched(p, 2, b"\x03ad!"), "operator name b'ad!' is not an identifier"),
         (lambda p: _patched(p, 2, b"\x03abc"), "torch.abc is not one of torch's builtin operators"),

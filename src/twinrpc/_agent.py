@@ -58,6 +58,10 @@ UNSET_RPC_TIMEOUT = -1.0
 _COMPACT = bytes((_builtin_wire.MAGIC,))
 #: requests served on the request pool (they run user code, which may block)
 _POOL_KINDS = frozenset({Kind.CALL, Kind.REMOTE_CALL})
+#: requests whose body is numbers and tensors (gradients; a context's release under the control
+#: channel's sequence numbers): sent in twinrpc._builtin_wire's value encoding when it fits, and so
+#: their replies are (``reply`` answers a compact request compactly)
+_COMPACT_KINDS = frozenset({Kind.GRADIENT, Kind.CONTEXT_CLEANUP})
 
 
 class _Pending:
@@ -209,6 +213,8 @@ class RpcAgent:
         try:
             if context_id is not None and kind in AUTOGRAD_KINDS:  # hook: the request joins the context
                 payload, tensors = self.autograd.dumps_request(context_id, dst, kind, obj, fork)
+            elif kind in _COMPACT_KINDS and (encoded := _builtin_wire.encode_value(obj)) is not None:
+                payload, tensors = encoded  # numbers and tensors: without pickle, and so is the ack
             else:
                 # a builtin operator's Parameter arguments travel as tensors, as PyTorch's builtin
                 # calls (TorchScript) send them; the builtin wire sends them so too
@@ -408,7 +414,7 @@ class RpcAgent:
         if kind is Kind.RESPONSE or kind is Kind.EXCEPTION:
             self._on_reply(msg)
         elif kind in _POOL_KINDS:
-            if kind is Kind.CALL and _builtin_wire.is_compact(msg.payload):
+            if kind is Kind.CALL and _builtin_wire.is_call(msg.payload):
                 self._submit_builtin(msg)
             else:
                 self.world.submit(self._serve, msg)
@@ -428,7 +434,12 @@ class RpcAgent:
             return  # a late reply to a call that timed out: dropped (ERR-4)
         try:
             value, load = _serialize.loads(
-                msg.payload, msg.tensors, msg.src, self.rrefs.rebuild, allow=self.unpickle_allow
+                msg.payload,
+                msg.tensors,
+                msg.src,
+                self.rrefs.rebuild,
+                allow=self.unpickle_allow,
+                kind=msg.kind,
             )
         except BaseException as exc:
             pending.fut.set_exception(
@@ -476,7 +487,9 @@ class RpcAgent:
         the call is brief (``World.submit``'s ``brief``). One that cannot be decoded is served as any request,
         whose decoding fails again and replies with the error."""
         try:
-            call, load = _serialize.loads(msg.payload, msg.tensors, msg.src, None, True, self.unpickle_allow)
+            call, load = _serialize.loads(
+                msg.payload, msg.tensors, msg.src, None, True, self.unpickle_allow, Kind.CALL
+            )
         except BaseException:
             self.world.submit(self._serve, msg)
             return
@@ -493,7 +506,13 @@ class RpcAgent:
         """Run one request and reply (now, or when the value it waits for is ready)."""
         try:
             obj, load = _serialize.loads(
-                msg.payload, msg.tensors, msg.src, self.rrefs.rebuild, request=True, allow=self.unpickle_allow
+                msg.payload,
+                msg.tensors,
+                msg.src,
+                self.rrefs.rebuild,
+                request=True,
+                allow=self.unpickle_allow,
+                kind=msg.kind,
             )
         except BaseException as exc:
             self.reply_error(

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ._errors import SerializationError
+from ._message import Kind
 from ._serialize import BUILTIN_MAGIC, COMPACT_MIN_STORAGE_BYTES, LoadState, empty_of, storage_bytes
 from ._unpickle_allow import UnpickleAllowlist
 
@@ -44,7 +46,8 @@ from ._unpickle_allow import UnpickleAllowlist
 MAGIC = BUILTIN_MAGIC
 #: the second byte: what the payload holds
 _CALL = 1  # a call: (op, args, kwargs)
-_VALUE = 2  # a value: the reply to a call sent in this encoding
+_VALUE = 2  # a value: the reply to a call sent in this encoding, or the body of a GRADIENT request
+_ENVELOPE = 3  # a call or a value inside a distributed autograd context (an AutogradEnvelope)
 #: the class torch's builtin operators are attributes of (how a pickle names ``torch.add``'s owner)
 _OPERATORS = torch._C._VariableFunctionsClass  # type: ignore[attr-defined]
 #: nesting of tuples and lists: deeper calls are pickled (and a deeper payload is refused)
@@ -80,6 +83,7 @@ _I64 = struct.Struct("<q")
 _F64 = struct.Struct("<d")
 _GEOMETRY_1 = struct.Struct("<qq")
 _RECORD = struct.Struct("<HBBBq")  # storage index, dtype code, ndim, requires_grad, storage offset
+_ENVELOPE_HEADER = struct.Struct("<qqHB")  # context id, autograd message id, sender's rank, response
 _STRIDED = torch.strided
 _BYTES = torch.empty(0, dtype=torch.uint8)
 
@@ -126,10 +130,17 @@ BRIEF_MAX_ELEMENTS = 4096
 class _Encoder:
     """One call being encoded: its bytes and its out-of-band storages (deduplicated as the pickler does)."""
 
-    __slots__ = ("keepalive", "memo", "out", "storage_index", "storages")
+    __slots__ = ("grads", "keepalive", "memo", "out", "storage_index", "storages")
 
-    def __init__(self, what: int) -> None:
-        self.out = bytearray((MAGIC, what))
+    def __init__(self, what: int, envelope: Envelope | None, grads: list[torch.Tensor] | None) -> None:
+        if envelope is None:
+            self.out = bytearray((MAGIC, what))
+        else:
+            self.out = bytearray((MAGIC, _ENVELOPE))
+            self.out += _ENVELOPE_HEADER.pack(*envelope)
+            self.out.append(what)
+        #: distributed autograd: collects the (undetached) tensors that require grad, as the pickler
+        self.grads = grads
         self.storages: list[torch.Tensor] = []
         self.storage_index: dict[tuple[int, int], int] = {}
         self.keepalive: list[torch.Tensor] = []
@@ -197,12 +208,16 @@ class _Encoder:
         if nbytes >= COMPACT_MIN_STORAGE_BYTES and nbytes >= 2 * t.numel() * t.element_size():
             # as the pickler: a small view of a big storage travels as a compact clone (RPC-9)
             requires_grad = t.requires_grad
+            if requires_grad and self.grads is not None:
+                self.grads.append(t)
             t = t.detach().clone()
             self.keepalive.append(t)
             storage = t.untyped_storage()
             nbytes = storage.nbytes()
         else:
             requires_grad = t.requires_grad
+        if requires_grad and self.grads is not None:
+            self.grads.append(t)
         key = (storage.data_ptr(), nbytes)
         index = self.storage_index.get(key) if nbytes else None
         if index is None:
@@ -222,15 +237,27 @@ class _Encoder:
         return True
 
 
+#: an AutogradEnvelope's header: (context id, autograd message id, sender's rank, response)
+Envelope = tuple[int, int, int, bool]
+
+
 def encode_call(
-    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    envelope: Envelope | None = None,
+    grads: list[torch.Tensor] | None = None,
 ) -> tuple[bytes, list[torch.Tensor]] | None:
     """``(func, args, kwargs)`` in the compact encoding (payload, storages), or None when it does not
-    apply (``func`` is not one of torch's builtin operators, or an argument is of another kind)."""
+    apply (``func`` is not one of torch's builtin operators, or an argument is of another kind).
+
+    ``envelope``: the call joins a distributed autograd context, as an ``AutogradEnvelope`` with this
+    header would; ``grads`` then receives every tensor argument that requires grad (DAG-4)."""
     name = _NAME_OF_ID.get(id(func))
     if name is None or len(kwargs) > 255:
         return None
-    enc = _Encoder(_CALL)
+    enc = _Encoder(_CALL, envelope, grads)
     out = enc.out
     out.append(len(name))
     out += name.encode("ascii")
@@ -247,10 +274,13 @@ def encode_call(
     return bytes(out), enc.storages
 
 
-def encode_value(value: Any) -> tuple[bytes, list[torch.Tensor]] | None:
-    """A call's result in this encoding (for the reply to a call that came in it), or None when it
-    holds anything else (a named tuple, say, which the pickle keeps as its type)."""
-    enc = _Encoder(_VALUE)
+def encode_value(
+    value: Any, *, envelope: Envelope | None = None, grads: list[torch.Tensor] | None = None
+) -> tuple[bytes, list[torch.Tensor]] | None:
+    """A value in this encoding (the reply to a call that came in it, a gradient request's body), or
+    None when it holds anything else (a named tuple, say, which the pickle keeps as its type).
+    ``envelope`` and ``grads``: as for :func:`encode_call`."""
+    enc = _Encoder(_VALUE, envelope, grads)
     if not enc.value(value, 0):
         return None
     return bytes(enc.out), enc.storages
@@ -261,14 +291,24 @@ def is_compact(payload: bytes) -> bool:
     return len(payload) > 0 and payload[0] == MAGIC
 
 
+#: what turns a received tensor that requires grad into one with a recv node (LoadState.autograd)
+_Hook = Callable[[torch.Tensor], torch.Tensor] | None
+
+
 def _value(
-    data: bytes, pos: int, storages: list[torch.Tensor], sizes: list[int], memo: list[Any], depth: int
+    data: bytes,
+    pos: int,
+    storages: list[torch.Tensor],
+    sizes: list[int],
+    memo: list[Any],
+    depth: int,
+    hook: _Hook = None,
 ) -> tuple[Any, int]:
     """The value at ``pos`` and the position after it. Reads past the end raise IndexError or
     struct.error (turned into one error by decode)."""
     tag = data[pos]
     if tag == 0x74:  # t
-        t, pos = _tensor(data, pos, storages, sizes)
+        t, pos = _tensor(data, pos, storages, sizes, hook)
         memo.append(t)
         return t, pos
     if tag == 0x69:  # i
@@ -289,7 +329,7 @@ def _value(
         items = []
         depth += 1
         for _ in range(n):
-            item, pos = _value(data, pos, storages, sizes, memo, depth)
+            item, pos = _value(data, pos, storages, sizes, memo, depth, hook)
             items.append(item)
         value = tuple(items) if tag == 0x28 else items
         memo.append(value)
@@ -304,7 +344,9 @@ def _value(
     raise _malformed(f"byte {pos} is not a value tag: {tag:#04x}")
 
 
-def _tensor(data: bytes, at: int, storages: list[torch.Tensor], sizes: list[int]) -> tuple[torch.Tensor, int]:
+def _tensor(
+    data: bytes, at: int, storages: list[torch.Tensor], sizes: list[int], hook: _Hook
+) -> tuple[torch.Tensor, int]:
     """A tensor record at ``at``: checked whole before the tensor is made."""
     index, code, ndim, requires_grad, offset = _RECORD.unpack_from(data, at + 1)
     pos = at + 1 + _RECORD.size
@@ -344,6 +386,8 @@ def _tensor(data: bytes, at: int, storages: list[torch.Tensor], sizes: list[int]
     if requires_grad:
         if not (dtype.is_floating_point or dtype.is_complex):
             raise _malformed(f"the tensor at byte {at} is a {dtype} tensor that requires grad")
+        if hook is not None:  # inside an autograd envelope: the tensor gets a recv node (DAG-4)
+            return hook(t), pos
         t.requires_grad_(True)
     return t, pos
 
@@ -377,12 +421,21 @@ def decode(payload: bytes, state: LoadState, allow: UnpickleAllowlist | None) ->
         UnpickleRefused: ``allow`` does not allow the operator.
     """
     what = payload[1] if len(payload) > 1 else None
+    if what == _ENVELOPE:
+        return _decode_envelope(payload, state, allow)
     if what == _VALUE:
-        return _decode_value(payload, state)
+        return _decode_value(payload, 2, state)
     if what != _CALL:
-        raise _malformed(f"its kind {what} is neither a call ({_CALL}) nor a value ({_VALUE})")
+        raise _malformed(
+            f"its kind {what} is neither a call ({_CALL}), a value ({_VALUE}) nor an envelope ({_ENVELOPE})"
+        )
+    return _decode_call(payload, 2, state, allow)
+
+
+def _decode_call(payload: bytes, start: int, state: LoadState, allow: UnpickleAllowlist | None) -> Any:
+    hook = state.autograd
     try:
-        name, pos = _name(payload, 2, "operator name")
+        name, pos = _name(payload, start, "operator name")
         dotted = f"torch.{name}"
         if allow is not None and not allow.allows_name(dotted):
             raise allow.refused(dotted)  # what the pickle naming it gets (twinrpc._unpickle_allow)
@@ -394,7 +447,7 @@ def decode(payload: bytes, state: LoadState, allow: UnpickleAllowlist | None) ->
         storages = state.storages
         sizes = [-1] * len(storages)
         memo: list[Any] = []
-        args, pos = _value(payload, pos, storages, sizes, memo, 0)
+        args, pos = _value(payload, pos, storages, sizes, memo, 0, hook)
         kwargs: dict[str, Any] = {}
         count = payload[pos]
         pos += 1
@@ -402,7 +455,7 @@ def decode(payload: bytes, state: LoadState, allow: UnpickleAllowlist | None) ->
             key, pos = _name(payload, pos, "keyword")
             if key in kwargs:
                 raise _malformed(f"keyword {key!r} appears twice")
-            kwargs[key], pos = _value(payload, pos, storages, sizes, memo, 0)
+            kwargs[key], pos = _value(payload, pos, storages, sizes, memo, 0, hook)
     except (IndexError, struct.error):
         raise _malformed(f"it ends inside a value ({len(payload)} bytes)") from None
     if pos != len(payload):
@@ -410,10 +463,10 @@ def decode(payload: bytes, state: LoadState, allow: UnpickleAllowlist | None) ->
     return op, args, kwargs
 
 
-def _decode_value(payload: bytes, state: LoadState) -> Any:
+def _decode_value(payload: bytes, start: int, state: LoadState) -> Any:
     storages = state.storages
     try:
-        value, pos = _value(payload, 2, storages, [-1] * len(storages), [], 0)
+        value, pos = _value(payload, start, storages, [-1] * len(storages), [], 0, state.autograd)
     except (IndexError, struct.error):
         raise _malformed(f"it ends inside a value ({len(payload)} bytes)") from None
     if pos != len(payload):
@@ -421,9 +474,75 @@ def _decode_value(payload: bytes, state: LoadState) -> Any:
     return value
 
 
+def _decode_envelope(payload: bytes, state: LoadState, allow: UnpickleAllowlist | None) -> Any:
+    """An AutogradEnvelope: its header opens it as the unpickler would (the context joins and the
+    body's tensors that require grad get recv nodes), then its call (a request) or value (a reply)."""
+    header_end = 2 + _ENVELOPE_HEADER.size
+    if len(payload) <= header_end:
+        raise _malformed(f"it ends inside its autograd envelope's header ({len(payload)} bytes)")
+    context_id, message_id, src, response = _ENVELOPE_HEADER.unpack_from(payload, 2)
+    inner = payload[header_end]
+    if response > 1 or inner != (_VALUE if response else _CALL):
+        raise _malformed(
+            f"its autograd envelope (response {response}) holds kind {inner}: a request's holds a call "
+            f"({_CALL}), a reply's a value ({_VALUE})"
+        )
+    if context_id < 0 or message_id < 0:
+        raise _malformed(f"its autograd envelope names context {context_id}, message {message_id}")
+    from ._current import current_agent
+    from ._dist_autograd import open_envelope
+
+    env = open_envelope(current_agent().autograd, context_id, message_id, src, bool(response), state)
+    start = header_end + 1
+    env.body = (
+        _decode_value(payload, start, state) if response else _decode_call(payload, start, state, allow)
+    )
+    return env
+
+
+def _holds(payload: bytes) -> int | None:
+    """What a compact payload holds: a call or a value, in an envelope or not (None: neither)."""
+    what = payload[1] if len(payload) > 1 else None
+    if what == _ENVELOPE:
+        at = 2 + _ENVELOPE_HEADER.size
+        return payload[at] if len(payload) > at else None
+    return what
+
+
+def is_call(payload: bytes) -> bool:
+    """Whether ``payload`` is a call in this encoding (plain or in an envelope)."""
+    return len(payload) > 1 and payload[0] == MAGIC and _holds(payload) == _CALL
+
+
+#: what a compact payload may hold in a message of each kind; other kinds are always pickled
+_HOLDS_BY_KIND = {
+    Kind.CALL: _CALL,
+    Kind.RESPONSE: _VALUE,
+    Kind.GRADIENT: _VALUE,
+    Kind.CONTEXT_CLEANUP: _VALUE,
+}
+
+
+def check_kind(payload: bytes, kind: Kind) -> None:
+    """Raise :class:`~twinrpc._errors.SerializationError` unless a message of ``kind`` may carry this
+    compact payload (a CALL a call, a reply or a gradient a value): a peer's payload of the wrong
+    kind is refused before anything in it is built."""
+    expected = _HOLDS_BY_KIND.get(kind)
+    holds = _holds(payload)
+    if expected is None or holds != expected:
+        names = {_CALL: "a call", _VALUE: "a value"}
+        raise _malformed(
+            f"a {kind.name} message cannot hold {names.get(holds, f'kind {holds}')} in this encoding"
+            + ("" if expected is None else f" (it holds {names[expected]})")
+        )
+
+
 def is_brief(call: Any) -> bool:
     """Whether a decoded call may run on the thread that received it: a brief operator
-    (``BRIEF_OPERATORS``) on at most ``BRIEF_MAX_ELEMENTS`` tensor elements."""
+    (``BRIEF_OPERATORS``) on at most ``BRIEF_MAX_ELEMENTS`` tensor elements. A call inside an
+    autograd envelope never is: it joins a context and records recv nodes."""
+    if type(call) is not tuple:
+        return False
     op, args, kwargs = call
     if _NAME_OF_ID.get(id(op)) not in BRIEF_OPERATORS:
         return False
