@@ -58,10 +58,6 @@ UNSET_RPC_TIMEOUT = -1.0
 _COMPACT = bytes((_builtin_wire.MAGIC,))
 #: requests served on the request pool (they run user code, which may block)
 _POOL_KINDS = frozenset({Kind.CALL, Kind.REMOTE_CALL})
-#: requests whose body is numbers and tensors (gradients; a context's release under the control
-#: channel's sequence numbers): sent in twinrpc._builtin_wire's value encoding when it fits, and so
-#: their replies are (``reply`` answers a compact request compactly)
-_COMPACT_KINDS = frozenset({Kind.GRADIENT, Kind.CONTEXT_CLEANUP})
 
 
 class _Pending:
@@ -213,8 +209,8 @@ class RpcAgent:
         try:
             if context_id is not None and kind in AUTOGRAD_KINDS:  # hook: the request joins the context
                 payload, tensors = self.autograd.dumps_request(context_id, dst, kind, obj, fork)
-            elif kind in _COMPACT_KINDS and (encoded := _builtin_wire.encode_value(obj)) is not None:
-                payload, tensors = encoded  # numbers and tensors: without pickle, and so is the ack
+            elif kind is Kind.GRADIENT and (encoded := _builtin_wire.encode_gradients(*obj)) is not None:
+                payload, tensors = encoded  # without pickle, and so is the ack (twinrpc._fast_engine)
             else:
                 # a builtin operator's Parameter arguments travel as tensors, as PyTorch's builtin
                 # calls (TorchScript) send them; the builtin wire sends them so too

@@ -48,6 +48,7 @@ MAGIC = BUILTIN_MAGIC
 _CALL = 1  # a call: (op, args, kwargs)
 _VALUE = 2  # a value: the reply to a call sent in this encoding, or the body of a GRADIENT request
 _ENVELOPE = 3  # a call or a value inside a distributed autograd context (an AutogradEnvelope)
+_GRADIENT = 4  # a GRADIENT request's body: (context id, pass id, autograd message id, gradients, retain)
 #: the class torch's builtin operators are attributes of (how a pickle names ``torch.add``'s owner)
 _OPERATORS = torch._C._VariableFunctionsClass  # type: ignore[attr-defined]
 #: nesting of tuples and lists: deeper calls are pickled (and a deeper payload is refused)
@@ -82,8 +83,13 @@ _U16 = struct.Struct("<H")
 _I64 = struct.Struct("<q")
 _F64 = struct.Struct("<d")
 _GEOMETRY_1 = struct.Struct("<qq")
+#: a tensor's sizes then strides, by its number of dimensions
+_GEOMETRY = tuple(struct.Struct(f"<{2 * ndim}q") for ndim in range(_MAX_NDIM + 1))
+_TENSOR = torch.Tensor
+_PARAMETER = torch.nn.Parameter
 _RECORD = struct.Struct("<HBBBq")  # storage index, dtype code, ndim, requires_grad, storage offset
 _ENVELOPE_HEADER = struct.Struct("<qqHB")  # context id, autograd message id, sender's rank, response
+_GRADIENT_HEADER = struct.Struct("<qqqB")  # context id, pass id, autograd message id, retain_graph
 _STRIDED = torch.strided
 _BYTES = torch.empty(0, dtype=torch.uint8)
 
@@ -152,7 +158,7 @@ class _Encoder:
         """Append ``v``; False: it cannot be encoded (the call is pickled instead)."""
         tp = type(v)
         out = self.out
-        if tp is torch.Tensor or tp is torch.nn.Parameter:
+        if tp is _TENSOR or tp is _PARAMETER:
             ref = self.memo.get(id(v))
             if ref is not None:
                 out += b"r"
@@ -186,7 +192,10 @@ class _Encoder:
             out += b"(" if tp is tuple else b"["
             out += _U16.pack(len(v))
             depth += 1
-            return all(self.value(item, depth) for item in v) and self.remember(v)
+            for item in v:
+                if not self.value(item, depth):
+                    return False
+            return self.remember(v)
         return False
 
     def remember(self, v: Any) -> bool:
@@ -233,7 +242,7 @@ class _Encoder:
         out += b"t"
         out += _RECORD.pack(index, code, ndim, requires_grad, t.storage_offset())
         if ndim:
-            out += struct.pack(f"<{ndim}q{ndim}q", *size, *t.stride())
+            out += _GEOMETRY[ndim].pack(*size, *t.stride())
         return True
 
 
@@ -282,6 +291,20 @@ def encode_value(
     ``envelope`` and ``grads``: as for :func:`encode_call`."""
     enc = _Encoder(_VALUE, envelope, grads)
     if not enc.value(value, 0):
+        return None
+    return bytes(enc.out), enc.storages
+
+
+def encode_gradients(
+    context_id: int, pass_id: int, message_id: int, grads: list[torch.Tensor], retain_graph: bool
+) -> tuple[bytes, list[torch.Tensor]] | None:
+    """A GRADIENT request's body in this encoding (a fixed header, then the gradients as a list), or
+    None when it does not fit (a sparse gradient, an id beyond 64 bits): it is pickled then."""
+    if not all(_INT64[0] <= v <= _INT64[1] for v in (context_id, pass_id, message_id)):
+        return None
+    enc = _Encoder(_GRADIENT, None, None)
+    enc.out += _GRADIENT_HEADER.pack(context_id, pass_id, message_id, bool(retain_graph))
+    if type(grads) is not list or not enc.value(grads, 0):
         return None
     return bytes(enc.out), enc.storages
 
@@ -371,8 +394,22 @@ def _tensor(
         if size and (offset + (size - 1) * stride + 1) * dtype.itemsize > nbytes:
             raise _out_of_bounds(at, [size], [stride], offset, dtype, nbytes)
         t = empty_of(dtype).set_(storages[index].untyped_storage(), offset, (size,), (stride,))
+    elif ndim == 2:  # a matrix: the other common case, without the loops below
+        size0, size1, stride0, stride1 = geometry = _GEOMETRY[2].unpack_from(data, pos)
+        pos += 32
+        if offset < 0 or min(geometry) < 0:
+            raise _malformed(f"the tensor at byte {at} has a negative offset, size or stride")
+        if (
+            size0
+            and size1
+            and (offset + (size0 - 1) * stride0 + (size1 - 1) * stride1 + 1) * dtype.itemsize > nbytes
+        ):
+            raise _out_of_bounds(at, [size0, size1], [stride0, stride1], offset, dtype, nbytes)
+        t = empty_of(dtype).set_(
+            storages[index].untyped_storage(), offset, (size0, size1), (stride0, stride1)
+        )
     else:
-        geometry = struct.unpack_from(f"<{2 * ndim}q", data, pos) if ndim else ()
+        geometry = _GEOMETRY[ndim].unpack_from(data, pos)
         pos += 16 * ndim
         sizes_, strides = geometry[:ndim], geometry[ndim:]
         if offset < 0 or min(geometry, default=0) < 0:
@@ -425,9 +462,12 @@ def decode(payload: bytes, state: LoadState, allow: UnpickleAllowlist | None) ->
         return _decode_envelope(payload, state, allow)
     if what == _VALUE:
         return _decode_value(payload, 2, state)
+    if what == _GRADIENT:
+        return _decode_gradients(payload, state)
     if what != _CALL:
         raise _malformed(
-            f"its kind {what} is neither a call ({_CALL}), a value ({_VALUE}) nor an envelope ({_ENVELOPE})"
+            f"its kind {what} is neither a call ({_CALL}), a value ({_VALUE}), an envelope ({_ENVELOPE}) "
+            f"nor gradients ({_GRADIENT})"
         )
     return _decode_call(payload, 2, state, allow)
 
@@ -474,6 +514,18 @@ def _decode_value(payload: bytes, start: int, state: LoadState) -> Any:
     return value
 
 
+def _decode_gradients(payload: bytes, state: LoadState) -> Any:
+    """A GRADIENT request's body, as the tuple the pickle would give: (context id, pass id, autograd
+    message id, the gradients, retain_graph)."""
+    start = 2 + _GRADIENT_HEADER.size
+    if len(payload) <= start:
+        raise _malformed(f"it ends inside its gradients' header ({len(payload)} bytes)")
+    context_id, pass_id, message_id, retain_graph = _GRADIENT_HEADER.unpack_from(payload, 2)
+    if retain_graph > 1 or payload[start] != 0x5B:  # [
+        raise _malformed(f"its gradients' header is damaged (retain_graph {retain_graph}, then byte {start})")
+    return context_id, pass_id, message_id, _decode_value(payload, start, state), bool(retain_graph)
+
+
 def _decode_envelope(payload: bytes, state: LoadState, allow: UnpickleAllowlist | None) -> Any:
     """An AutogradEnvelope: its header opens it as the unpickler would (the context joins and the
     body's tensors that require grad get recv nodes), then its call (a request) or value (a reply)."""
@@ -518,8 +570,7 @@ def is_call(payload: bytes) -> bool:
 _HOLDS_BY_KIND = {
     Kind.CALL: _CALL,
     Kind.RESPONSE: _VALUE,
-    Kind.GRADIENT: _VALUE,
-    Kind.CONTEXT_CLEANUP: _VALUE,
+    Kind.GRADIENT: _GRADIENT,
 }
 
 
@@ -530,7 +581,7 @@ def check_kind(payload: bytes, kind: Kind) -> None:
     expected = _HOLDS_BY_KIND.get(kind)
     holds = _holds(payload)
     if expected is None or holds != expected:
-        names = {_CALL: "a call", _VALUE: "a value"}
+        names = {_CALL: "a call", _VALUE: "a value", _GRADIENT: "gradients"}
         raise _malformed(
             f"a {kind.name} message cannot hold {names.get(holds, f'kind {holds}')} in this encoding"
             + ("" if expected is None else f" (it holds {names[expected]})")
