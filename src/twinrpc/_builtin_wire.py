@@ -19,6 +19,15 @@ gets the error), and a worker with an ``unpickle_allow`` allowlist accepts the o
 pattern allows its name (``torch.add``), refusing it with the same
 :class:`~twinrpc._unpickle_allow.UnpickleRefused` a pickle naming it gets.
 
+Distributed autograd uses the encoding too. A builtin call made inside a context whose tensors require
+grad travels in an envelope (kind ``3``): a header (int64 context id, int64 autograd message id, uint16
+sender's rank, a byte: 0 request, 1 reply), then ``1`` and the call, or, for its reply, ``2`` and the
+value; decoding it joins the context as unpickling an ``AutogradEnvelope`` does, and each tensor that
+requires grad gets its recv node as it is rebuilt (``LoadState.autograd``). A GRADIENT request's body
+is kind ``4``: int64 context id, int64 pass id, int64 autograd message id, a retain_graph byte, then
+the gradients as a list value. A message's kind decides what its compact payload may hold
+(:func:`check_kind`): a CALL a call, a reply a value, a GRADIENT gradients.
+
 Layout (little-endian): ``MAGIC``, then ``1`` for a call or ``2`` for a value. A call: the operator's
 name (a length byte, ASCII), the positional arguments as one tuple value, a count byte and that many
 (name, value) keyword arguments. A value is a tag byte and its body: ``N`` None, ``T``/``F`` a bool,
