@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ._current import current_agent
 from ._errors import SerializationError
 from ._message import Kind
 from ._serialize import BUILTIN_MAGIC, COMPACT_MIN_STORAGE_BYTES, LoadState, empty_of, storage_bytes
@@ -257,6 +258,9 @@ class _Encoder:
 
 #: an AutogradEnvelope's header: (context id, autograd message id, sender's rank, response)
 Envelope = tuple[int, int, int, bool]
+#: how an arriving envelope joins its context: ``twinrpc._dist_autograd.open_envelope``, set when that
+#: module loads (it builds on this one)
+open_envelope: Callable[..., Any] | None = None
 
 
 def encode_call(
@@ -550,9 +554,8 @@ def _decode_envelope(payload: bytes, state: LoadState, allow: UnpickleAllowlist 
         )
     if context_id < 0 or message_id < 0:
         raise _malformed(f"its autograd envelope names context {context_id}, message {message_id}")
-    from ._current import current_agent
-    from ._dist_autograd import open_envelope
-
+    if open_envelope is None:
+        raise SerializationError("an autograd envelope arrived before distributed autograd was loaded")
     env = open_envelope(current_agent().autograd, context_id, message_id, src, bool(response), state)
     start = header_end + 1
     env.body = (

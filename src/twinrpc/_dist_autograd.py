@@ -270,6 +270,9 @@ def open_envelope(
     return env
 
 
+_builtin_wire.open_envelope = open_envelope  # a compact envelope joins its context as a pickled one
+
+
 class _RecvHook:
     """Gives every received tensor that requires grad a recv node (called by the unpickler)."""
 
