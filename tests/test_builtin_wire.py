@@ -310,7 +310,7 @@ TENSOR_AT = ARGS_AT + 3  # its first item
     [
         (
             lambda p: _patched(p, 1, b"\x09"),
-            r"kind 9 is neither a call \(1\), a value \(2\), an envelope \(3\) nor gradients \(4\)",
+            r"kind 9 is neither a call \(1\), a value \(2\), an envelope \(3\), gradients \(4\) nor a remote call \(5\)",
         ),
         (lambda p: p + b"\x00", "1 bytes follow the call"),
         (lambda p: _patched(p, 2, b"\x03ad!"), "operator name b'ad!' is not an identifier"),
@@ -551,7 +551,12 @@ def test_a_malformed_envelope_is_refused_before_it_joins_a_context() -> None:
         ("CALL", lambda: wire.encode_value(torch.ones(1)), "a CALL message cannot hold a value"),
         ("GRADIENT", lambda: _good(), "a GRADIENT message cannot hold a call"),
         ("RESPONSE", lambda: _gradients(), "a RESPONSE message cannot hold gradients"),
-        ("REMOTE_CALL", lambda: _good(), "a REMOTE_CALL message cannot hold a call in this encoding$"),
+        (
+            "REMOTE_CALL",
+            lambda: _good(),
+            r"a REMOTE_CALL message cannot hold a call in this encoding \(it holds a remote call\)",
+        ),
+        ("RREF_FETCH", lambda: _good(), "a RREF_FETCH message cannot hold a call in this encoding$"),
     ],
 )
 def test_a_compact_payload_of_the_wrong_kind_for_its_message_is_refused(
@@ -562,3 +567,67 @@ def test_a_compact_payload_of_the_wrong_kind_for_its_message_is_refused(
     data, storages = payload()
     with pytest.raises(SerializationError, match=match):
         serialize.loads(data, storages, request=True, kind=Kind[kind])
+
+
+# -- rpc.remote of a builtin --------------------------------------------------------------------------
+def test_a_remote_call_arrives_as_the_pickled_one_does() -> None:
+    from twinrpc._rref import GloballyUniqueId
+
+    t = torch.arange(6.0).reshape(2, 3)
+    body = (GloballyUniqueId(0, 4), GloballyUniqueId(0, 5), torch.add, (t, t[:, :1]), {"alpha": 2})
+    encoded = wire.encode_remote_call(*body)
+    assert encoded is not None and wire.is_call(encoded[0])
+    got = _decode(*encoded)
+    expected = _decode(*serialize.dumps(body, link_parameters=True))
+    assert got[:3] == expected[:3] == body[:3] and got[4] == expected[4] == {"alpha": 2}
+    _same(got[3], expected[3], [], [])
+
+
+def test_a_remote_call_of_anything_else_falls_back() -> None:
+    from twinrpc._rref import GloballyUniqueId
+
+    ids = (GloballyUniqueId(0, 1), GloballyUniqueId(0, 2))
+    assert wire.encode_remote_call(*ids, _udf, (1,), {}) is None
+    assert wire.encode_remote_call(*ids, torch.add, (object(),), {}) is None
+    assert (
+        wire.encode_remote_call(GloballyUniqueId(70000, 1), ids[1], torch.neg, (torch.ones(1),), {}) is None
+    )
+
+
+def _sim_remote_add(rank: int) -> Any:
+    import twinrpc.rpc as rpc
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    value = None
+    if rank == 0:
+        value = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1)).to_here()
+    rpc.shutdown()
+    return value
+
+
+def test_the_simulator_sends_remote_of_a_builtin_in_the_compact_encoding() -> None:
+    from twinrpc.simulator import Simulation
+
+    result = Simulation(world_size=2, seed=0).run(_sim_remote_add)
+    assert torch.equal(result.values()[0], torch.full((2,), 2.0))
+    sent = [ev.message for ev in result.trace.events() if ev.event == "send" and ev.message is not None]
+    remote = next(m for m in sent if m.kind == "REMOTE_CALL")
+    from twinrpc._rref import GloballyUniqueId
+
+    encoded = wire.encode_remote_call(
+        GloballyUniqueId(0, 0), GloballyUniqueId(0, 1), torch.add, (torch.ones(2), 1), {}
+    )
+    assert encoded is not None
+    assert remote.nbytes == len(encoded[0]) + sum(s.numel() for s in encoded[1])
+
+
+def test_a_remote_call_cut_inside_its_header_is_refused() -> None:
+    from twinrpc._rref import GloballyUniqueId
+
+    payload, storages = wire.encode_remote_call(
+        GloballyUniqueId(0, 1), GloballyUniqueId(0, 2), torch.neg, (torch.ones(1),), {}
+    ) or (b"", [])
+    with pytest.raises(SerializationError, match="ends inside its remote call's header"):
+        _decode(payload[:12], storages)
+    with pytest.raises(SerializationError, match="ends inside a value"):
+        _decode(payload[:-3], storages)

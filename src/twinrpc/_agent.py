@@ -216,7 +216,13 @@ class RpcAgent:
                 # calls (TorchScript) send them; the builtin wire sends them so too
                 func = obj[0] if kind is Kind.CALL else obj[2] if kind is Kind.REMOTE_CALL else None
                 builtin = func is not None and is_builtin(func)
-                payload, tensors = _serialize.dumps(obj, fork, link_parameters=builtin)
+                # rpc.remote of a builtin on plain arguments: without pickle, as rpc_sync's call
+                remote = (
+                    _builtin_wire.encode_remote_call(*obj) if builtin and kind is Kind.REMOTE_CALL else None
+                )
+                payload, tensors = (
+                    remote if remote is not None else _serialize.dumps(obj, fork, link_parameters=builtin)
+                )
         except BaseException:
             rrefs.unfork(fork.forks)  # nothing is sent
             raise
@@ -410,7 +416,7 @@ class RpcAgent:
         if kind is Kind.RESPONSE or kind is Kind.EXCEPTION:
             self._on_reply(msg)
         elif kind in _POOL_KINDS:
-            if kind is Kind.CALL and _builtin_wire.is_call(msg.payload):
+            if _builtin_wire.is_call(msg.payload):
                 self._submit_builtin(msg)
             else:
                 self.world.submit(self._serve, msg)
@@ -484,7 +490,7 @@ class RpcAgent:
         whose decoding fails again and replies with the error."""
         try:
             call, load = _serialize.loads(
-                msg.payload, msg.tensors, msg.src, None, True, self.unpickle_allow, Kind.CALL
+                msg.payload, msg.tensors, msg.src, None, True, self.unpickle_allow, msg.kind
             )
         except BaseException:
             self.world.submit(self._serve, msg)

@@ -49,6 +49,7 @@ import torch
 from ._current import current_agent
 from ._errors import SerializationError
 from ._message import Kind
+from ._rref import GloballyUniqueId
 from ._serialize import BUILTIN_MAGIC, COMPACT_MIN_STORAGE_BYTES, LoadState, empty_of, storage_bytes
 from ._unpickle_allow import UnpickleAllowlist
 
@@ -59,6 +60,7 @@ _CALL = 1  # a call: (op, args, kwargs)
 _VALUE = 2  # a value: the reply to a call sent in this encoding, or the body of a GRADIENT request
 _ENVELOPE = 3  # a call or a value inside a distributed autograd context (an AutogradEnvelope)
 _GRADIENT = 4  # a GRADIENT request's body: (context id, pass id, autograd message id, gradients, retain)
+_REMOTE = 5  # a REMOTE_CALL's body: (rref id, fork id, op, args, kwargs)
 #: the class torch's builtin operators are attributes of (how a pickle names ``torch.add``'s owner)
 _OPERATORS = torch._C._VariableFunctionsClass  # type: ignore[attr-defined]
 #: nesting of tuples and lists: deeper calls are pickled (and a deeper payload is refused)
@@ -100,6 +102,7 @@ _PARAMETER = torch.nn.Parameter
 _RECORD = struct.Struct("<HBBBq")  # storage index, dtype code, ndim, requires_grad, storage offset
 _ENVELOPE_HEADER = struct.Struct("<qqHB")  # context id, autograd message id, sender's rank, response
 _GRADIENT_HEADER = struct.Struct("<qqqB")  # context id, pass id, autograd message id, retain_graph
+_REMOTE_HEADER = struct.Struct("<HqHq")  # the RRef's id and the caller's fork's: (creator, local id) each
 _STRIDED = torch.strided
 _BYTES = torch.empty(0, dtype=torch.uint8)
 
@@ -277,23 +280,48 @@ def encode_call(
     ``envelope``: the call joins a distributed autograd context, as an ``AutogradEnvelope`` with this
     header would; ``grads`` then receives every tensor argument that requires grad (DAG-4)."""
     name = _NAME_OF_ID.get(id(func))
-    if name is None or len(kwargs) > 255:
+    if name is None:
         return None
     enc = _Encoder(_CALL, envelope, grads)
+    return (bytes(enc.out), enc.storages) if _write_call(enc, name, args, kwargs) else None
+
+
+def encode_remote_call(
+    rref_id: Any, fork_id: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[bytes, list[torch.Tensor]] | None:
+    """A REMOTE_CALL's ``(rref_id, fork_id, func, args, kwargs)`` in the compact encoding (the two ids
+    are ``GloballyUniqueId``s), or None when the call does not fit (as :func:`encode_call`)."""
+    name = _NAME_OF_ID.get(id(func))
+    if name is None:
+        return None
+    ids = (rref_id.created_on, rref_id.local_id, fork_id.created_on, fork_id.local_id)
+    if not (
+        0 <= ids[0] <= 0xFFFF and 0 <= ids[2] <= 0xFFFF and all(_INT64[0] <= i <= _INT64[1] for i in ids)
+    ):
+        return None
+    enc = _Encoder(_REMOTE, None, None)
+    enc.out += _REMOTE_HEADER.pack(*ids)
+    return (bytes(enc.out), enc.storages) if _write_call(enc, name, args, kwargs) else None
+
+
+def _write_call(enc: _Encoder, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Append a call of the operator ``name``; False: an argument cannot be encoded."""
+    if len(kwargs) > 255:
+        return False
     out = enc.out
     out.append(len(name))
     out += name.encode("ascii")
     if not enc.value(args, 0):
-        return None
+        return False
     out.append(len(kwargs))
     for key, v in kwargs.items():
         if type(key) is not str or not key.isascii() or not key.isidentifier() or len(key) > 255:
-            return None
+            return False
         out.append(len(key))
         out += key.encode("ascii")
         if not enc.value(v, 0):
-            return None
-    return bytes(out), enc.storages
+            return False
+    return True
 
 
 def encode_value(
@@ -477,10 +505,12 @@ def decode(payload: bytes, state: LoadState, allow: UnpickleAllowlist | None) ->
         return _decode_value(payload, 2, state)
     if what == _GRADIENT:
         return _decode_gradients(payload, state)
+    if what == _REMOTE:
+        return _decode_remote_call(payload, state, allow)
     if what != _CALL:
         raise _malformed(
-            f"its kind {what} is neither a call ({_CALL}), a value ({_VALUE}), an envelope ({_ENVELOPE}) "
-            f"nor gradients ({_GRADIENT})"
+            f"its kind {what} is neither a call ({_CALL}), a value ({_VALUE}), an envelope ({_ENVELOPE}), "
+            f"gradients ({_GRADIENT}) nor a remote call ({_REMOTE})"
         )
     return _decode_call(payload, 2, state, allow)
 
@@ -525,6 +555,22 @@ def _decode_value(payload: bytes, start: int, state: LoadState) -> Any:
     if pos != len(payload):
         raise _malformed(f"{len(payload) - pos} bytes follow the value")
     return value
+
+
+def _decode_remote_call(payload: bytes, state: LoadState, allow: UnpickleAllowlist | None) -> Any:
+    """A REMOTE_CALL's body, as the tuple the pickle would give: (rref id, fork id, op, args, kwargs)."""
+    start = 2 + _REMOTE_HEADER.size
+    if len(payload) <= start:
+        raise _malformed(f"it ends inside its remote call's header ({len(payload)} bytes)")
+    rref_creator, rref_local, fork_creator, fork_local = _REMOTE_HEADER.unpack_from(payload, 2)
+    op, args, kwargs = _decode_call(payload, start, state, allow)
+    return (
+        GloballyUniqueId(rref_creator, rref_local),
+        GloballyUniqueId(fork_creator, fork_local),
+        op,
+        args,
+        kwargs,
+    )
 
 
 def _decode_gradients(payload: bytes, state: LoadState) -> Any:
@@ -574,13 +620,14 @@ def _holds(payload: bytes) -> int | None:
 
 
 def is_call(payload: bytes) -> bool:
-    """Whether ``payload`` is a call in this encoding (plain or in an envelope)."""
-    return len(payload) > 1 and payload[0] == MAGIC and _holds(payload) == _CALL
+    """Whether ``payload`` is a call in this encoding (plain, in an envelope, or a remote call)."""
+    return len(payload) > 1 and payload[0] == MAGIC and _holds(payload) in (_CALL, _REMOTE)
 
 
 #: what a compact payload may hold in a message of each kind; other kinds are always pickled
 _HOLDS_BY_KIND = {
     Kind.CALL: _CALL,
+    Kind.REMOTE_CALL: _REMOTE,
     Kind.RESPONSE: _VALUE,
     Kind.GRADIENT: _GRADIENT,
 }
@@ -593,7 +640,7 @@ def check_kind(payload: bytes, kind: Kind) -> None:
     expected = _HOLDS_BY_KIND.get(kind)
     holds = _holds(payload)
     if expected is None or holds != expected:
-        names = {_CALL: "a call", _VALUE: "a value", _GRADIENT: "gradients"}
+        names = {_CALL: "a call", _VALUE: "a value", _GRADIENT: "gradients", _REMOTE: "a remote call"}
         raise _malformed(
             f"a {kind.name} message cannot hold {names.get(holds, f'kind {holds}')} in this encoding"
             + ("" if expected is None else f" (it holds {names[expected]})")
@@ -606,6 +653,8 @@ def is_brief(call: Any) -> bool:
     autograd envelope never is: it joins a context and records recv nodes."""
     if type(call) is not tuple:
         return False
+    if len(call) == 5:  # a remote call: (rref id, fork id, op, args, kwargs)
+        call = call[2:]
     op, args, kwargs = call
     if _NAME_OF_ID.get(id(op)) not in BRIEF_OPERATORS:
         return False
