@@ -298,6 +298,21 @@ class _RecvHook:
         return entry.attach(t)
 
 
+def _pickled_unless(
+    compact: tuple[bytes, list[torch.Tensor]] | None,
+    envelope: AutogradEnvelope,
+    fork: Callable[[Any], Any],
+    grads: list[torch.Tensor],
+    link_parameters: bool,
+) -> tuple[bytes, list[torch.Tensor]]:
+    """``compact`` if the envelope could travel without pickle, else the pickled ``envelope`` (its
+    tensors that require grad in ``grads``, anything the compact attempt put there dropped)."""
+    if compact is not None:
+        return compact
+    grads.clear()
+    return _serialize.dumps(envelope, fork, grads, link_parameters=link_parameters)
+
+
 def _any_requires_grad(obj: Any, depth: int = 0) -> bool:
     if isinstance(obj, torch.Tensor):
         return obj.requires_grad
@@ -513,21 +528,16 @@ class DistAutogradContainer:
         message_id = self.new_message_id()
         grads: list[torch.Tensor] = []
         # A builtin's call in its envelope without pickle (twinrpc._builtin_wire), else pickled
-        payload = (
+        compact = (
             _builtin_wire.encode_call(
                 func, args, kwargs, envelope=(context_id, message_id, self.rank, False), grads=grads
             )
             if kind is Kind.CALL and builtin
             else None
         )
-        if payload is None:
-            grads.clear()
-            payload = _serialize.dumps(
-                AutogradEnvelope(context_id, message_id, self.rank, False, obj),
-                fork,
-                grads,
-                link_parameters=kind is not Kind.RREF_FETCH and builtin,  # a builtin's Parameters join
-            )
+        envelope = AutogradEnvelope(context_id, message_id, self.rank, False, obj)
+        # a builtin's Parameters join
+        payload = _pickled_unless(compact, envelope, fork, grads, kind is not Kind.RREF_FETCH and builtin)
         with ctx.lock:
             ctx.known_workers.add(dst)
             if grads:
@@ -568,19 +578,13 @@ class DistAutogradContainer:
         message_id = self.new_message_id()
         grads: list[torch.Tensor] = []
         # the reply to a call that came without pickle goes so too when it can (twinrpc._builtin_wire)
-        payload = (
+        compact = (
             _builtin_wire.encode_value(value, envelope=(context_id, message_id, self.rank, True), grads=grads)
             if msg.payload[:1] == _COMPACT
             else None
         )
-        if payload is None:
-            grads.clear()
-            payload = _serialize.dumps(
-                AutogradEnvelope(context_id, message_id, self.rank, True, value),
-                fork,
-                grads,
-                link_parameters=link_parameters,
-            )
+        envelope = AutogradEnvelope(context_id, message_id, self.rank, True, value)
+        payload = _pickled_unless(compact, envelope, fork, grads, link_parameters)
         if grads:
             peer = self.agent.worker_by_id(msg.src).name
             with ctx.lock:
