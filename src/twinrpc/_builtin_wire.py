@@ -25,8 +25,10 @@ sender's rank, a byte: 0 request, 1 reply), then ``1`` and the call, or, for its
 value; decoding it joins the context as unpickling an ``AutogradEnvelope`` does, and each tensor that
 requires grad gets its recv node as it is rebuilt (``LoadState.autograd``). A GRADIENT request's body
 is kind ``4``: int64 context id, int64 pass id, int64 autograd message id, a retain_graph byte, then
-the gradients as a list value. A message's kind decides what its compact payload may hold
-(:func:`check_kind`): a CALL a call, a reply a value, a GRADIENT gradients.
+the gradients as a list value. A REMOTE_CALL of a builtin is kind ``5``: the RRef's id and the
+caller's fork's (uint16 creator, int64 local id each), then the call as for kind ``1``. A message's
+kind decides what its compact payload may hold (:func:`check_kind`): a CALL a call, a REMOTE_CALL a
+remote call, a reply a value, a GRADIENT gradients.
 
 Layout (little-endian): ``MAGIC``, then ``1`` for a call or ``2`` for a value. A call: the operator's
 name (a length byte, ASCII), the positional arguments as one tuple value, a count byte and that many
