@@ -637,14 +637,15 @@ _HOLDS_BY_KIND = {
 
 def check_kind(payload: bytes, kind: Kind) -> None:
     """Raise :class:`~twinrpc._errors.SerializationError` unless a message of ``kind`` may carry this
-    compact payload (a CALL a call, a reply or a gradient a value): a peer's payload of the wrong
-    kind is refused before anything in it is built."""
+    compact payload (a CALL a call, a REMOTE_CALL a remote call, a reply a value, a GRADIENT
+    gradients): a peer's payload of the wrong kind is refused before anything in it is built."""
     expected = _HOLDS_BY_KIND.get(kind)
     holds = _holds(payload)
     if expected is None or holds != expected:
         names = {_CALL: "a call", _VALUE: "a value", _GRADIENT: "gradients", _REMOTE: "a remote call"}
+        held = names.get(holds, f"kind {holds}") if holds is not None else "nothing"
         raise _malformed(
-            f"a {kind.name} message cannot hold {names.get(holds, f'kind {holds}')} in this encoding"
+            f"a {kind.name} message cannot hold {held} in this encoding"
             + ("" if expected is None else f" (it holds {names[expected]})")
         )
 
