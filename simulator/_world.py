@@ -122,6 +122,7 @@ class SimWorld(World):
     clock_name = "simulated"
     #: every simulated task runs on the simulating thread, whatever the process it is in went through
     threaded = False
+    owns_process = False  # every simulated worker, and every simulation, shares this process
 
     def __init__(self, worker: SimWorker, num_worker_threads: int, generation: int = 0) -> None:
         parts = worker.parts

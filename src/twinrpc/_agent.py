@@ -209,12 +209,20 @@ class RpcAgent:
         try:
             if context_id is not None and kind in AUTOGRAD_KINDS:  # hook: the request joins the context
                 payload, tensors = self.autograd.dumps_request(context_id, dst, kind, obj, fork)
+            elif kind is Kind.GRADIENT and (encoded := _builtin_wire.encode_gradients(*obj)) is not None:
+                payload, tensors = encoded  # without pickle, and so is the ack (twinrpc._fast_engine)
             else:
                 # a builtin operator's Parameter arguments travel as tensors, as PyTorch's builtin
                 # calls (TorchScript) send them; the builtin wire sends them so too
                 func = obj[0] if kind is Kind.CALL else obj[2] if kind is Kind.REMOTE_CALL else None
                 builtin = func is not None and is_builtin(func)
-                payload, tensors = _serialize.dumps(obj, fork, link_parameters=builtin)
+                # rpc.remote of a builtin on plain arguments: without pickle, as rpc_sync's call
+                remote = (
+                    _builtin_wire.encode_remote_call(*obj) if builtin and kind is Kind.REMOTE_CALL else None
+                )
+                payload, tensors = (
+                    remote if remote is not None else _serialize.dumps(obj, fork, link_parameters=builtin)
+                )
         except BaseException:
             rrefs.unfork(fork.forks)  # nothing is sent
             raise
@@ -408,7 +416,7 @@ class RpcAgent:
         if kind is Kind.RESPONSE or kind is Kind.EXCEPTION:
             self._on_reply(msg)
         elif kind in _POOL_KINDS:
-            if kind is Kind.CALL and _builtin_wire.is_compact(msg.payload):
+            if _builtin_wire.is_call(msg.payload):
                 self._submit_builtin(msg)
             else:
                 self.world.submit(self._serve, msg)
@@ -428,7 +436,12 @@ class RpcAgent:
             return  # a late reply to a call that timed out: dropped (ERR-4)
         try:
             value, load = _serialize.loads(
-                msg.payload, msg.tensors, msg.src, self.rrefs.rebuild, allow=self.unpickle_allow
+                msg.payload,
+                msg.tensors,
+                msg.src,
+                self.rrefs.rebuild,
+                allow=self.unpickle_allow,
+                kind=msg.kind,
             )
         except BaseException as exc:
             pending.fut.set_exception(
@@ -476,7 +489,9 @@ class RpcAgent:
         the call is brief (``World.submit``'s ``brief``). One that cannot be decoded is served as any request,
         whose decoding fails again and replies with the error."""
         try:
-            call, load = _serialize.loads(msg.payload, msg.tensors, msg.src, None, True, self.unpickle_allow)
+            call, load = _serialize.loads(
+                msg.payload, msg.tensors, msg.src, None, True, self.unpickle_allow, msg.kind
+            )
         except BaseException:
             self.world.submit(self._serve, msg)
             return
@@ -493,7 +508,13 @@ class RpcAgent:
         """Run one request and reply (now, or when the value it waits for is ready)."""
         try:
             obj, load = _serialize.loads(
-                msg.payload, msg.tensors, msg.src, self.rrefs.rebuild, request=True, allow=self.unpickle_allow
+                msg.payload,
+                msg.tensors,
+                msg.src,
+                self.rrefs.rebuild,
+                request=True,
+                allow=self.unpickle_allow,
+                kind=msg.kind,
             )
         except BaseException as exc:
             self.reply_error(

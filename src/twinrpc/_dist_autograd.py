@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _serialize
+from . import _builtin_wire, _serialize
 from ._control_channel import RetryPolicy
 from ._errors import NotInitializedError, ShutdownError, WorkerUnavailableError
 from ._future import Future, add_internal_callback
@@ -42,6 +42,7 @@ CURRENT_CONTEXT: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 #: request kinds that join the caller's context (DAG-3)
 AUTOGRAD_KINDS = frozenset({Kind.CALL, Kind.REMOTE_CALL, Kind.RREF_FETCH})
 _ID_BITS = 48
+_COMPACT = bytes((_builtin_wire.MAGIC,))
 _MAX_WORKER_ID = 65535
 #: how a context cleanup is resent when no ack comes (DAG-10), as PyTorch's
 #: ``DistAutogradContainer::sendReleaseContextRpc``: ``sendWithRetries`` with ``maxRetries =
@@ -238,9 +239,23 @@ def _open_envelope(context_id: int, message_id: int, src: int, response: bool) -
     if agent.unpickle_allow is not None:  # a peer chose the arguments: only what twinrpc sends
         for value in (context_id, message_id, src, response):
             agent.unpickle_allow.check_type(value, int, "the distributed autograd envelope")
+    return open_envelope(
+        agent.autograd, context_id, message_id, src, response, _serialize.current_load_state()
+    )
+
+
+def open_envelope(
+    container: DistAutogradContainer,
+    context_id: int,
+    message_id: int,
+    src: int,
+    response: bool,
+    state: _serialize.LoadState | None,
+) -> AutogradEnvelope:
+    """An arriving envelope's header: the context joins (a request may create it here), and the
+    tensors of the body that require grad get recv nodes as ``state`` rebuilds them (its hook). The
+    body is set by the caller (the unpickler, or twinrpc._builtin_wire's decoder)."""
     env = AutogradEnvelope(context_id, message_id, src, response, None)
-    state = _serialize.current_load_state()
-    container = agent.autograd
     ctx = container.get(context_id)
     if ctx is None:
         if response:  # the caller left the context before the reply came: nothing to link
@@ -253,6 +268,9 @@ def _open_envelope(context_id: int, message_id: int, src: int, response: bool) -
         what = f"{'reply' if response else 'request'} from {peer_name}"
         state.autograd = _RecvHook(ctx, RecvRpcBackward(message_id, src, what))
     return env
+
+
+_builtin_wire.open_envelope = open_envelope  # a compact envelope joins its context as a pickled one
 
 
 class _RecvHook:
@@ -278,6 +296,21 @@ class _RecvHook:
                     f"autograd message {entry.autograd_message_id}: {entry.what}",
                 )
         return entry.attach(t)
+
+
+def _pickled_unless(
+    compact: tuple[bytes, list[torch.Tensor]] | None,
+    envelope: AutogradEnvelope,
+    fork: Callable[[Any], Any],
+    grads: list[torch.Tensor],
+    link_parameters: bool,
+) -> tuple[bytes, list[torch.Tensor]]:
+    """``compact`` if the envelope could travel without pickle, else the pickled ``envelope`` (its
+    tensors that require grad in ``grads``, anything the compact attempt put there dropped)."""
+    if compact is not None:
+        return compact
+    grads.clear()
+    return _serialize.dumps(envelope, fork, grads, link_parameters=link_parameters)
 
 
 def _any_requires_grad(obj: Any, depth: int = 0) -> bool:
@@ -487,17 +520,24 @@ class DistAutogradContainer:
             args, kwargs = (obj[1], obj[2]) if kind is Kind.CALL else (obj[3], obj[4])
             builtin = is_builtin(func)
             if builtin and not (_any_requires_grad(args) or _any_requires_grad(kwargs)):
-                return _serialize.dumps(obj, fork)  # builtins join only with tensors requiring grad
+                # builtins join only with tensors requiring grad: this one travels as outside a context
+                plain = _builtin_wire.encode_call(func, args, kwargs) if kind is Kind.CALL else None
+                return plain if plain is not None else _serialize.dumps(obj, fork)
             what = f"{'remote' if kind is Kind.REMOTE_CALL else 'rpc'} call of {_func_name(func)}"
         peer = self.agent.worker_by_id(dst).name
         message_id = self.new_message_id()
         grads: list[torch.Tensor] = []
-        payload = _serialize.dumps(
-            AutogradEnvelope(context_id, message_id, self.rank, False, obj),
-            fork,
-            grads,
-            link_parameters=kind is not Kind.RREF_FETCH and builtin,  # a builtin's Parameters join
+        # A builtin's call in its envelope without pickle (twinrpc._builtin_wire), else pickled
+        compact = (
+            _builtin_wire.encode_call(
+                func, args, kwargs, envelope=(context_id, message_id, self.rank, False), grads=grads
+            )
+            if kind is Kind.CALL and builtin
+            else None
         )
+        envelope = AutogradEnvelope(context_id, message_id, self.rank, False, obj)
+        # a builtin's Parameters join
+        payload = _pickled_unless(compact, envelope, fork, grads, kind is not Kind.RREF_FETCH and builtin)
         with ctx.lock:
             ctx.known_workers.add(dst)
             if grads:
@@ -537,12 +577,14 @@ class DistAutogradContainer:
             return None
         message_id = self.new_message_id()
         grads: list[torch.Tensor] = []
-        payload = _serialize.dumps(
-            AutogradEnvelope(context_id, message_id, self.rank, True, value),
-            fork,
-            grads,
-            link_parameters=link_parameters,
+        # the reply to a call that came without pickle goes so too when it can (twinrpc._builtin_wire)
+        compact = (
+            _builtin_wire.encode_value(value, envelope=(context_id, message_id, self.rank, True), grads=grads)
+            if msg.payload[:1] == _COMPACT
+            else None
         )
+        envelope = AutogradEnvelope(context_id, message_id, self.rank, True, value)
+        payload = _pickled_unless(compact, envelope, fork, grads, link_parameters)
         if grads:
             peer = self.agent.worker_by_id(msg.src).name
             with ctx.lock:

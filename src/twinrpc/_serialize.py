@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ._errors import SerializationError, serialization_error
+from ._message import Kind
 from ._rref import RRef
 from ._unpickle_allow import UnpickleAllowlist
 
@@ -371,11 +372,13 @@ def loads(
     rebuild_rref: Callable[[Any, int, LoadState], Any] | None = None,
     request: bool = False,
     allow: UnpickleAllowlist | None = None,
+    kind: Kind | None = None,
 ) -> tuple[Any, LoadState]:
     """Unpickle a payload made by :func:`dumps` (or decode a builtin call or its reply made by
     ``twinrpc._builtin_wire``); returns the object and the load state. ``request``:
     the payload is a request that this worker will answer (see LoadState.request). ``allow``: load
-    only the globals it allows (twinrpc._unpickle_allow); None: any, as PyTorch does.
+    only the globals it allows (twinrpc._unpickle_allow); None: any, as PyTorch does. ``kind``: the
+    message's kind, which a payload in the compact encoding must fit (``_builtin_wire.check_kind``).
 
     Raises:
         UnpickleRefused: the payload names a global that ``allow`` does not allow.
@@ -384,6 +387,8 @@ def loads(
     state = LoadState(storages, src, rebuild_rref, request)
     if payload[:1] == _COMPACT:  # a builtin operator call without pickle (twinrpc._builtin_wire)
         try:
+            if kind is not None:
+                _builtin_wire.check_kind(payload, kind)
             return _builtin_wire.decode(payload, state, allow), state
         except BaseException:
             state.handled()

@@ -232,6 +232,9 @@ class World(abc.ABC):
     #: (every simulated task runs on the simulating thread): what that thread went through, such as a
     #: fork (``twinrpc._fork``), is no business of the program's, and must not change its schedule.
     threaded: bool = True
+    #: the worker has its process to itself (the gloo world), so ``init_rpc`` may tune the process:
+    #: it freezes the heap it finds (``twinrpc._heap``); the simulator runs many workers in one process
+    owns_process: bool = True
 
     @property
     @abc.abstractmethod

@@ -308,7 +308,10 @@ TENSOR_AT = ARGS_AT + 3  # its first item
 @pytest.mark.parametrize(
     ("mutate", "match"),
     [
-        (lambda p: _patched(p, 1, b"\x09"), r"kind 9 is neither a call \(1\) nor a value \(2\)"),
+        (
+            lambda p: _patched(p, 1, b"\x09"),
+            r"kind 9 is neither a call \(1\), a value \(2\), an envelope \(3\), gradients \(4\) nor a remote call \(5\)",
+        ),
         (lambda p: p + b"\x00", "1 bytes follow the call"),
         (lambda p: _patched(p, 2, b"\x03ad!"), "operator name b'ad!' is not an identifier"),
         (lambda p: _patched(p, 2, b"\x03abc"), "torch.abc is not one of torch's builtin operators"),
@@ -433,3 +436,198 @@ def test_the_simulator_sends_a_builtin_call_in_the_compact_encoding_as_the_gloo_
     assert [m.nbytes for m in calls] == [len(payload) + sum(s.numel() * s.element_size() for s in storages)]
     pickled, _ = serialize.dumps((torch.add, (torch.ones(2), torch.ones(2)), {}))
     assert len(payload) < len(pickled)
+
+
+# -- distributed autograd: gradients and envelopes ---------------------------------------------------
+def _sim_matmul_in_a_context(rank: int) -> Any:
+    import twinrpc.autograd as dist_autograd
+    import twinrpc.rpc as rpc
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    got = None
+    if rank == 0:
+        a = torch.arange(4.0).reshape(2, 2).requires_grad_()
+        b = torch.full((2, 2), 0.5, requires_grad=True)
+        with dist_autograd.context() as context_id:
+            y = rpc.rpc_sync("worker1", torch.matmul, args=(a, b))
+            dist_autograd.backward(context_id, [y.sum()])
+            grads = dist_autograd.get_gradients(context_id)
+            got = (y.detach(), grads[a], grads[b])
+    rpc.shutdown()
+    return got
+
+
+def test_a_builtin_call_in_a_context_and_its_gradients_travel_compact_and_give_local_autograds_grads() -> (
+    None
+):
+    from twinrpc.simulator import Simulation
+
+    result = Simulation(world_size=2, seed=0).run(_sim_matmul_in_a_context)
+    y, grad_a, grad_b = result.values()[0]
+    a = torch.arange(4.0).reshape(2, 2).requires_grad_()
+    b = torch.full((2, 2), 0.5, requires_grad=True)
+    local = a @ b
+    local.sum().backward()
+    assert torch.equal(y, local.detach()) and torch.equal(grad_a, a.grad) and torch.equal(grad_b, b.grad)
+    sent = [ev.message for ev in result.trace.events() if ev.event == "send" and ev.message is not None]
+    call = next(m for m in sent if m.kind == "CALL")
+    envelope = wire.encode_call(
+        torch.matmul, (a, b), {}, envelope=(0, 0, 0, False), grads=[]
+    )  # the ids are fixed-width: the size is the size of any envelope of this call
+    assert envelope is not None
+    assert call.nbytes == len(envelope[0]) + sum(s.numel() for s in envelope[1])
+    gradients = [m for m in sent if m.kind == "GRADIENT"]
+    assert len(gradients) == 2  # worker0 -> worker1 (y's), worker1 -> worker0 (a's and b's)
+    encoded = wire.encode_gradients(0, 0, 0, [torch.ones(2, 2), torch.ones(2, 2)], False)
+    assert encoded is not None
+    assert gradients[1].nbytes == len(encoded[0]) + sum(s.numel() for s in encoded[1])
+
+
+def test_an_envelope_records_the_undetached_tensors_that_require_grad() -> None:
+    a = torch.ones(3, requires_grad=True)
+    view = a[:2]
+    grads: list[torch.Tensor] = []
+    assert wire.encode_call(torch.add, (view, torch.ones(2)), {}, envelope=(5, 6, 1, False), grads=grads)
+    assert len(grads) == 1 and grads[0] is view  # its graph edge, not a detached copy
+
+
+def test_gradients_arrive_as_the_pickled_body_does() -> None:
+    grads = [torch.arange(6.0).reshape(2, 3).t(), torch.ones(4)]
+    body = ((3 << 48) + 1, 9, (1 << 48) + 4, grads, True)
+    encoded = wire.encode_gradients(*body)
+    assert encoded is not None
+    got = _decode(*encoded)
+    expected = _decode(*serialize.dumps(body))
+    assert got[:3] == expected[:3] == body[:3] and got[4] is expected[4] is True
+    assert type(got[3]) is list and len(got[3]) == 2
+    for g, e in zip(got[3], expected[3], strict=True):
+        assert torch.equal(g, e) and g.stride() == e.stride()
+
+
+def test_a_sparse_gradient_falls_back_to_the_pickle() -> None:
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1), (3,), check_invariants=True)
+    assert wire.encode_gradients(1, 2, 3, [sparse], False) is None
+
+
+def _gradients() -> tuple[bytes, list[torch.Tensor]]:
+    encoded = wire.encode_gradients(1, 2, 3, [torch.ones(2)], False)
+    assert encoded is not None
+    return encoded
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda p: p[:20], r"ends inside its gradients' header \(20 bytes\)"),
+        (lambda p: _patched(p, 2 + 24, b"\x02"), "retain_graph 2"),
+        (lambda p: _patched(p, 2 + 25, b"("), "gradients' header is damaged"),
+        (lambda p: p[:-3], "ends inside a value"),
+    ],
+)
+def test_malformed_gradients_are_refused_naming_what_is_wrong(mutate: Any, match: str) -> None:
+    payload, storages = _gradients()
+    assert _decode(payload, storages)[:3] == (1, 2, 3)
+    with pytest.raises(SerializationError, match=match):
+        _decode(mutate(payload), storages)
+
+
+def test_a_malformed_envelope_is_refused_before_it_joins_a_context() -> None:
+    payload, storages = wire.encode_call(torch.neg, (torch.ones(1),), {}, envelope=(1, 2, 0, False)) or (
+        b"",
+        [],
+    )
+    header = 2 + 19  # the header, then what the envelope holds
+    with pytest.raises(SerializationError, match="ends inside its autograd envelope's header"):
+        _decode(payload[:header], storages)
+    with pytest.raises(SerializationError, match=r"response 1\) holds kind 1"):
+        _decode(_patched(payload, header - 1, b"\x01"), storages)
+    with pytest.raises(SerializationError, match="names context -1"):
+        _decode(_patched(payload, 2, struct.pack("<q", -1)), storages)
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "match"),
+    [
+        ("CALL", lambda: wire.encode_value(torch.ones(1)), "a CALL message cannot hold a value"),
+        ("GRADIENT", lambda: _good(), "a GRADIENT message cannot hold a call"),
+        ("RESPONSE", lambda: _gradients(), "a RESPONSE message cannot hold gradients"),
+        (
+            "REMOTE_CALL",
+            lambda: _good(),
+            r"a REMOTE_CALL message cannot hold a call in this encoding \(it holds a remote call\)",
+        ),
+        ("RREF_FETCH", lambda: _good(), "a RREF_FETCH message cannot hold a call in this encoding$"),
+    ],
+)
+def test_a_compact_payload_of_the_wrong_kind_for_its_message_is_refused(
+    kind: str, payload: Any, match: str
+) -> None:
+    from twinrpc._message import Kind
+
+    data, storages = payload()
+    with pytest.raises(SerializationError, match=match):
+        serialize.loads(data, storages, request=True, kind=Kind[kind])
+
+
+# -- rpc.remote of a builtin --------------------------------------------------------------------------
+def test_a_remote_call_arrives_as_the_pickled_one_does() -> None:
+    from twinrpc._rref import GloballyUniqueId
+
+    t = torch.arange(6.0).reshape(2, 3)
+    body = (GloballyUniqueId(0, 4), GloballyUniqueId(0, 5), torch.add, (t, t[:, :1]), {"alpha": 2})
+    encoded = wire.encode_remote_call(*body)
+    assert encoded is not None and wire.is_call(encoded[0])
+    got = _decode(*encoded)
+    expected = _decode(*serialize.dumps(body, link_parameters=True))
+    assert got[:3] == expected[:3] == body[:3] and got[4] == expected[4] == {"alpha": 2}
+    _same(got[3], expected[3], [], [])
+
+
+def test_a_remote_call_of_anything_else_falls_back() -> None:
+    from twinrpc._rref import GloballyUniqueId
+
+    ids = (GloballyUniqueId(0, 1), GloballyUniqueId(0, 2))
+    assert wire.encode_remote_call(*ids, _udf, (1,), {}) is None
+    assert wire.encode_remote_call(*ids, torch.add, (object(),), {}) is None
+    assert (
+        wire.encode_remote_call(GloballyUniqueId(70000, 1), ids[1], torch.neg, (torch.ones(1),), {}) is None
+    )
+
+
+def _sim_remote_add(rank: int) -> Any:
+    import twinrpc.rpc as rpc
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    value = None
+    if rank == 0:
+        value = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1)).to_here()
+    rpc.shutdown()
+    return value
+
+
+def test_the_simulator_sends_remote_of_a_builtin_in_the_compact_encoding() -> None:
+    from twinrpc.simulator import Simulation
+
+    result = Simulation(world_size=2, seed=0).run(_sim_remote_add)
+    assert torch.equal(result.values()[0], torch.full((2,), 2.0))
+    sent = [ev.message for ev in result.trace.events() if ev.event == "send" and ev.message is not None]
+    remote = next(m for m in sent if m.kind == "REMOTE_CALL")
+    from twinrpc._rref import GloballyUniqueId
+
+    encoded = wire.encode_remote_call(
+        GloballyUniqueId(0, 0), GloballyUniqueId(0, 1), torch.add, (torch.ones(2), 1), {}
+    )
+    assert encoded is not None
+    assert remote.nbytes == len(encoded[0]) + sum(s.numel() for s in encoded[1])
+
+
+def test_a_remote_call_cut_inside_its_header_is_refused() -> None:
+    from twinrpc._rref import GloballyUniqueId
+
+    payload, storages = wire.encode_remote_call(
+        GloballyUniqueId(0, 1), GloballyUniqueId(0, 2), torch.neg, (torch.ones(1),), {}
+    ) or (b"", [])
+    with pytest.raises(SerializationError, match="ends inside its remote call's header"):
+        _decode(payload[:12], storages)
+    with pytest.raises(SerializationError, match="ends inside a value"):
+        _decode(payload[:-3], storages)

@@ -145,9 +145,10 @@ def test_a_small_builtin_call_runs_brief_and_others_do_not(outcomes: dict[str, A
     assert outcomes["add"] == ("ok", [7.0, 7.0])
     assert outcomes["big add"] == ("ok", 10000.0)
     assert outcomes["not brief"] == ("ok", [[1.0, 1.0], [1.0, 1.0]])
-    # add, big add, ones, the two errors, mul, timed-out add, add, sub (the malformed call is not
-    # decoded, the autograd call and the pickled ones are pickled)
-    assert outcomes["brief"] == [True, False, False, True, True, True, True, True, True]
+    # add, big add, ones, the two errors, mul, the mul in an autograd context (compact, in its
+    # envelope, never brief), timed-out add, add, sub (the malformed call is not decoded, the pickled
+    # ones are pickled)
+    assert outcomes["brief"] == [True, False, False, True, True, True, False, True, True, True]
 
 
 def test_remote_errors_are_those_of_the_pickled_path(outcomes: dict[str, Any]) -> None:

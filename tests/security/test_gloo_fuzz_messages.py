@@ -2,11 +2,12 @@
 
 Three worker processes: worker0 (the bad peer) runs hypothesis, worker1 (the receiver, started with an
 ``unpickle_allow`` allowlist) takes the calls, worker2 is a healthy peer. Each example takes a real
-request payload (a builtin operator call in twinrpc._builtin_wire's compact encoding, or a pickle of
-``(func, args, kwargs)`` as twinrpc._serialize makes it, with tensors, views and keyword arguments),
+request payload (a builtin operator call in twinrpc._builtin_wire's compact encoding, plain or in a
+distributed autograd envelope, a pickle of ``(func, args, kwargs)`` as twinrpc._serialize makes it,
+with tensors, views and keyword arguments, or a GRADIENT request's body in its compact encoding),
 mutates it (bytes overwritten, inserted or deleted, the payload cut short, a storage dropped, cut or
-added) and sends it as a CALL through worker0's ordinary link, so the frames are valid and only the
-message decoders see the damage. Then:
+added) and sends it as a request of its kind through worker0's ordinary link, so the frames are valid
+and only the message decoders see the damage. Then:
 
 * the call ends within its timeout, never by it: the receiver answers every request, with the result
   of whatever the damaged payload still decodes to, or with an error; an error that says the request
@@ -76,6 +77,8 @@ def _replies() -> list[tuple[str, Any]]:
     return [
         ("a builtin call's tensor, in the compact encoding", (torch.add, (t, t[:, :1]), {})),
         ("a builtin call's tuple of tensors", (torch.split, (torch.arange(5), 2), {})),
+        # made in a distributed autograd context (an argument requires grad): its reply is an envelope
+        ("a builtin call's result in an autograd envelope", (torch.mul, (t.requires_grad_(), 2.0), {})),
         ("a pickled int", (operator.add, (1, 2), {})),
         ("a pickled dict of tensors and strings", (named, (t,), {"name": "x"})),
         ("an exception", (operator.truediv, (1, 0), {})),
@@ -89,11 +92,16 @@ def named(t: Any, name: str) -> dict[str, Any]:
 
 def call_back(which: int) -> str:
     """On worker1: make reply case ``which``'s call to worker0; what it ended as."""
+    import twinrpc.autograd as dist_autograd
     import twinrpc.rpc as rpc
 
     func, args, kwargs = _replies()[which][1]
     try:
-        rpc.rpc_sync("worker0", func, args=args, kwargs=kwargs, timeout=WAIT)
+        if any(getattr(a, "requires_grad", False) for a in args):
+            with dist_autograd.context():
+                rpc.rpc_sync("worker0", func, args=args, kwargs=kwargs, timeout=WAIT)
+        else:
+            rpc.rpc_sync("worker0", func, args=args, kwargs=kwargs, timeout=WAIT)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "value"
@@ -155,7 +163,7 @@ def _classify(text: str, what: str) -> str:
 
 
 def _requests() -> list[tuple[str, Any]]:
-    """Real request objects: what worker0 would send for these calls."""
+    """Real request objects: what worker0 would send for these calls (CALLs)."""
     import torch
 
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
@@ -169,6 +177,26 @@ def _requests() -> list[tuple[str, Any]]:
         ("pickled operator.add of ints", (operator.add, (1, 2), {})),
         ("pickled operator.mul of a tensor", (operator.mul, (t[1], 3), {})),
         ("pickled torch.add of bools and floats", (torch.add, (torch.tensor([True, False]), 0.5), {})),
+    ]
+
+
+def _autograd_requests() -> list[tuple[str, Any, bytes, list[Any]]]:
+    """Real distributed autograd requests in the compact encoding: (what, kind, payload, storages). The
+    context they name does not exist on worker1: the envelope's call creates it there, as a first
+    call in a context does; a gradient for it finds no send function and is answered with the error."""
+    import torch
+
+    from twinrpc import _builtin_wire
+    from twinrpc._message import Kind
+
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).requires_grad_()
+    envelope = (7, 3, 0, False)  # context 7 of worker0, its autograd message 3
+    call = _builtin_wire.encode_call(torch.add, (t, t[:, 1:2]), {}, envelope=envelope, grads=[])
+    gradients = _builtin_wire.encode_gradients(7, 9, (1 << 48) + 1, [torch.ones(3, 4), torch.ones(2)], False)
+    assert call is not None and gradients is not None
+    return [
+        ("builtin add in an autograd envelope", Kind.CALL, *call),
+        ("a gradient request", Kind.GRADIENT, *gradients),
     ]
 
 
@@ -195,8 +223,7 @@ def _fuzz(shared: dict[str, Any]) -> dict[str, Any]:
     from twinrpc._message import Kind, Message
 
     agent = current_agent()
-    requests = _requests()
-    encoded = [_encode(obj) for _, obj in requests]
+    requests = [(what, Kind.CALL, *_encode(obj)) for what, obj in _requests()] + _autograd_requests()
     threads0, _, answer = rpc.rpc_sync("worker1", probe, timeout=WAIT)
     assert answer == 42
     outcomes: dict[str, int] = {}
@@ -212,12 +239,14 @@ def _fuzz(shared: dict[str, Any]) -> dict[str, Any]:
     @_EXAMPLES
     @given(which=st.integers(0, len(requests) - 1), edits=st.lists(edit, max_size=4), storages=storage_edit)
     def one_request(which: int, edits: list[tuple[str, int, Any]], storages: str) -> None:
-        payload, tensors = encoded[which]
+        what, kind, payload, tensors = requests[which]
         sent = _damage(payload, tensors, edits, storages)
         assume(not _memo_bomb(sent[0]))
-        note(f"{requests[which][0]}: {len(payload)} -> {len(sent[0])} B {sent[0]!r}, storages {storages}")
+        note(f"{what}: {len(payload)} -> {len(sent[0])} B {sent[0]!r}, storages {storages}")
         with mock.patch.object(_serialize, "dumps", lambda obj, fork=None, grads=None, **_: sent):
-            fut = agent.request(1, Kind.CALL, (None, (), {}), WAIT)  # dumps is patched: any call
+            # dumps is patched: any body the compact encoding refuses (a gradient that is not a list)
+            body = (None, (), {}) if kind is Kind.CALL else (0, 0, 0, None, False)
+            fut = agent.request(1, kind, body, WAIT)
         try:
             fut.wait()
             outcome = "ran"

@@ -17,6 +17,7 @@ import torch
 from .._agent import RpcAgent
 from .._current import current_agent, current_slot
 from .._future import Future
+from .._heap import freeze_heap
 from .._key_source import auth_key_of
 from .._membership import join_group
 from .._rref import RRef
@@ -98,6 +99,9 @@ def init_rpc(
         finally:
             if not agent.running:
                 slot.agent = None
+    if world.owns_process:
+        # torch's objects, and everything else alive by now, are not walked by every full collection
+        freeze_heap()
 
 
 def _join_options(options: RpcBackendOptions) -> JoinOptions:
