@@ -105,6 +105,13 @@ class Receiver:
         self._src = pair.peer_rank
         #: the same-host rings (``rings.inbound`` None: the peer's data comes in data frames)
         self._rings = pair.rings
+        #: the peer's header frames come through its ring too (the same-host doorbell), for the link's
+        #: whole life: no header receive is ever posted, and data frames' only on demand
+        inbound = pair.rings.inbound
+        self._headers_in_ring = inbound is not None and inbound.door is not None
+        #: held by the one receiver thread that waits on the doorbell (claims, takes and frees
+        #: header slots in order)
+        self._door_lock = threading.Lock()
         self._live = liveness
         self._riders = riders
         self._on_message = on_message
@@ -302,7 +309,7 @@ class Receiver:
         back), and always before claiming a slot whose receive is still pending (see _next_header),
         so a frame never lands in a slot whose receive is not posted again; a data frame's receive is
         posted on demand (_recv_data) if it is still pending then."""
-        if not self._repost_queue and self._staging_work is not None:
+        if (not self._repost_queue and self._staging_work is not None) or self._headers_in_ring:
             return
         with self._post_lock:
             while self._repost_queue:
@@ -334,6 +341,8 @@ class Receiver:
         that arrives before its turn is left for the dispatcher and this thread parks as a spare.
         Decode the header; its buffer's receive is posted again later (_repost). None: receiving
         ended meanwhile."""
+        if self._headers_in_ring:
+            return self._next_header_from_slots()
         live = self._live
         while True:
             if len(self._repost_queue) >= _REPOST_BATCH:
@@ -381,6 +390,73 @@ class Receiver:
                 gate.acquire()
                 self._spares.append(gate)
             gate.acquire()  # woken when no receiver waits for the next slot (or at the end)
+        return self._decode(slot)
+
+    def _next_header_from_slots(self) -> Header | None:
+        """_next_header for header frames that come through the peer's ring: the thread holding the
+        door lock claims the next slot, sleeps on the doorbell until the peer has written it, copies
+        it into a header buffer of ours and frees it; dispatching is shared as over gloo."""
+        live = self._live
+        while True:
+            with self._rx_lock:
+                if self._ended:
+                    return None
+                if not self._busy and self._turn in self._ready:
+                    slot = self._turn
+                    self._ready.discard(slot)
+                    self._busy = True
+                    break
+            with self._door_lock:
+                with self._rx_lock:
+                    if self._ended:
+                        return None
+                    slot = self._claimed
+                    self._claimed += 1
+                    self._native.add(slot)
+                    if not live.header_waiters:
+                        live.header_since = time.monotonic()
+                    live.header_waiters += 1
+                try:
+                    error = self._take_slot(slot)
+                finally:
+                    with self._rx_lock:
+                        live.header_waiters -= 1
+                        self._native.discard(slot)
+            if error is not None:
+                raise error
+            live.heard = time.monotonic()
+            with self._rx_lock:
+                if self._ended:
+                    return None
+                if not self._busy and self._turn == slot:
+                    self._busy = True
+                    break
+                self._ready.add(slot)  # early: the dispatcher takes it when its turn comes
+                gate = allocate_lock()
+                gate.acquire()
+                self._spares.append(gate)
+            gate.acquire()  # woken when no receiver waits for the next slot (or at the end)
+        return self._decode(slot)
+
+    def _take_slot(self, slot: int) -> BaseException | None:
+        """Wait for header ``slot`` in the peer's ring and copy it into its buffer; the error that ends
+        receiving instead (a fresh one: a traceback through here would keep the ring mapped)."""
+        ring = self._rings.inbound
+        if ring is None:  # released: the link has ended
+            return RuntimeError("the link has ended")
+        try:
+            ring.wait_header(slot)
+            ring.take_header(slot, self._ring[slot % RING][1])
+            return None
+        except ValueError as exc:
+            text = f"{self._state.peer_name} broke its header slots: {exc}"
+        except RuntimeError as exc:
+            text, kind = str(exc), type(exc)
+            return kind(text)
+        return RuntimeError(text)
+
+    def _decode(self, slot: int) -> Header:
+        """Check (with a key) and decode the header frame of ``slot``, now in its buffer."""
         i = slot % RING
         state = self._state
         auth = self._auth
@@ -389,11 +465,12 @@ class Receiver:
         try:
             header = Header(self._ring[i][1], state.peer, state.me, self._ring[i][0])
         except FrameError:
-            self._repost_queue.append(i)
+            if not self._headers_in_ring:
+                self._repost_queue.append(i)
             raise
         if data_tag is not None:
             header.data_tag = data_tag
-        if not header.closing:
+        if not header.closing and not self._headers_in_ring:
             self._repost_queue.append(i)  # posted again after this message is handled (_repost)
             self.peer_acked = header.ack
         return header
@@ -401,11 +478,12 @@ class Receiver:
     def _receive_loop(self) -> None:
         try:
             self._ring_works = [None] * RING
-            with self._post_lock:  # a send may already have posted the staging receive (_repost)
-                for i in range(RING):
-                    self._post_header(i)
-                if self._staging_work is None:
-                    self._staging_work = self._post_staging()
+            if not self._headers_in_ring:
+                with self._post_lock:  # a send may already have posted the staging receive (_repost)
+                    for i in range(RING):
+                        self._post_header(i)
+                    if self._staging_work is None:
+                        self._staging_work = self._post_staging()
         except RuntimeError as exc:
             if not self._state.closing:
                 self._fail(exc)
