@@ -292,14 +292,17 @@ class Sender:
         out.bell.wait_room(out.header_room, lambda: state.failed is not None, timeout)
 
     def send_raw_header(self, frame: torch.Tensor) -> None:
-        """Send ``frame`` (``HEADER_BYTES``, not sealed) as the next header frame, the way this link's
-        header frames travel: for tests that inject malformed frames."""
-        with self.lock:
-            self.headers_sent += 1
-            if not self._headers_in_ring:
-                self._pg.send([frame], self._dst, TAG).wait()
-                return
-            self._put_header(memoryview(frame.numpy()))  # type: ignore[arg-type]
+        """Send ``frame`` (``HEADER_BYTES``, as it is: not counted, not sealed) as the next header
+        frame, the way this link's header frames travel; under the send lock. For tests that inject
+        malformed frames."""
+        if not self._headers_in_ring:
+            self._pg.send([frame], self._dst, TAG).wait()
+            return
+        # a shorter frame arrives zero-filled, as over gloo (whose receiver clears each header buffer)
+        slot = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        n = min(frame.numel(), HEADER_BYTES)
+        slot[:n] = frame[:n]
+        self._put_header(memoryview(slot.numpy()))  # type: ignore[arg-type]
 
     def _needs_no_data_frame(self, msg: Message) -> bool:
         """Whether ``msg`` goes in its header frame alone: whole inside it, or with its data in the
