@@ -189,6 +189,10 @@ class OutRing:
         self._headers = 0
         #: bytes placed so far (a position: the data at ``p`` lives at ``p % capacity``)
         self._head = 0
+        #: the last restart at the ring's start (see _plan): from the position where the ring ran
+        #: empty to the start of the next lap; until the reader moves on from there, the bytes
+        #: between are free, not a lap's worth of data still to read
+        self._restart = (-1, -1)
         #: gives the ring's bytes back to the budget once: at release, or when the ring is collected
         #: (a link dropped without being released must not keep the process's budget for ever)
         self._give_back = weakref.finalize(self, BUDGET.give_back, reserved)
@@ -240,17 +244,23 @@ class OutRing:
         """Whether data of these sizes would fit now (the same test ``place`` makes)."""
         return self._plan(sizes) is not None
 
-    def _plan(self, sizes: list[int]) -> tuple[list[int], int] | None:
+    def _plan(self, sizes: list[int]) -> tuple[list[int], int, tuple[int, int] | None] | None:
+        """Where pieces of these sizes would go now: their positions, the head after them, and the
+        restart at the ring's start they make (None: none); None if they do not fit."""
         cap = self.capacity
         head = self._head
         free_from = int(self._read[0])
-        if head == free_from:
+        restart = None
+        if free_from == self._restart[0]:
+            free_from = self._restart[1]  # the reader has not taken the piece at the restart yet
+        elif head == free_from:
             # all read: start again at the ring's start, whose pages are mapped and likely cached (a
             # request-reply pattern then reuses the same few pages instead of walking the whole ring).
             # The ring is empty, so the whole of it is free from there (the rest of this lap is not
             # in use: the reader's position passes it when it takes the piece at the start)
             if head % cap:
-                head += cap - head % cap
+                restart = (head, head + cap - head % cap)
+                head = restart[1]
             free_from = head
         positions = []
         for n in sizes:
@@ -262,7 +272,7 @@ class OutRing:
             head += step
             if head - free_from > cap:
                 return None
-        return positions, head
+        return positions, head, restart
 
     def place(self, payload: bytes | None, tensors: list[torch.Tensor]) -> list[int] | None:
         """Copy ``payload`` (if given) and then each tensor's bytes into the ring; their positions, in
@@ -272,7 +282,9 @@ class OutRing:
         plan = self._plan(sizes)
         if plan is None:
             return None
-        positions, self._head = plan
+        positions, self._head, restart = plan
+        if restart is not None:
+            self._restart = restart
         cap = self.capacity
         i = 0
         if payload is not None:
