@@ -343,28 +343,23 @@ class Receiver:
         ended meanwhile."""
         if self._headers_in_ring:
             return self._next_header_from_slots()
-        live = self._live
         while True:
             if len(self._repost_queue) >= _REPOST_BATCH:
                 self._repost()
             with self._rx_lock:
                 if self._ended:
                     return None
-                if not self._busy and self._turn in self._ready:
-                    slot = self._turn
-                    self._ready.discard(slot)
-                    self._busy = True
-                    break
-                slot = self._claimed
-                # the receive of slot s is the s-th one posted: RING at first, one per consumed
-                unposted = slot >= RING + self.consumed
-                if not unposted:
-                    self._claimed += 1
-                    work = self._ring_works[slot % RING]
-                    self._native.add(slot)
-                    if not live.header_waiters:
-                        live.header_since = time.monotonic()
-                    live.header_waiters += 1
+                turn = self._ready_turn()
+                if turn is None:
+                    slot = self._claimed
+                    # the receive of slot s is the s-th one posted: RING at first, one per consumed
+                    unposted = slot >= RING + self.consumed
+                    if not unposted:
+                        self._claimed += 1
+                        work = self._ring_works[slot % RING]
+                        self._waiting(slot)
+            if turn is not None:
+                return self._decode(turn)
             if unposted:  # its buffer still holds a frame taken earlier, whose receive is pending
                 if not self._repost_queue:
                     raise RuntimeError(
@@ -375,68 +370,82 @@ class Receiver:
             try:
                 work.wait()
             finally:
-                with self._rx_lock:
-                    live.header_waiters -= 1
-                    self._native.discard(slot)
-            live.heard = time.monotonic()
-            with self._rx_lock:
-                if self._ended:
-                    return None
-                if not self._busy and self._turn == slot:
-                    self._busy = True
-                    break
-                self._ready.add(slot)  # early: the dispatcher takes it when its turn comes
-                gate = allocate_lock()
-                gate.acquire()
-                self._spares.append(gate)
-            gate.acquire()  # woken when no receiver waits for the next slot (or at the end)
-        return self._decode(slot)
+                self._waited(slot)
+            arrived = self._arrived(slot)
+            if arrived is None:
+                return None
+            if arrived:
+                return self._decode(slot)
 
     def _next_header_from_slots(self) -> Header | None:
         """_next_header for header frames that come through the peer's ring: the thread holding the
         door lock claims the next slot, sleeps on the doorbell until the peer has written it, copies
         it into a header buffer of ours and frees it; dispatching is shared as over gloo."""
-        live = self._live
         while True:
             with self._rx_lock:
                 if self._ended:
                     return None
-                if not self._busy and self._turn in self._ready:
-                    slot = self._turn
-                    self._ready.discard(slot)
-                    self._busy = True
-                    break
+                turn = self._ready_turn()
+            if turn is not None:
+                return self._decode(turn)
             with self._door_lock:
                 with self._rx_lock:
                     if self._ended:
                         return None
                     slot = self._claimed
                     self._claimed += 1
-                    self._native.add(slot)
-                    if not live.header_waiters:
-                        live.header_since = time.monotonic()
-                    live.header_waiters += 1
+                    self._waiting(slot)
                 try:
                     error = self._take_slot(slot)
                 finally:
-                    with self._rx_lock:
-                        live.header_waiters -= 1
-                        self._native.discard(slot)
+                    self._waited(slot)
             if error is not None:
                 raise error
-            live.heard = time.monotonic()
-            with self._rx_lock:
-                if self._ended:
-                    return None
-                if not self._busy and self._turn == slot:
-                    self._busy = True
-                    break
-                self._ready.add(slot)  # early: the dispatcher takes it when its turn comes
-                gate = allocate_lock()
-                gate.acquire()
-                self._spares.append(gate)
-            gate.acquire()  # woken when no receiver waits for the next slot (or at the end)
-        return self._decode(slot)
+            arrived = self._arrived(slot)
+            if arrived is None:
+                return None
+            if arrived:
+                return self._decode(slot)
+
+    def _ready_turn(self) -> int | None:
+        """Under _rx_lock: become the dispatcher of slot _turn if its frame is here already."""
+        if self._busy or self._turn not in self._ready:
+            return None
+        slot = self._turn
+        self._ready.discard(slot)
+        self._busy = True
+        return slot
+
+    def _waiting(self, slot: int) -> None:
+        """Under _rx_lock: this thread waits for the frame of ``slot`` (for hand_off and liveness)."""
+        live = self._live
+        self._native.add(slot)
+        if not live.header_waiters:
+            live.header_since = time.monotonic()
+        live.header_waiters += 1
+
+    def _waited(self, slot: int) -> None:
+        with self._rx_lock:
+            self._live.header_waiters -= 1
+            self._native.discard(slot)
+
+    def _arrived(self, slot: int) -> bool | None:
+        """The frame of ``slot`` is here: True if it is this thread's to dispatch now; else it is left
+        for the dispatcher and this thread parks as a spare until woken (False: look again). None:
+        receiving ended meanwhile."""
+        self._live.heard = time.monotonic()
+        with self._rx_lock:
+            if self._ended:
+                return None
+            if not self._busy and self._turn == slot:
+                self._busy = True
+                return True
+            self._ready.add(slot)  # early: the dispatcher takes it when its turn comes
+            gate = allocate_lock()
+            gate.acquire()
+            self._spares.append(gate)
+        gate.acquire()  # woken when no receiver waits for the next slot (or at the end)
+        return False
 
     def _take_slot(self, slot: int) -> BaseException | None:
         """Wait for header ``slot`` in the peer's ring and copy it into its buffer; the error that ends
