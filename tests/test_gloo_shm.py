@@ -428,6 +428,8 @@ def test_a_closed_link_leaves_no_mapping_and_no_descriptor() -> None:
     sender, listener = make_links(inbox, failures)
     maps, _ = _ring_handles()
     assert maps == before[0] + 4  # each side maps its ring and the peer's
+    # each side: its doorbell, its copy of the peer's, and a pidfd of the peer with each
+    assert _doorbell_fds() == bells_before + 8
     sender.start()
     listener.start()
     sender.send(_message(b"x", 200_000))
