@@ -46,9 +46,10 @@ import torch
 from twinrpc._errors import RPCError
 from twinrpc._message import Kind, Message
 
-from ._same_host import OutRing
+from ._same_host import SLOT_BYTES, OutRing
 
 HEADER_BYTES = 4096
+assert HEADER_BYTES == SLOT_BYTES, "a same-host header slot holds one header frame"
 MAGIC = 0x54574E52  # "TWNR"
 VERSION = 6
 FLAG_INLINE = 1  # the payload is inside the header

@@ -65,7 +65,9 @@ class Pair:
     def abandon(self) -> None:
         """Close the pair's gloo connection now: every thread blocked in a send to or a receive from
         this peer wakes with an error. The pair's process group is unusable afterwards (gloo closes
-        every pair of a context on an application timeout). Idempotent; blocks about 1 ms."""
+        every pair of a context on an application timeout). A receiver sleeping on the same-host
+        doorbell wakes too. Idempotent; blocks about 1 ms."""
+        self.rings.stop()
         work = self._kill_work
         if work is None or self._abandoned:
             return

@@ -105,6 +105,13 @@ class Receiver:
         self._src = pair.peer_rank
         #: the same-host rings (``rings.inbound`` None: the peer's data comes in data frames)
         self._rings = pair.rings
+        #: the peer's header frames come through its ring too (the same-host doorbell), for the link's
+        #: whole life: no header receive is ever posted, and data frames' only on demand
+        inbound = pair.rings.inbound
+        self._headers_in_ring = inbound is not None and inbound.door is not None
+        #: held by the one receiver thread that waits on the doorbell (claims, takes and frees
+        #: header slots in order)
+        self._door_lock = threading.Lock()
         self._live = liveness
         self._riders = riders
         self._on_message = on_message
@@ -302,7 +309,7 @@ class Receiver:
         back), and always before claiming a slot whose receive is still pending (see _next_header),
         so a frame never lands in a slot whose receive is not posted again; a data frame's receive is
         posted on demand (_recv_data) if it is still pending then."""
-        if not self._repost_queue and self._staging_work is not None:
+        if (not self._repost_queue and self._staging_work is not None) or self._headers_in_ring:
             return
         with self._post_lock:
             while self._repost_queue:
@@ -334,28 +341,25 @@ class Receiver:
         that arrives before its turn is left for the dispatcher and this thread parks as a spare.
         Decode the header; its buffer's receive is posted again later (_repost). None: receiving
         ended meanwhile."""
-        live = self._live
+        if self._headers_in_ring:
+            return self._next_header_from_slots()
         while True:
             if len(self._repost_queue) >= _REPOST_BATCH:
                 self._repost()
             with self._rx_lock:
                 if self._ended:
                     return None
-                if not self._busy and self._turn in self._ready:
-                    slot = self._turn
-                    self._ready.discard(slot)
-                    self._busy = True
-                    break
-                slot = self._claimed
-                # the receive of slot s is the s-th one posted: RING at first, one per consumed
-                unposted = slot >= RING + self.consumed
-                if not unposted:
-                    self._claimed += 1
-                    work = self._ring_works[slot % RING]
-                    self._native.add(slot)
-                    if not live.header_waiters:
-                        live.header_since = time.monotonic()
-                    live.header_waiters += 1
+                turn = self._ready_turn()
+                if turn is None:
+                    slot = self._claimed
+                    # the receive of slot s is the s-th one posted: RING at first, one per consumed
+                    unposted = slot >= RING + self.consumed
+                    if not unposted:
+                        self._claimed += 1
+                        work = self._ring_works[slot % RING]
+                        self._waiting(slot)
+            if turn is not None:
+                return self._decode(turn)
             if unposted:  # its buffer still holds a frame taken earlier, whose receive is pending
                 if not self._repost_queue:
                     raise RuntimeError(
@@ -366,21 +370,102 @@ class Receiver:
             try:
                 work.wait()
             finally:
-                with self._rx_lock:
-                    live.header_waiters -= 1
-                    self._native.discard(slot)
-            live.heard = time.monotonic()
+                self._waited(slot)
+            arrived = self._arrived(slot)
+            if arrived is None:
+                return None
+            if arrived:
+                return self._decode(slot)
+
+    def _next_header_from_slots(self) -> Header | None:
+        """_next_header for header frames that come through the peer's ring: the thread holding the
+        door lock claims the next slot, sleeps on the doorbell until the peer has written it, copies
+        it into a header buffer of ours and frees it; dispatching is shared as over gloo."""
+        while True:
             with self._rx_lock:
                 if self._ended:
                     return None
-                if not self._busy and self._turn == slot:
-                    self._busy = True
-                    break
-                self._ready.add(slot)  # early: the dispatcher takes it when its turn comes
-                gate = allocate_lock()
-                gate.acquire()
-                self._spares.append(gate)
-            gate.acquire()  # woken when no receiver waits for the next slot (or at the end)
+                turn = self._ready_turn()
+            if turn is not None:
+                return self._decode(turn)
+            with self._door_lock:
+                with self._rx_lock:
+                    if self._ended:
+                        return None
+                    slot = self._claimed
+                    self._claimed += 1
+                    self._waiting(slot)
+                try:
+                    error = self._take_slot(slot)
+                finally:
+                    self._waited(slot)
+            if error is not None:
+                raise error
+            arrived = self._arrived(slot)
+            if arrived is None:
+                return None
+            if arrived:
+                return self._decode(slot)
+
+    def _ready_turn(self) -> int | None:
+        """Under _rx_lock: become the dispatcher of slot _turn if its frame is here already."""
+        if self._busy or self._turn not in self._ready:
+            return None
+        slot = self._turn
+        self._ready.discard(slot)
+        self._busy = True
+        return slot
+
+    def _waiting(self, slot: int) -> None:
+        """Under _rx_lock: this thread waits for the frame of ``slot`` (for hand_off and liveness)."""
+        live = self._live
+        self._native.add(slot)
+        if not live.header_waiters:
+            live.header_since = time.monotonic()
+        live.header_waiters += 1
+
+    def _waited(self, slot: int) -> None:
+        with self._rx_lock:
+            self._live.header_waiters -= 1
+            self._native.discard(slot)
+
+    def _arrived(self, slot: int) -> bool | None:
+        """The frame of ``slot`` is here: True if it is this thread's to dispatch now; else it is left
+        for the dispatcher and this thread parks as a spare until woken (False: look again). None:
+        receiving ended meanwhile."""
+        self._live.heard = time.monotonic()
+        with self._rx_lock:
+            if self._ended:
+                return None
+            if not self._busy and self._turn == slot:
+                self._busy = True
+                return True
+            self._ready.add(slot)  # early: the dispatcher takes it when its turn comes
+            gate = allocate_lock()
+            gate.acquire()
+            self._spares.append(gate)
+        gate.acquire()  # woken when no receiver waits for the next slot (or at the end)
+        return False
+
+    def _take_slot(self, slot: int) -> BaseException | None:
+        """Wait for header ``slot`` in the peer's ring and copy it into its buffer; the error that ends
+        receiving instead (a fresh one: a traceback through here would keep the ring mapped)."""
+        ring = self._rings.inbound
+        if ring is None:  # released: the link has ended
+            return RuntimeError("the link has ended")
+        try:
+            ring.wait_header(slot)
+            ring.take_header(slot, self._ring[slot % RING][1])
+            return None
+        except ValueError as exc:
+            text = f"{self._state.peer_name} broke its header slots: {exc}"
+        except RuntimeError as exc:
+            text, kind = str(exc), type(exc)
+            return kind(text)
+        return RuntimeError(text)
+
+    def _decode(self, slot: int) -> Header:
+        """Check (with a key) and decode the header frame of ``slot``, now in its buffer."""
         i = slot % RING
         state = self._state
         auth = self._auth
@@ -389,11 +474,12 @@ class Receiver:
         try:
             header = Header(self._ring[i][1], state.peer, state.me, self._ring[i][0])
         except FrameError:
-            self._repost_queue.append(i)
+            if not self._headers_in_ring:
+                self._repost_queue.append(i)
             raise
         if data_tag is not None:
             header.data_tag = data_tag
-        if not header.closing:
+        if not header.closing and not self._headers_in_ring:
             self._repost_queue.append(i)  # posted again after this message is handled (_repost)
             self.peer_acked = header.ack
         return header
@@ -401,11 +487,12 @@ class Receiver:
     def _receive_loop(self) -> None:
         try:
             self._ring_works = [None] * RING
-            with self._post_lock:  # a send may already have posted the staging receive (_repost)
-                for i in range(RING):
-                    self._post_header(i)
-                if self._staging_work is None:
-                    self._staging_work = self._post_staging()
+            if not self._headers_in_ring:
+                with self._post_lock:  # a send may already have posted the staging receive (_repost)
+                    for i in range(RING):
+                        self._post_header(i)
+                    if self._staging_work is None:
+                        self._staging_work = self._post_staging()
         except RuntimeError as exc:
             if not self._state.closing:
                 self._fail(exc)

@@ -40,24 +40,38 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._doorbell import Bell, Doorbell, _fence
+from ._doorbell import available as _doorbell_available
+
 _log = logging.getLogger("twinrpc.impl")
 
 #: ``TWINRPC_SHM=0`` turns the same-host path off (every byte over gloo, as between hosts)
 ENV_SWITCH = "TWINRPC_SHM"
 ENV_RING_BYTES = "TWINRPC_SHM_RING_BYTES"
 ENV_MAX_BYTES = "TWINRPC_SHM_MAX_BYTES"
+#: ``TWINRPC_SHM_DOORBELL=0`` keeps the header frames on gloo while the data still takes the rings
+ENV_DOORBELL = "TWINRPC_SHM_DOORBELL"
 _DEFAULT_RING_BYTES = 128 << 20
 _DEFAULT_MAX_BYTES = 1 << 30
 #: the smallest ring worth having (smaller budgets leave the link on gloo)
 _MIN_RING_BYTES = 1 << 20
-#: the file's first page: the receiver's read position (u64 at offset 0); the data starts after it
-_CONTROL_BYTES = 4096
+#: header slots in a ring (the window of headers a writer may be ahead of its reader)
+HEADER_SLOTS = 64
+#: one header slot: a whole header frame (``_framing.HEADER_BYTES``, which checks that they agree)
+SLOT_BYTES = 4096
+#: the file's first page holds the counters, each on a cache line of its own: the receiver's read
+#: position of the data (u64 at 0), headers written (u64 at 64, by the writer), headers taken (u64 at
+#: 128, by the reader), the reader's *asleep* flag (u64 at 192, see ``_doorbell``) and the writer's
+#: *hung up* flag (u64 at 256: it abandoned the link); the header slots follow it, then the data
+_PAGE = 4096
+_WRITTEN_AT, _TAKEN_AT, _ASLEEP_AT, _HUNG_UP_AT = 64, 128, 192, 256
+_CONTROL_BYTES = _PAGE + HEADER_SLOTS * SLOT_BYTES
 #: each piece of data starts on this boundary (cache lines; keeps tensor data aligned for copies)
 _ALIGN = 64
 #: how long discovery waits for the peer's offer and answer (it posts them right after the pair's
 #: process group is made, which both ends finish together)
 _ANSWER_WAIT = timedelta(seconds=30)
-_OFFER = struct.Struct("<64sIiQ")  # host identity, pid, fd, file size
+_OFFER = struct.Struct("<64sIiQi")  # host identity, pid, fd, file size, doorbell fd (-1: none)
 _NO_OFFER = b"-"
 
 
@@ -73,6 +87,23 @@ def enabled() -> bool:
         and sys.platform.startswith("linux")
         and hasattr(os, "memfd_create")
     )
+
+
+def doorbell_enabled() -> bool:
+    """Whether this process sends and takes header frames through the rings (see ``_doorbell``)."""
+    return os.environ.get(ENV_DOORBELL, "1").strip() != "0" and _doorbell_available()
+
+
+class _Counters:
+    """The words of a ring's first page (see ``_CONTROL_BYTES``), over its mapping."""
+
+    def __init__(self, mm: mmap.mmap) -> None:
+        words = np.frombuffer(mm, dtype=np.uint64, count=_PAGE // 8)
+        self.read = words[0:1]
+        self.written = words[_WRITTEN_AT // 8 : _WRITTEN_AT // 8 + 1]
+        self.taken = words[_TAKEN_AT // 8 : _TAKEN_AT // 8 + 1]
+        self.asleep = words[_ASLEEP_AT // 8 : _ASLEEP_AT // 8 + 1]
+        self.hung_up = words[_HUNG_UP_AT // 8 : _HUNG_UP_AT // 8 + 1]
 
 
 def host_identity() -> bytes:
@@ -148,17 +179,54 @@ class OutRing:
         except OSError:
             os.close(self.fd)
             raise
-        self._read = np.frombuffer(mm, dtype=np.uint64, count=1)
+        self._words = _Counters(mm)
+        self._read = self._words.read
+        self._slots = memoryview(mm)[_PAGE:_CONTROL_BYTES]
         self._view = memoryview(mm)[_CONTROL_BYTES:]
+        #: the peer's doorbell (None: our header frames go over gloo); set by ``connect``
+        self.bell: Bell | None = None
+        #: header frames put in the slots so far (under the link's send lock)
+        self._headers = 0
         #: bytes placed so far (a position: the data at ``p`` lives at ``p % capacity``)
         self._head = 0
+        #: the last restart at the ring's start (see _plan): from the position where the ring ran
+        #: empty to the start of the next lap; until the reader moves on from there, the bytes
+        #: between are free, not a lap's worth of data still to read
+        self._restart = (-1, -1)
         #: gives the ring's bytes back to the budget once: at release, or when the ring is collected
         #: (a link dropped without being released must not keep the process's budget for ever)
         self._give_back = weakref.finalize(self, BUDGET.give_back, reserved)
 
-    def offer(self) -> bytes:
+    def offer(self, doorbell_fd: int = -1) -> bytes:
+        """What the peer needs to map this ring, and the doorbell it rings us with (-1: none)."""
         assert self.fd is not None
-        return _OFFER.pack(host_identity(), os.getpid(), self.fd, _CONTROL_BYTES + self.capacity)
+        return _OFFER.pack(host_identity(), os.getpid(), self.fd, _CONTROL_BYTES + self.capacity, doorbell_fd)
+
+    def hang_up(self) -> None:
+        """The link ends here without close frames (failed or abandoned): tell a peer that takes our
+        header frames from this ring, as a closed gloo connection tells one that takes them there."""
+        if self.bell is not None and not self._words.hung_up[0]:
+            self._words.hung_up[0] = 1
+            _fence()
+            self.bell.ring()
+
+    def header_room(self) -> bool:
+        """Whether a header slot is free (the reader has taken all but fewer than HEADER_SLOTS)."""
+        return self._headers - int(self._words.taken[0]) < HEADER_SLOTS
+
+    def put_header(self, frame: memoryview) -> None:
+        """Put one header frame in the next slot (there is room: ``header_room``), publish it, and
+        ring the peer if it sleeps (see ``_doorbell``). Under the link's send lock."""
+        n = self._headers
+        off = (n % HEADER_SLOTS) * SLOT_BYTES
+        self._slots[off : off + SLOT_BYTES] = frame
+        self._headers = n + 1
+        words = self._words
+        words.written[0] = n + 1  # after the slot's bytes: x86 keeps stores in order
+        _fence()
+        if words.asleep[0]:
+            assert self.bell is not None
+            self.bell.ring()
 
     def close_fd(self) -> None:
         """The peer has opened the file (or never will): the mapping keeps it alive."""
@@ -176,17 +244,23 @@ class OutRing:
         """Whether data of these sizes would fit now (the same test ``place`` makes)."""
         return self._plan(sizes) is not None
 
-    def _plan(self, sizes: list[int]) -> tuple[list[int], int] | None:
+    def _plan(self, sizes: list[int]) -> tuple[list[int], int, tuple[int, int] | None] | None:
+        """Where pieces of these sizes would go now: their positions, the head after them, and the
+        restart at the ring's start they make (None: none); None if they do not fit."""
         cap = self.capacity
         head = self._head
         free_from = int(self._read[0])
-        if head == free_from:
+        restart = None
+        if free_from == self._restart[0]:
+            free_from = self._restart[1]  # the reader has not taken the piece at the restart yet
+        elif head == free_from:
             # all read: start again at the ring's start, whose pages are mapped and likely cached (a
             # request-reply pattern then reuses the same few pages instead of walking the whole ring).
             # The ring is empty, so the whole of it is free from there (the rest of this lap is not
             # in use: the reader's position passes it when it takes the piece at the start)
             if head % cap:
-                head += cap - head % cap
+                restart = (head, head + cap - head % cap)
+                head = restart[1]
             free_from = head
         positions = []
         for n in sizes:
@@ -198,7 +272,7 @@ class OutRing:
             head += step
             if head - free_from > cap:
                 return None
-        return positions, head
+        return positions, head, restart
 
     def place(self, payload: bytes | None, tensors: list[torch.Tensor]) -> list[int] | None:
         """Copy ``payload`` (if given) and then each tensor's bytes into the ring; their positions, in
@@ -208,7 +282,9 @@ class OutRing:
         plan = self._plan(sizes)
         if plan is None:
             return None
-        positions, self._head = plan
+        positions, self._head, restart = plan
+        if restart is not None:
+            self._restart = restart
         cap = self.capacity
         i = 0
         if payload is not None:
@@ -233,7 +309,7 @@ class InRing:
     has read. Used by the link's dispatching receiver only (one reader at a time, in order)."""
 
     def __init__(self, offer: bytes) -> None:
-        _host, pid, fd, size = _OFFER.unpack(offer)
+        _host, pid, fd, size, _door = _OFFER.unpack(offer)
         capacity = int(size) - _CONTROL_BYTES
         if capacity < _MIN_RING_BYTES:
             raise OSError(f"a ring of {capacity} B is too small")
@@ -245,8 +321,13 @@ class InRing:
         finally:
             os.close(fd_here)
         self.capacity = capacity
-        self._read = np.frombuffer(mm, dtype=np.uint64, count=1)
+        self.pid = int(pid)
+        self._words = _Counters(mm)
+        self._read = self._words.read
+        self._slots = memoryview(mm)[_PAGE:_CONTROL_BYTES]
         self._view = memoryview(mm)[_CONTROL_BYTES:]
+        #: our doorbell for this ring (None: the peer's header frames come over gloo); set by ``connect``
+        self.door: Doorbell | None = None
         #: where the sender's next piece starts: it places pieces in order (OutRing._plan) and we take
         #: them in the same order, so any other position is a malformed header
         self._next = 0
@@ -282,6 +363,28 @@ class InRing:
         self._read[0] = pos + _aligned(n)
         return out
 
+    def wait_header(self, slot: int) -> None:
+        """Return once the peer has written header ``slot`` (counting from 0), sleeping on the doorbell
+        meanwhile; raises as ``Doorbell.wait`` does. One thread at a time, slots in order."""
+        assert self.door is not None
+        written = self._words.written
+        self.door.wait(lambda: int(written[0]) > slot, self._words.asleep, self._words.hung_up)
+
+    def take_header(self, slot: int, out: memoryview) -> None:
+        """Copy header ``slot`` (written: ``wait_header``) into ``out`` and free its slot for the writer.
+
+        Raises:
+            ValueError: the peer claims to have written past slots not taken yet (it overwrote them).
+        """
+        ahead = int(self._words.written[0]) - slot
+        if not 0 < ahead <= HEADER_SLOTS:
+            raise ValueError(
+                f"the peer's header count is {ahead} ahead of header {slot} (at most {HEADER_SLOTS})"
+            )
+        off = (slot % HEADER_SLOTS) * SLOT_BYTES
+        out[:SLOT_BYTES] = self._slots[off : off + SLOT_BYTES]
+        self._words.taken[0] = slot + 1
+
     def take_bytes(self, pos: int, n: int) -> bytes:
         """The ``n`` bytes at ``pos``, released."""
         off = self._where(pos, n)
@@ -298,7 +401,17 @@ class Rings:
     out: OutRing | None = None
     inbound: InRing | None = None
 
+    def stop(self) -> None:
+        """The link ends (see Pair.abandon): tell the peer (``OutRing.hang_up``), and wake a receiver
+        sleeping on our doorbell, for good."""
+        if self.out is not None:
+            self.out.hang_up()
+        inbound = self.inbound
+        if inbound is not None and inbound.door is not None:
+            inbound.door.stop()
+
     def release(self) -> None:
+        self.stop()
         if self.out is not None:
             self.out.release()
         self.out = self.inbound = None
@@ -313,8 +426,15 @@ def _same_host_offer(offer: bytes) -> bool:
 
 def connect(store: Any, me: int, peer: int) -> Rings:
     """Discover the same-host path with ``peer`` through the pair's store (see the module docstring);
-    never raises for a path that cannot be set up, only leaves that direction on gloo."""
+    never raises for a path that cannot be set up, only leaves that direction (or its header frames)
+    on gloo.
+
+    Each end offers its ring and its doorbell, maps the peer's ring and takes a copy of the peer's
+    doorbell, then answers two things: whether it mapped the peer's ring, and whether it will send
+    its header frames through its own ring (it has the peer's doorbell). A direction carries header
+    frames in its ring only when both hold."""
     out: OutRing | None = None
+    door: Doorbell | None = None
     if enabled():
         size = BUDGET.take(_env_bytes(ENV_RING_BYTES, _DEFAULT_RING_BYTES))
         if size:
@@ -323,9 +443,15 @@ def connect(store: Any, me: int, peer: int) -> Rings:
             except OSError as exc:
                 BUDGET.give_back(size)
                 _log.debug("twinrpc: no shared-memory ring to rank %d: %s", peer, exc)
+        if doorbell_enabled():
+            try:
+                door = Doorbell()
+            except OSError as exc:
+                _log.debug("twinrpc: no doorbell for rank %d: %s", peer, exc)
     rings = Rings(out)
+    bell: Bell | None = None
     try:
-        store.set(f"shm/{me}", out.offer() if out is not None else _NO_OFFER)
+        store.set(f"shm/{me}", out.offer(door.fd if door else -1) if out is not None else _NO_OFFER)
         store.wait([f"shm/{peer}"], _ANSWER_WAIT)
         offer = store.get(f"shm/{peer}")
         if _same_host_offer(offer):
@@ -333,17 +459,31 @@ def connect(store: Any, me: int, peer: int) -> Rings:
                 rings.inbound = InRing(offer)
             except (OSError, ValueError) as exc:
                 _log.debug("twinrpc: cannot map the ring of rank %d: %s", peer, exc)
-        store.set(f"shm-ok/{me}", b"1" if rings.inbound is not None else b"0")
-        if out is not None:
-            store.wait([f"shm-ok/{peer}"], _ANSWER_WAIT)
-            if store.get(f"shm-ok/{peer}") != b"1":
-                rings.out = None
-                out.release()
-    except RuntimeError as exc:  # the store did not answer in time: stay on gloo
+            _, pid, _, _, peer_door = _OFFER.unpack(offer)
+            if out is not None and peer_door >= 0 and doorbell_enabled():
+                try:
+                    bell = Bell(pid, peer_door)
+                except OSError as exc:
+                    _log.debug("twinrpc: cannot take the doorbell of rank %d: %s", peer, exc)
+        answer = (b"1" if rings.inbound is not None else b"0") + (b"1" if bell is not None else b"0")
+        store.set(f"shm-ok/{me}", answer)
+        store.wait([f"shm-ok/{peer}"], _ANSWER_WAIT)
+        peer_answer = store.get(f"shm-ok/{peer}")
+        if out is not None and peer_answer[:1] != b"1":
+            rings.out = None
+            out.release()
+        elif out is not None and bell is not None:
+            out.bell = bell  # our header frames go through our ring
+        if rings.inbound is not None and door is not None and peer_answer[1:2] == b"1":
+            door.watch(rings.inbound.pid)
+            rings.inbound.door = door  # the peer's header frames come through its ring
+    except (RuntimeError, OSError) as exc:  # the store did not answer in time: stay on gloo
         _log.debug("twinrpc: same-host discovery with rank %d failed: %s", peer, exc)
         if rings.out is not None:
             rings.out.release()
             rings.out = None
+        if rings.inbound is not None:
+            rings.inbound.door = None
     if rings.out is not None:
         rings.out.close_fd()
     return rings

@@ -90,6 +90,9 @@ class Sender:
         self._dst = pair.peer_rank
         #: the same-host rings (``rings.out`` None: our data goes in data frames)
         self._rings = pair.rings
+        #: our header frames go through our ring too (the same-host doorbell), for the link's whole life
+        out = pair.rings.out
+        self._headers_in_ring = out is not None and out.bell is not None
         self._live = liveness
         self._send_timeout = liveness.send_timeout
         self._riders = riders
@@ -155,7 +158,7 @@ class Sender:
         that finds the lock taken rides the next frame instead (see send). For threads that must not
         block (receivers, the timer): replying this way saves handing the receiver role to another
         thread. Returns False (nothing sent or queued) otherwise; raises as send() does."""
-        state, receiver = self._state, self._receiver
+        state = self._state
         if state.failed is not None or state.closed_by_peer or not self._needs_no_data_frame(msg):
             return False  # the ordinary path reports a broken link
         lock = self.lock
@@ -164,11 +167,7 @@ class Sender:
                 return False
             self._ride(msg, on_error)
             return True
-        if (
-            state.failed is not None
-            or self.headers_sent - receiver.peer_acked >= RING - 1
-            or (self._queue and on_error is None)
-        ):
+        if state.failed is not None or not self._has_credit() or (self._queue and on_error is None):
             self._lead_after(blocking=False, sent=False)  # messages queued meanwhile count on us
             return False
         # first in the queue, it goes now; behind others it may be left for the next frame
@@ -232,9 +231,78 @@ class Sender:
         return (
             bool(q)
             and self._needs_no_data_frame(q[0].msg)
-            and self.headers_sent - self._receiver.peer_acked < RING - 1
+            and self._has_credit()
             and self._state.failed is None
         )
+
+    def _has_credit(self) -> bool:
+        """Whether a header frame would go now without waiting for the peer: a free header slot in our
+        ring, or over gloo a header receive the peer has posted that none of our headers has used."""
+        if self._headers_in_ring:
+            out = self._rings.out
+            return out is not None and out.header_room()
+        return self.headers_sent - self._receiver.peer_acked < RING - 1
+
+    def _send_header(self) -> None:
+        """Send the header frame (under the send lock): into our ring's next slot, ringing the peer if
+        it sleeps, or over gloo."""
+        if not self._headers_in_ring:
+            self._wait_sent(self._pg.send([self._header], self._dst, TAG), HEADER_BYTES)
+            return
+        self._put_header(self._view)
+
+    def _put_header(self, frame: memoryview) -> None:
+        """Put ``frame`` in our ring's next header slot, once there is one (see _wait_room)."""
+        out = self._rings.out
+        if out is None or not out.header_room():
+            error = self._wait_room()
+            if error is not None:
+                raise error
+            out = self._rings.out
+            assert out is not None
+        out.put_header(frame)
+
+    def _wait_room(self) -> BaseException | None:
+        """Wait for a free header slot (the peer's reader is a whole window behind), recording the wait
+        for the liveness check as a gloo send does; returns the error (the link failed with it) when
+        the peer has gone, the link failed meanwhile or the wait passed the send's bound."""
+        live = self._live
+        since = time.monotonic()
+        live.sending = (since, HEADER_BYTES / MIN_FRAME_RATE)
+        timeout = self._send_timeout
+        if self._deadline is not None:
+            left = max(1.0, self._deadline - since)
+            timeout = left if timeout is None else min(timeout, left)
+        error: BaseException | None = None
+        try:
+            self._wait_for_slot(timeout)
+        except RuntimeError as exc:  # a fresh error: a traceback through here would keep the ring mapped
+            error = type(exc)(str(exc))
+            self._fail(error)  # while sending is still set: see Liveness.overdue_send
+        finally:
+            live.sending = None
+        return error
+
+    def _wait_for_slot(self, timeout: float | None) -> None:
+        state = self._state
+        out = self._rings.out
+        if out is None:
+            raise RuntimeError("the link has ended")
+        assert out.bell is not None
+        out.bell.wait_room(out.header_room, lambda: state.failed is not None, timeout)
+
+    def send_raw_header(self, frame: torch.Tensor) -> None:
+        """Send ``frame`` (``HEADER_BYTES``, as it is: not counted, not sealed) as the next header
+        frame, the way this link's header frames travel; under the send lock. For tests that inject
+        malformed frames."""
+        if not self._headers_in_ring:
+            self._pg.send([frame], self._dst, TAG).wait()
+            return
+        # a shorter frame arrives zero-filled, as over gloo (whose receiver clears each header buffer)
+        slot = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        n = min(frame.numel(), HEADER_BYTES)
+        slot[:n] = frame[:n]
+        self._put_header(memoryview(slot.numpy()))  # type: ignore[arg-type]
 
     def _needs_no_data_frame(self, msg: Message) -> bool:
         """Whether ``msg`` goes in its header frame alone: whole inside it, or with its data in the
@@ -279,7 +347,7 @@ class Sender:
                 # the go-aheads for the message's large frames: posted before the header, so the
                 # receiver's go-ahead never waits for us (a receiver thread must not block in a send)
                 readies = self._post_readies(first.msg, inline, inline_tensors)
-                self._wait_sent(self._pg.send([self._header], self._dst, TAG), HEADER_BYTES)
+                self._send_header()
                 if not inline or not inline_tensors:
                     self._send_data(first.msg, inline, inline_tensors, readies)
             except RuntimeError as exc:
@@ -479,14 +547,12 @@ class Sender:
                     beat = Message(Kind.HEARTBEAT, 0, state.me, state.peer, b"")
                     self._encoder.first(beat, self._receiver.consumed, messages(riders))
                     self._seal_next(self._encoder.used)
-                    work = self._pg.send([self._header], self._dst, TAG)
-                    work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
+                    self._send_closing_header(deadline)
                     riders = []
                 encode_close(self._view, state.me, graceful)
                 for _ in range(RECEIVERS):  # one for each of the peer's receivers (each ends one)
                     self._seal_next(SIZES_AT)
-                    work = self._pg.send([self._header], self._dst, TAG)
-                    work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
+                    self._send_closing_header(deadline)
         except RuntimeError as exc:
             _log.debug("twinrpc: close frame to %d failed: %s", state.peer, exc)
             report_failed(riders, exc)
@@ -494,6 +560,14 @@ class Sender:
             self._closed = True
             failed += self._send_queued(blocking=False)  # anything queued meanwhile fails now
             self._lead_after(blocking=False, sent=False, failed=failed)
+
+    def _send_closing_header(self, deadline: float) -> None:
+        """A header frame of send_close: waits until ``deadline`` at most (but at least 1 s)."""
+        if self._headers_in_ring:
+            self._send_header()  # bounded by the close deadline (_wait_room)
+            return
+        work = self._pg.send([self._header], self._dst, TAG)
+        work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
 
     def _seal_next(self, used: int) -> None:
         """Count the header frame about to go (with a key, seal it with its sequence number)."""

@@ -210,7 +210,6 @@ def _stop_mid_message() -> None:
     """On worker2: send worker0 the header of a message whose payload frame never follows (a
     test-only injection on the pair's own process group), then stop this very process."""
     from twinrpc.impl._framing import encode_header, new_header_tensor
-    from twinrpc.impl._pair import TAG
 
     from twinrpc._current import current_agent
     from twinrpc._message import Kind, Message
@@ -220,7 +219,7 @@ def _stop_mid_message() -> None:
     with link.sender.lock:
         inline, _ = encode_header(view, Message(Kind.CALL, 99, 2, 0, b"x" * (1 << 20)))
         assert not inline
-        link.pair.pg.send([header], link.pair.peer_rank, TAG).wait()
+        link.sender.send_raw_header(header)
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
@@ -444,7 +443,6 @@ def _frames_program(rank: int, world_size: int, init_file: str, shared: dict[str
         shared["done"].wait(WORLD_TIMEOUT)
         rpc.shutdown()
         return "served"
-    from twinrpc.impl._pair import TAG
 
     from twinrpc._current import current_agent
 
@@ -453,7 +451,7 @@ def _frames_program(rank: int, world_size: int, init_file: str, shared: dict[str
     frames = _bad_frames()
     with link.sender.lock:  # test-only injection: raw frames on the pair's own process group
         for _, t in frames:
-            link.pair.pg.send([t], link.pair.peer_rank, TAG).wait()
+            link.sender.send_raw_header(t)
     after = [rpc.rpc_sync("worker1", operator.add, args=(i, 1)) for i in range(3)]
     bad, logged = rpc.rpc_sync("worker1", _report)
     shared["done"].set()
@@ -485,7 +483,6 @@ def test_malformed_frames_are_rejected_and_the_link_keeps_working(tmp_path: Path
 def _send_oversize_header(link: Any) -> None:
     """A header whose payload (one that follows it) is announced as 1 PiB."""
     from twinrpc.impl._framing import encode_header, new_header_tensor
-    from twinrpc.impl._pair import TAG
 
     from twinrpc._message import Kind, Message
 
@@ -493,7 +490,7 @@ def _send_oversize_header(link: Any) -> None:
     encode_header(view, Message(Kind.CALL, 7, 0, 1, b"x" * 5000))  # a payload that follows
     struct.pack_into("<Q", view, 24, 1 << 50)  # ... announced as 1 PiB
     with link.sender.lock:  # test-only injection on the pair's own process group
-        link.pair.pg.send([t], link.pair.peer_rank, TAG).wait()
+        link.sender.send_raw_header(t)
 
 
 def _oversize_program(rank: int, world_size: int, init_file: str, shared: dict[str, Any]) -> Any:

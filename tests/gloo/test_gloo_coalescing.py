@@ -28,7 +28,6 @@ from twinrpc.impl._framing import (
     new_header_tensor,
 )
 from twinrpc.impl._link import PeerLink
-from twinrpc.impl._pair import TAG
 
 from twinrpc._message import Kind, Message
 
@@ -139,7 +138,7 @@ def test_a_malformed_multi_message_frame_is_dropped_and_the_link_keeps_working(
     struct.pack_into("<H", view, count_at, 4000)
     with caplog.at_level(logging.ERROR, logger="twinrpc.impl"):
         with sender.sender.lock:  # test-only injection of a raw frame
-            sender.pair.pg.send([t], sender.pair.peer_rank, TAG).wait()
+            sender.sender.send_raw_header(t)
         sender.send(_call(7))
         assert [m.id for m in inbox.wait_for(1)] == [7]  # none of the bad frame's three messages
     assert listener.bad_frames == 1

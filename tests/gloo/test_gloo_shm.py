@@ -1,5 +1,6 @@
-"""The gloo world's same-host data path (impl/_same_host.py): data through a shared-memory ring per
-direction, discovered per link, falling back to gloo data frames, and nothing left behind.
+"""The gloo world's same-host path (impl/_same_host.py, impl/_doorbell.py): header frames and data
+through a shared-memory ring per direction, the reader woken by a doorbell, discovered per link,
+falling back to gloo, and nothing left behind.
 
 Unit tests of the rings and the header format, a live pair of links in one process, and worlds of
 spawned processes for shutdown and for a peer's kill -9.
@@ -11,6 +12,8 @@ import gc
 import multiprocessing
 import os
 import signal
+import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ import torch
 from _gloo_pair import Inbox, close_links, make_links, started_links
 from _spawn_world import report, run_world
 from twinrpc.impl import _same_host
+from twinrpc.impl._doorbell import Bell, Doorbell
 from twinrpc.impl._framing import (
     FLAG_INLINE_TENSORS,
     FLAG_SHM,
@@ -28,7 +32,8 @@ from twinrpc.impl._framing import (
     Header,
     encode_header,
 )
-from twinrpc.impl._same_host import InRing, OutRing, Rings
+from twinrpc.impl._link_state import LinkBroken
+from twinrpc.impl._same_host import HEADER_SLOTS, InRing, OutRing, Rings
 
 from twinrpc._message import Kind, Message
 
@@ -58,6 +63,18 @@ def _ring_handles() -> tuple[int, int]:
         except OSError:
             continue
     return maps, fds
+
+
+def _doorbell_fds() -> int:
+    """This process's open eventfds and pidfds (a link's doorbell, its copy of the peer's, and the
+    pidfds that watch the peer)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") in ("anon_inode:[eventfd]", "anon_inode:[pidfd]")
+        except OSError:
+            continue
+    return n
 
 
 def _named_segments() -> set[str]:
@@ -119,6 +136,24 @@ def test_an_emptied_ring_takes_a_piece_as_large_as_the_ring_whatever_came_before
         where = out.place(None, [data])
         assert where is not None, f"{large} B after {small} B did not fit an empty {1 << 20} B ring"
         assert torch.equal(inbound.take(where[0], large, torch.empty(large, dtype=torch.uint8)), data)
+
+
+def test_a_ring_restarted_at_its_start_takes_more_before_the_first_piece_is_read() -> None:
+    """A ring that ran empty mid-lap starts again at its start; the rest of that lap is free, so a
+    second message placed before the reader took the first still fits (a sender that does not wait
+    for its reader, as with the doorbell, places several messages ahead)."""
+    out, inbound = _pair_of_rings(1 << 20)
+    first = torch.full((300_000,), 1, dtype=torch.uint8)
+    [pos] = out.place(None, [first]) or [None]
+    inbound.take(pos, 300_000, torch.empty(300_000, dtype=torch.uint8))  # empty, mid-lap
+    pieces = [torch.full((300_000,), i, dtype=torch.uint8) for i in (2, 3, 4)]
+    placed = [out.place(None, [t]) for t in pieces]
+    assert all(p is not None for p in placed), placed
+    assert out.place(None, [first]) is None  # the ring's 1 MiB is taken now
+    for t, p in zip(pieces, placed, strict=True):
+        assert p is not None
+        got = inbound.take(p[0], 300_000, torch.empty(300_000, dtype=torch.uint8))
+        assert torch.equal(got, t)
 
 
 def test_a_position_outside_the_ring_is_refused() -> None:
@@ -192,6 +227,92 @@ def test_a_ring_header_that_also_claims_inline_storages_is_malformed() -> None:
         Header(view, 0, 1)
 
 
+# -- the doorbell ------------------------------------------------------------------------------------
+def _ring_with_doorbell() -> tuple[OutRing, InRing]:
+    """A ring whose header frames go through its slots, with a doorbell, both ends in this process."""
+    out, inbound = _pair_of_rings()
+    door = Doorbell()
+    inbound.door = door
+    out.bell = Bell(os.getpid(), door.fd)
+    return out, inbound
+
+
+def _frame(i: int) -> memoryview:
+    return memoryview(bytes([i % 256]) * HEADER_BYTES)
+
+
+def test_a_sleeping_reader_is_woken_for_every_header_and_takes_them_in_order() -> None:
+    """A writer thread puts headers while the reader sleeps between them and while it is busy: no
+    wake-up is lost (each wait returns), and every header is the one put in that slot."""
+    out, inbound = _ring_with_doorbell()
+    n = 5 * HEADER_SLOTS
+    got: list[int] = []
+    buf = memoryview(bytearray(HEADER_BYTES))
+
+    def write() -> None:
+        for i in range(n):
+            while not out.header_room():
+                time.sleep(0.0001)
+            out.put_header(_frame(i))
+            if i % 7 == 0:
+                time.sleep(0.001)  # the reader runs dry and sleeps
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    for slot in range(n):
+        inbound.wait_header(slot)
+        inbound.take_header(slot, buf)
+        got.append(buf[0])
+    writer.join(10)
+    assert got == [i % 256 for i in range(n)]
+
+
+def test_a_writer_never_overwrites_a_slot_not_taken() -> None:
+    out, inbound = _ring_with_doorbell()
+    for i in range(HEADER_SLOTS):
+        assert out.header_room()
+        out.put_header(_frame(i))
+    assert not out.header_room()
+    inbound.take_header(0, memoryview(bytearray(HEADER_BYTES)))
+    assert out.header_room()
+
+
+def test_a_header_count_beyond_the_window_is_refused() -> None:
+    """A peer that claims more headers than there are slots overwrote some: refused, not read."""
+    _, inbound = _ring_with_doorbell()
+    inbound._words.written[0] = HEADER_SLOTS + 1
+    with pytest.raises(ValueError, match="ahead"):
+        inbound.take_header(0, memoryview(bytearray(HEADER_BYTES)))
+
+
+def test_a_reader_wakes_with_an_error_when_the_writer_hangs_up_or_the_link_stops() -> None:
+    out, inbound = _ring_with_doorbell()
+    out.put_header(_frame(1))
+    out.hang_up()
+    inbound.wait_header(0)  # what came before the hang-up is still read
+    with pytest.raises(LinkBroken, match="closed without a close frame"):
+        inbound.wait_header(1)
+    _, inbound = _ring_with_doorbell()
+    assert inbound.door is not None
+    timer = threading.Timer(0.05, inbound.door.stop)
+    timer.start()
+    with pytest.raises(RuntimeError, match="closed while waiting"):
+        inbound.wait_header(0)
+
+
+def test_a_reader_wakes_with_an_error_when_the_writer_process_dies() -> None:
+    """The doorbell's poll watches the peer's pidfd: a kill -9 wakes a sleeping reader."""
+    _, inbound = _ring_with_doorbell()
+    door = inbound.door
+    assert door is not None
+    child = subprocess.Popen(["sleep", "60"])
+    door.watch(child.pid)
+    threading.Timer(0.05, child.kill).start()
+    with pytest.raises(LinkBroken, match=f"process {child.pid} end"):
+        inbound.wait_header(0)
+    child.wait()
+
+
 # -- a live pair of links --------------------------------------------------------------------------------
 SIZES = [0, 1, 3000, 5000, 300_000, 1 << 20, (1 << 20) + 1, 5 << 20]
 
@@ -219,6 +340,65 @@ def test_a_link_on_one_host_moves_data_through_its_rings() -> None:
         assert sender.sender.headers_sent >= len(SIZES)
 
 
+class _CountingGroup:
+    """A pair's process group that counts the sends and receives made through it."""
+
+    def __init__(self, pg: Any) -> None:
+        self._pg = pg
+        self.calls: list[str] = []
+
+    def send(self, tensors: Any, dst: int, tag: int) -> Any:
+        self.calls.append(f"send tag {tag}")
+        return self._pg.send(tensors, dst, tag)
+
+    def recv(self, tensors: Any, src: int, tag: int) -> Any:
+        self.calls.append(f"recv tag {tag}")
+        return self._pg.recv(tensors, src, tag)
+
+
+def test_on_one_host_messages_both_ways_make_no_gloo_call() -> None:
+    """Header frames take the ring's slots and the doorbell wakes the reader: with data that fits
+    the ring, neither side sends, or posts a receive, on the pair's gloo group."""
+    failures: list[BaseException] = []
+    inbox, back = Inbox(), Inbox()
+    sender, listener = make_links(inbox, failures, back)
+    groups = []
+    for link in (sender, listener):
+        assert link.pair.rings.out is not None and link.pair.rings.out.bell is not None
+        assert link.pair.rings.inbound is not None and link.pair.rings.inbound.door is not None
+        group = _CountingGroup(link.pg)
+        link.sender._pg = link.receiver._pg = group
+        groups.append(group)
+    sender.start()
+    listener.start()
+    try:
+        for i in range(200):  # more than the header slots: the window goes round
+            payload = bytes([i % 256]) * (i * 40)
+            tensors = [torch.full((i * 1000,), i % 256, dtype=torch.uint8)]
+            sender.send(Message(Kind.CALL, i, 0, 1, payload, tensors))
+            listener.send(Message(Kind.RESPONSE, i, 1, 0, payload))
+        got, got_back = inbox.wait_for(200), back.wait_for(200)
+        assert [m.id for m in got] == [m.id for m in got_back] == list(range(200))
+        assert all(
+            torch.equal(m.tensors[0], torch.full((m.id * 1000,), m.id % 256, dtype=torch.uint8)) for m in got
+        )
+        assert HEADER_SLOTS < 200
+    finally:
+        close_links(sender, listener)
+    assert [g.calls for g in groups] == [[], []]
+    assert not failures
+
+
+def test_with_the_doorbell_off_headers_go_over_gloo_and_data_through_the_rings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TWINRPC_SHM_DOORBELL", "0")
+    with started_links() as (sender, _, inbox):
+        assert sender.same_host == (True, True)
+        assert sender.pair.rings.out is not None and sender.pair.rings.out.bell is None
+        _exchange(sender, inbox)
+
+
 def test_with_the_path_off_the_same_messages_arrive_over_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TWINRPC_SHM", "0")
     with started_links() as (sender, _, inbox):
@@ -242,11 +422,14 @@ def test_rings_beyond_the_process_budget_stay_on_gloo(monkeypatch: pytest.Monkey
 
 def test_a_closed_link_leaves_no_mapping_and_no_descriptor() -> None:
     before = _ring_handles()
+    bells_before = _doorbell_fds()
     failures: list[BaseException] = []
     inbox = Inbox()
     sender, listener = make_links(inbox, failures)
     maps, _ = _ring_handles()
     assert maps == before[0] + 4  # each side maps its ring and the peer's
+    # each side: its doorbell, its copy of the peer's, and a pidfd of the peer with each
+    assert _doorbell_fds() == bells_before + 8
     sender.start()
     listener.start()
     sender.send(_message(b"x", 200_000))
@@ -256,11 +439,13 @@ def test_a_closed_link_leaves_no_mapping_and_no_descriptor() -> None:
     listener.join_threads(5.0)
     del sender, listener, inbox
     assert _ring_handles() == before
+    assert _doorbell_fds() == bells_before
     assert not failures
 
 
 def test_rings_of_a_failed_link_are_released() -> None:
     before = _ring_handles()
+    bells_before = _doorbell_fds()
     failures: list[BaseException] = []
     inbox = Inbox()
     sender, listener = make_links(inbox, failures)
@@ -279,6 +464,7 @@ def test_rings_of_a_failed_link_are_released() -> None:
         link.join_threads(5.0)
     del sender, listener, inbox
     assert _ring_handles() == before
+    assert _doorbell_fds() == bells_before
     assert len(failures) == 2
 
 

@@ -36,7 +36,7 @@ from twinrpc.impl._framing import (
     new_header_tensor,
 )
 from twinrpc.impl._link import PeerLink, make_pair_group
-from twinrpc.impl._pair import DATA_TAG, TAG
+from twinrpc.impl._pair import DATA_TAG
 
 import twinrpc.rpc as rpc
 from twinrpc._key_source import _EnvironmentKey
@@ -212,7 +212,7 @@ def _inject_unsealed(link: PeerLink, payload: bytes) -> None:
     t, view = new_header_tensor()
     encode_header(view, Message(Kind.CALL, 7, link.me, link.peer, payload))
     with link.sender.lock:
-        link.pair.pg.send([t], link.pair.peer_rank, TAG).wait()
+        link.sender.send_raw_header(t)
 
 
 def _inject_swapped_payload(link: PeerLink, payload: bytes) -> None:
@@ -227,7 +227,7 @@ def _inject_swapped_payload(link: PeerLink, payload: bytes) -> None:
         seq = sender.headers_sent
         sender.headers_sent += 1
         sender._auth.seal(view, seq, enc.used, honest)  # type: ignore[union-attr]
-        link.pair.pg.send([t], link.pair.peer_rank, TAG).wait()
+        link.sender.send_raw_header(t)
         data = torch.frombuffer(bytearray(payload.ljust(len(honest), b".")), dtype=torch.uint8)
         link.pair.pg.send([data], link.pair.peer_rank, DATA_TAG).wait()
 
@@ -274,7 +274,7 @@ def test_a_replayed_frame_fails_the_link(tmp_path: Path) -> None:
         inbox.wait_for(1)
         recorded = sender.sender._header.clone()  # the frame just sent, tag and all
         with sender.sender.lock:
-            sender.pair.pg.send([recorded], sender.pair.peer_rank, TAG).wait()
+            sender.sender.send_raw_header(recorded)
         error = _wait_failed(listener)
         assert "authentication failed" in str(error) and "'worker0' (rank 0)" in str(error)
         assert len(inbox.got) == 1
