@@ -76,6 +76,16 @@ def echo(x: int) -> int:
     return x
 
 
+def links_held() -> int | None:
+    """How many peers this twinrpc worker holds a link to (None: TensorPipe)."""
+    try:
+        from twinrpc._current import current_agent
+
+        return len(current_agent().world.links)  # type: ignore[attr-defined]
+    except Exception:
+        return None
+
+
 def thread_roles() -> dict[str, int]:
     """This process's threads by role: Python threads by name (their number stripped), the rest by
     their kernel name (gloo's event loop, TensorPipe's and PyTorch's own threads)."""
@@ -128,6 +138,7 @@ def worker(system: str, variant: str, calls: int, settle: float, folder: Path) -
         times.append(time.perf_counter() - t0)
     _barrier(folder, "called", rank, world_size)
     during = process_counts()
+    links = links_held()
     time.sleep(settle)
     settled = process_counts()
     settled["roles"] = thread_roles()
@@ -137,6 +148,7 @@ def worker(system: str, variant: str, calls: int, settle: float, folder: Path) -
     t_shutdown = time.perf_counter() - t0
     after = process_counts()
     out = {
+        "links": links,
         "init_s": t_init,
         "first_calls_s": t_first,
         "call_us": statistics.median(times) * 1e6,
@@ -200,6 +212,7 @@ def launch(system: str, size: int, variant: str, calls: int, settle: float) -> d
         "threads_after_shutdown": most("after", "threads"),
         "fds_after_shutdown": most("after", "fds"),
         "launch_wall_s": wall,
+        "workers": workers,
     }
 
 

@@ -100,6 +100,7 @@ def make_pair_group(store: Any, me: int, peer: int) -> PairGroup:
     options._threads = WORK_THREADS
     options._timeout = _LINK_OP_TIMEOUT
     pg = dist.ProcessGroupGloo(scrubbed, 0 if me == low else 1, 2, options)
+    SHARED_DEVICES.used(devices)
     return PairGroup(pg, connect(prefix, me, peer), scrubbed, devices)
 
 
@@ -113,10 +114,12 @@ class _Devices:
     """The gloo devices of one generation (see SharedDevices): one per interface named by
     ``GLOO_SOCKET_IFNAME``, else gloo's default device, as ``ProcessGroupGloo`` picks them itself."""
 
-    __slots__ = ("__weakref__", "devices", "pid")
+    __slots__ = ("__weakref__", "devices", "loops_before", "pid")
 
     def __init__(self) -> None:
         self.pid = os.getpid()
+        #: gloo's loop threads before these devices were made (None: theirs have been made nicer)
+        self.loops_before: set[int] | None = _gloo_loop_threads()
         gloo = dist.ProcessGroupGloo  # type: ignore[attr-defined]
         names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
         self.devices = (
@@ -140,11 +143,17 @@ class SharedDevices:
         with self._lock:
             devices = self._current() if self._current is not None else None
             if devices is None or devices.pid != os.getpid():
-                before = _gloo_loop_threads()
-                devices = _Devices()  # a device starts its event-loop thread when made
-                _lower_priority(_gloo_loop_threads() - before)  # see LOOP_NICENESS
+                devices = _Devices()
                 self._current = weakref.ref(devices)
         return devices
+
+    def used(self, devices: _Devices) -> None:
+        """A pair group has connected through ``devices``: their loop threads run by now (each takes
+        its name when it starts), so make them LOOP_NICENESS nicer, once."""
+        with self._lock:
+            before, devices.loops_before = devices.loops_before, None
+        if before is not None:
+            _lower_priority(_gloo_loop_threads() - before)
 
 
 SHARED_DEVICES = SharedDevices()
