@@ -235,7 +235,7 @@ def figures(rounds: dict[tuple[int, str], list[dict[str, dict[str, Any]]]]) -> l
         for key, label, unit, target in FIGURES:
             both = [r for r in runs if "twinrpc" in r and "tensorpipe" in r]
             values = {
-                NAMES[s]: statistics.median(r[s][key] for r in runs if s in r)
+                s: statistics.median(r[s][key] for r in runs if s in r)
                 for s in SYSTEMS
                 if any(s in r for r in runs)
             }
@@ -253,6 +253,37 @@ def figures(rounds: dict[tuple[int, str], list[dict[str, dict[str, Any]]]]) -> l
                 )
             )
     return out
+
+
+#: what the results page's table shows of each job (medians over the rounds)
+TABLE = (
+    "init_s",
+    "first_calls_s",
+    "call_us",
+    "shutdown_s",
+    "threads_after_calls",
+    "threads",
+    "fds",
+    "rss_mb",
+    "threads_after_shutdown",
+    "fds_after_shutdown",
+)
+
+
+def table(rounds: dict[tuple[int, str], list[dict[str, dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """One row per size, variant and system: the medians over the rounds, and the threads by role of
+    the first round's busiest worker."""
+    rows = []
+    for (size, variant), runs in sorted(rounds.items()):
+        for system in SYSTEMS:
+            jobs = [r[system] for r in runs if system in r]
+            if not jobs:
+                continue
+            row: dict[str, Any] = {"workers": size, "peers": VARIANTS[variant], "system": system}
+            row.update({k: statistics.median(j[k] for j in jobs) for k in TABLE})
+            row["roles"] = jobs[0]["roles"]
+            rows.append(row)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             "python benchmarks/bench_scale.py " + " ".join(argv),
             figs,
             rounds=args.repeat,
-            extra={"jobs": {f"{size}-{variant}": runs for (size, variant), runs in rounds.items()}},
+            extra={"scale": table(rounds)},
             machine_info=machine,
         )
         _results.write(args.json, doc)
