@@ -99,7 +99,7 @@ def thread_roles() -> dict[str, int]:
             name = python.get(int(tid)) or Path(f"/proc/self/task/{tid}/comm").read_text().strip()
         except OSError:
             continue
-        role = re.sub(r"[-_]?\d+$", "", name)
+        role = re.sub(r"([-_]?\d+)+$", "", name)
         roles[role] = roles.get(role, 0) + 1
     return roles
 

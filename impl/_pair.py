@@ -34,15 +34,15 @@ class PairGroup:
     """What connecting to a peer made: the pair's gloo process group and the same-host rings (see
     ``_same_host``; both None between hosts)."""
 
-    __slots__ = ("_devices", "_store", "pg", "rings")
+    __slots__ = ("_store", "devices", "pg", "rings")
 
     def __init__(self, pg: Any, rings: Rings | None = None, store: Any = None, devices: Any = None) -> None:
         self.pg = pg
         self.rings = rings if rings is not None else Rings()
         #: the Python store under ``pg``: C++ holds it by a pointer that does not keep it alive
         self._store = store
-        #: the shared gloo devices' generation (see SharedDevices): alive while a group uses it
-        self._devices = devices
+        #: the shared gloo devices' generation (see SharedDevices): alive while a pair uses it
+        self.devices = devices
 
 
 class Pair:
@@ -52,6 +52,8 @@ class Pair:
     def __init__(self, group: PairGroup, me: int, peer: int) -> None:
         self.pg = group.pg
         self.rings = group.rings
+        #: keeps the shared gloo devices in use (see SharedDevices)
+        self._devices = group.devices
         #: the peer's rank in the 2-rank group (the lower global rank is 0)
         self.peer_rank = 1 if me < peer else 0
         #: the kill switch (see abandon): a receive nobody ever sends to
@@ -130,7 +132,7 @@ class _Devices:
 class SharedDevices:
     """The gloo devices all of a process's pair groups share: each device has one event-loop thread
     that serves every pair registered with it, where a device per group (gloo's default) costs a
-    loop thread per peer. Each PairGroup holds its generation; once none is left (every link of a
+    loop thread per peer. Each PairGroup and Pair holds its generation; once none is left (every link of a
     stopped world released), the next pair group makes new devices, so nothing keeps gloo's loop
     thread after the groups are gone. A forked child makes its own (the parent's loop thread does
     not exist in it). Thread-safe."""
