@@ -90,9 +90,9 @@ _LINK_OP_TIMEOUT = timedelta(days=30)
 def make_pair_group(store: Any, me: int, peer: int) -> PairGroup:
     """The 2-rank gloo process group of the pair (me, peer), over its own key prefix, and the
     same-host rings when both run on one host (``_same_host.connect``). Every pair group of the
-    process shares one gloo device, so one event-loop thread serves all its pairs (see
-    SharedDevices; its loop runs at a lower priority, see LOOP_NICENESS), and starts no work threads of its own (see WORK_THREADS). gloo's address
-    entries go to the store scrubbed (``_stores.ScrubbedAddresses``)."""
+    process shares one gloo device, so one event-loop thread serves all its pairs (SharedDevices;
+    the loop runs at a lower priority, see LOOP_NICENESS), and starts no work threads of its own
+    (WORK_THREADS). gloo's address entries go to the store scrubbed (``_stores.ScrubbedAddresses``)."""
     low, high = min(me, peer), max(me, peer)
     prefix = dist.PrefixStore(f"pair/{low}-{high}", store)  # type: ignore[attr-defined]
     scrubbed = ScrubbedAddresses(prefix)  # no uninitialised bytes of ours in the store
@@ -132,9 +132,9 @@ class _Devices:
 class SharedDevices:
     """The gloo devices all of a process's pair groups share: each device has one event-loop thread
     that serves every pair registered with it, where a device per group (gloo's default) costs a
-    loop thread per peer. Each PairGroup and Pair holds its generation; once none is left (every link of a
-    stopped world released), the next pair group makes new devices, so nothing keeps gloo's loop
-    thread after the groups are gone. A forked child makes its own (the parent's loop thread does
+    loop thread per peer. Each PairGroup and Pair holds its generation; once none is left (every
+    link of a stopped world released), the next pair group makes new devices, so nothing keeps
+    gloo's loop thread after the groups are gone. A forked child makes its own (the parent's loop thread does
     not exist in it). Thread-safe."""
 
     def __init__(self) -> None:
@@ -161,7 +161,7 @@ class SharedDevices:
 SHARED_DEVICES = SharedDevices()
 
 
-#: How much nicer than the process the event-loop thread of each pair's gloo device runs. gloo's loop
+#: How much nicer than the process the event-loop thread of the pairs' shared gloo device runs. gloo's loop
 #: waits on level-triggered epoll and only *try*-locks a pair to read from it: while another thread
 #: holds that pair's lock (every send, and every receive posted, writes to the socket under it), the
 #: loop returns at once and epoll reports the same readable socket again. A lock holder preempted in
