@@ -9,14 +9,13 @@ idle link keeps), the same bound at both sizes, and its descriptors grow by at m
 from __future__ import annotations
 
 import gc
-import threading
 from types import ModuleType
-from typing import Any
 
 import pytest
 import torch.distributed as dist
 from _benchmarks import load_benchmark
-from twinrpc.impl._pair import Pair, _gloo_loop_threads, make_pair_group
+from _gloo_pair import make_pair_groups
+from twinrpc.impl._pair import Pair, _gloo_loop_threads
 
 #: threads a process holds besides one per link: the main thread, the timer, gloo's one event loop
 #: (a device shared by every pair group) and the request pool's two pre-started threads
@@ -54,21 +53,6 @@ def test_threads_and_descriptors_per_process_follow_the_links_held_not_the_world
         )
 
 
-def _both_ends(store: Any) -> dict[int, Any]:
-    """Both ends of a pair group over ``store``, made at once (each waits for the other)."""
-    groups: dict[int, Any] = {}
-
-    def make(me: int) -> None:
-        groups[me] = make_pair_group(store, me, 1 - me)
-
-    threads = [threading.Thread(target=make, args=(me,)) for me in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30.0)
-    return groups
-
-
 def test_pair_groups_made_one_after_another_share_one_gloo_event_loop_thread() -> None:
     """Each pair group made while another's pair is in use joins the same gloo device, so a process
     has one gloo event-loop thread however many peers it links to (what keeps the device alive is
@@ -77,7 +61,7 @@ def test_pair_groups_made_one_after_another_share_one_gloo_event_loop_thread() -
     before = _gloo_loop_threads()
     pairs = []
     for k in range(3):
-        groups = _both_ends(dist.PrefixStore(f"pair{k}", store))
+        groups = make_pair_groups(dist.PrefixStore(f"pair{k}", store))
         pairs += [Pair(groups[0], 0, 1), Pair(groups[1], 1, 0)]
         del groups
         gc.collect()
