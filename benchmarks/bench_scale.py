@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         doc = _results.document(
             "bench_scale",
-            "Scale under torchrun: init, first calls, threads, descriptors and memory at 8 to 64 workers",
+            "Scale under torchrun: init, first calls, threads, descriptors and memory as the job grows",
             "python benchmarks/bench_scale.py " + " ".join(argv),
             figs,
             rounds=args.repeat,
