@@ -13,7 +13,9 @@ peer is the median over the workers.
 The figures (``--json``) are twinrpc / TensorPipe per size and variant: init + first calls + shutdown
 (target <= 1: faster than TensorPipe), and the threads per process (twinrpc's bound is an absolute one,
 reported beside the ratio). Launches alternate between the systems, ``--repeat`` times, and each figure
-is the median of the rounds' ratios.
+is the median of the rounds' ratios. A launch that fails (TensorPipe's workers take 0.4-0.7 GB each, so
+a job of 32 or more can run out of memory) is reported as failed and the rest runs;
+``--tensorpipe-up-to N`` runs TensorPipe only at sizes up to N.
 
     python benchmarks/bench_scale.py [--sizes 8 16 32 64] [--variants all 2] [--repeat 1]
         [--only twinrpc|tensorpipe] [--tensorpipe-up-to N] [--json FILE]
@@ -187,7 +189,8 @@ def launch(system: str, size: int, variant: str, calls: int, settle: float) -> d
         wall = time.perf_counter() - t0
         if done.returncode != 0:
             raise RuntimeError(
-                f"{system} at {size} workers failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+                f"torchrun exited with {done.returncode} (a worker killed by signal 9 usually ran out "
+                f"of memory)\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
             )
         workers = [json.loads((Path(tmp) / f"{r}.json").read_text()) for r in range(size)]
 
@@ -311,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = _results.machine()
     systems = [args.only] if args.only else list(SYSTEMS)
     rounds: dict[tuple[int, str], list[dict[str, dict[str, Any]]]] = {}
+    #: launches that failed, each on a line
+    failed: list[str] = []
     for size in args.sizes:
         for variant in args.variants:
             for i in range(args.repeat):
@@ -320,9 +325,17 @@ def main(argv: list[str] | None = None) -> int:
                     if s != "tensorpipe" or args.tensorpipe_up_to is None or size <= args.tensorpipe_up_to
                 ]
                 order = here if i % 2 == 0 else here[::-1]
-                got = {s: launch(s, size, variant, args.calls, args.settle) for s in order}
+                got = {}
+                for s in order:
+                    try:
+                        got[s] = launch(s, size, variant, args.calls, args.settle)
+                    except RuntimeError as exc:  # e.g. workers killed for want of memory: the rest runs
+                        failed.append(
+                            f"{NAMES[s]}, {size} workers, {VARIANTS[variant]}: {str(exc).splitlines()[0]}"
+                        )
+                        print(failed[-1], flush=True)
                 rounds.setdefault((size, variant), []).append(got)
-                for s in here:
+                for s in got:
                     g = got[s]
                     print(
                         f"{size:3d} workers, {VARIANTS[variant]:10s} {NAMES[s]:10s} init {g['init_s']:6.2f} s"
@@ -344,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             "python benchmarks/bench_scale.py " + " ".join(argv),
             figs,
             rounds=args.repeat,
-            extra={"scale": table(rounds)},
+            extra={"scale": table(rounds), "failed": failed},
             machine_info=machine,
         )
         _results.write(args.json, doc)

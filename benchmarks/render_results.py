@@ -119,6 +119,8 @@ def _extra(doc: dict[str, Any]) -> list[str]:
         lines += _wakeups(extra["wakeups"])
     if extra.get("scale"):
         lines += _scale(extra["scale"])
+    for failure in extra.get("failed") or []:
+        lines.append(f"- Failed: {failure}.")
     if extra.get("explore"):
         cells = "; ".join(
             f"{e['jobs']} job{'s' if e['jobs'] > 1 else ''}: {_num(e['runs_per_s'])} runs/s, "
