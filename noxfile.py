@@ -165,13 +165,14 @@ def train(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks (~45 min on 2 cores), written to benchmarks/results/ and the docs' results page.
+    """Benchmarks (~60 min on 2 cores), written to benchmarks/results/ and the docs' results page.
 
     What runs: simulated round trips per wall-clock second; the gloo world vs TensorPipe vs raw gloo (ratios,
     alternating rounds); what a job key costs a call; the simulator's models fitted to gloo on one host
     and between two network namespaces, and the training job's simulated vs real time; 256 simulated
     workers training; distributed autograd vs TensorPipe; wake-ups, CPU and messages per operation vs
-    TensorPipe; twinrpc between two namespaces vs the raw gloo floor there; parameter-server training
+    TensorPipe; scale under torchrun vs TensorPipe (8 to 64 workers, each calling every peer or two of
+    them: init, first calls, shutdown, threads, descriptors, memory); twinrpc between two namespaces vs the raw gloo floor there; parameter-server training
     vs TensorPipe and the reply hand-off; exploration throughput (runs per second) against the number
     of jobs; an RRef soak and a soak of calls, RRefs and autograd contexts
     on gloo.
@@ -202,6 +203,7 @@ def bench(session: nox.Session) -> None:
         "python", "benchmarks/bench_dist_autograd.py", "--json", f"{results}/bench_dist_autograd.json"
     )
     session.run("python", "benchmarks/bench_wakeups.py", "--json", f"{results}/bench_wakeups.json")
+    session.run("python", "benchmarks/bench_scale.py", "--json", f"{results}/bench_scale.json")
     session.run("python", "benchmarks/bench_two_hosts.py", "--json", f"{results}/bench_two_hosts.json")
     session.run("python", "benchmarks/bench_auth.py", "--two-hosts", "--json", f"{results}/bench_auth.json")
     session.run(

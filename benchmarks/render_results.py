@@ -29,6 +29,7 @@ ORDER = (
     "bench_two_hosts",
     "bench_auth",
     "bench_calibration",
+    "bench_scale",
 )
 #: how the page names a system
 NAMES = {
@@ -116,6 +117,10 @@ def _extra(doc: dict[str, Any]) -> list[str]:
         lines.append(f"- Fitted model: {model}.")
     if extra.get("wakeups"):
         lines += _wakeups(extra["wakeups"])
+    if extra.get("scale"):
+        lines += _scale(extra["scale"])
+    for failure in extra.get("failed") or []:
+        lines.append(f"- Failed: {failure}.")
     if extra.get("explore"):
         lines += _explore(extra)
     return lines
@@ -178,6 +183,30 @@ def _wakeups(profile: dict[str, Any]) -> list[str]:
                     f"{_num(w['cpu_us'])} | {w['wakeups']:.2f} | {roles or '-'} | "
                     f"{w['threads_started']:g} / {w['threads_exited']:g} | {_per_op(w, 'frames')} | {_per_op(w, 'messages')} |"
                 )
+    return lines
+
+
+def _scale(rows: list[dict[str, Any]]) -> list[str]:
+    """bench_scale.py's table: per job size, peers called and system, what a worker costs (the
+    slowest worker's times, the largest counts of any worker; medians over the rounds)."""
+    lines = [
+        "Per job: the slowest worker's times and the largest counts of any worker (threads also right "
+        "after the calls, and after shutdown), medians over the rounds; threads by role of the busiest "
+        "worker.",
+        "",
+        "| workers | each calls | system | init (s) | first calls (s) | a call (us) | shutdown (s) | "
+        "threads after the calls | threads settled | descriptors | RSS (MB) | threads / descriptors "
+        "after shutdown | threads by role |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        roles = ", ".join(f"{name} {n}" for name, n in sorted(r["roles"].items(), key=lambda kv: -kv[1]))
+        lines.append(
+            f"| {r['workers']} | {r['peers']} | {NAMES.get(r['system'], r['system'])} | {_num(r['init_s'])} | "
+            f"{_num(r['first_calls_s'])} | {_num(r['call_us'])} | {_num(r['shutdown_s'])} | "
+            f"{r['threads_after_calls']:.0f} | {r['threads']:.0f} | {r['fds']:.0f} | {_num(r['rss_mb'])} | "
+            f"{r['threads_after_shutdown']:.0f} / {r['fds_after_shutdown']:.0f} | {roles} |"
+        )
     return lines
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -32,13 +34,15 @@ class PairGroup:
     """What connecting to a peer made: the pair's gloo process group and the same-host rings (see
     ``_same_host``; both None between hosts)."""
 
-    __slots__ = ("_store", "pg", "rings")
+    __slots__ = ("_store", "devices", "pg", "rings")
 
-    def __init__(self, pg: Any, rings: Rings | None = None, store: Any = None) -> None:
+    def __init__(self, pg: Any, rings: Rings | None = None, store: Any = None, devices: Any = None) -> None:
         self.pg = pg
         self.rings = rings if rings is not None else Rings()
         #: the Python store under ``pg``: C++ holds it by a pointer that does not keep it alive
         self._store = store
+        #: the shared gloo devices' generation (see SharedDevices): alive while a pair uses it
+        self.devices = devices
 
 
 class Pair:
@@ -48,6 +52,8 @@ class Pair:
     def __init__(self, group: PairGroup, me: int, peer: int) -> None:
         self.pg = group.pg
         self.rings = group.rings
+        #: keeps the shared gloo devices in use (see SharedDevices)
+        self._devices = group.devices
         #: the peer's rank in the 2-rank group (the lower global rank is 0)
         self.peer_rank = 1 if me < peer else 0
         #: the kill switch (see abandon): a receive nobody ever sends to
@@ -85,19 +91,79 @@ _LINK_OP_TIMEOUT = timedelta(days=30)
 
 def make_pair_group(store: Any, me: int, peer: int) -> PairGroup:
     """The 2-rank gloo process group of the pair (me, peer), over its own key prefix, and the
-    same-host rings when both run on one host (``_same_host.connect``); the event-loop thread gloo
-    starts for it runs at a lower priority (see LOOP_NICENESS). gloo's address entries go to the
-    store scrubbed (``_stores.ScrubbedAddresses``)."""
+    same-host rings when both run on one host (``_same_host.connect``). Every pair group of the
+    process shares one gloo device, so one event-loop thread serves all its pairs (SharedDevices;
+    the loop runs at a lower priority, see LOOP_NICENESS), and starts no work threads of its own
+    (WORK_THREADS). gloo's address entries go to the store scrubbed (``_stores.ScrubbedAddresses``)."""
     low, high = min(me, peer), max(me, peer)
     prefix = dist.PrefixStore(f"pair/{low}-{high}", store)  # type: ignore[attr-defined]
     scrubbed = ScrubbedAddresses(prefix)  # no uninitialised bytes of ours in the store
-    before = _gloo_loop_threads()
-    pg = dist.ProcessGroupGloo(scrubbed, 0 if me == low else 1, 2, _LINK_OP_TIMEOUT)
-    _lower_priority(_gloo_loop_threads() - before)
-    return PairGroup(pg, connect(prefix, me, peer), scrubbed)
+    devices = SHARED_DEVICES.get()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._devices = devices.devices
+    options._threads = WORK_THREADS
+    options._timeout = _LINK_OP_TIMEOUT
+    pg = dist.ProcessGroupGloo(scrubbed, 0 if me == low else 1, 2, options)
+    SHARED_DEVICES.used(devices)
+    return PairGroup(pg, connect(prefix, me, peer), scrubbed, devices)
 
 
-#: How much nicer than the process the event-loop thread of each pair's gloo device runs. gloo's loop
+#: gloo's work threads per process group: they run collectives only (a send or a receive is carried
+#: out by the device's event loop, and waited for by the thread that waits on its Work), and a
+#: pair's group never runs one; gloo's default (2) would cost two idle threads per peer.
+WORK_THREADS = 0
+
+
+class _Devices:
+    """The gloo devices of one generation (see SharedDevices): one per interface named by
+    ``GLOO_SOCKET_IFNAME``, else gloo's default device, as ``ProcessGroupGloo`` picks them itself."""
+
+    __slots__ = ("__weakref__", "devices", "loops_before", "pid")
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        #: gloo's loop threads before these devices were made (None: theirs have been made nicer)
+        self.loops_before: set[int] | None = _gloo_loop_threads()
+        gloo = dist.ProcessGroupGloo  # type: ignore[attr-defined]
+        names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+        self.devices = (
+            [gloo.create_device(interface=n) for n in names] if names else [gloo.create_default_device()]
+        )
+
+
+class SharedDevices:
+    """The gloo devices all of a process's pair groups share: each device has one event-loop thread
+    that serves every pair registered with it, where a device per group (gloo's default) costs a
+    loop thread per peer. Each PairGroup and Pair holds its generation; once none is left (every
+    link of a stopped world released), the next pair group makes new devices, so nothing keeps
+    gloo's loop thread after the groups are gone. A forked child makes its own (the parent's loop thread does
+    not exist in it). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._current: weakref.ref[_Devices] | None = None
+
+    def get(self) -> _Devices:
+        with self._lock:
+            devices = self._current() if self._current is not None else None
+            if devices is None or devices.pid != os.getpid():
+                devices = _Devices()
+                self._current = weakref.ref(devices)
+        return devices
+
+    def used(self, devices: _Devices) -> None:
+        """A pair group has connected through ``devices``: their loop threads run by now (each takes
+        its name when it starts), so make them LOOP_NICENESS nicer, once."""
+        with self._lock:
+            before, devices.loops_before = devices.loops_before, None
+        if before is not None:
+            _lower_priority(_gloo_loop_threads() - before)
+
+
+SHARED_DEVICES = SharedDevices()
+
+
+#: How much nicer than the process the event-loop thread of the pairs' shared gloo device runs. gloo's loop
 #: waits on level-triggered epoll and only *try*-locks a pair to read from it: while another thread
 #: holds that pair's lock (every send, and every receive posted, writes to the socket under it), the
 #: loop returns at once and epoll reports the same readable socket again. A lock holder preempted in

@@ -22,6 +22,9 @@ from typing import Any
 
 _log = logging.getLogger("twinrpc.impl")
 _STOP = object()
+#: seconds an idle pool thread beyond the pre-started ones waits for a job before it exits: a burst
+#: (many peers' requests at once, receivers handing off) leaves no threads behind
+IDLE_EXIT = 2.0
 _TASK = 1  # a request: counts against the pool size
 _JOB = 2  # anything else (a link's receive loop): runs on an idle thread, not counted
 
@@ -43,6 +46,8 @@ class RequestPool:
     def __init__(self, size: int, name: str, prestart: int = 2) -> None:
         self._size = size
         self._name = name
+        #: idle threads kept however long they idle (the rest exit after IDLE_EXIT)
+        self._keep = prestart
         self._lock = threading.Lock()
         self._busy = 0  # requests running (<= size)
         self._pending: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
@@ -183,7 +188,30 @@ class RequestPool:
                 if self._stopped:
                     return
                 self._idle.append(worker)
-            worker.wake.acquire()
+            if not self._wait_for_job(worker):
+                return
+
+    def _wait_for_job(self, worker: _Worker) -> bool:
+        """Wait on the idle list for the next job; False: this thread exits instead (it idled
+        IDLE_EXIT seconds while more than ``_keep`` threads were idle)."""
+        while not worker.wake.acquire(timeout=IDLE_EXIT):
+            with self._lock:
+                taken = worker not in self._idle
+                if not taken and len(self._idle) > self._keep:
+                    self._idle.remove(worker)
+                    self._forget(threading.current_thread())
+                    return False
+            if taken:
+                worker.wake.acquire()  # taken off the list for a job: its release comes at once
+                return True
+        return True
+
+    def _forget(self, thread: threading.Thread) -> None:
+        """An exiting idle thread leaves the list join() waits on (under _lock)."""
+        try:
+            self._threads.remove(thread)
+        except ValueError:
+            pass
 
     def _run_requests(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         """Run a request, then queued ones while there are any; then give the slot back."""

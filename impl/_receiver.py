@@ -59,11 +59,19 @@ RING = 16
 #: receives for every reply would be the bottleneck (4 here was measurably slower:
 #: docs/explanation/benchmarks.md)
 _REPOST_BATCH = 2
-#: threads per link in the receive loop: while one handles a message, another is already blocked in
-#: gloo on the next header, so a receiver that goes off to run a request (or to make a blocking send)
-#: wakes nobody; it rejoins when done. Messages are still dispatched one at a time, in order. The peer
-#: sends one close frame for each (each ends one).
+#: the most threads per link in the receive loop: while one handles a message, another is already
+#: blocked in gloo on the next header, so a receiver that goes off to run a request (or to make a
+#: blocking send) wakes nobody; it rejoins when done. Messages are still dispatched one at a time, in
+#: order. The peer sends one close frame for each (each ends one). A link keeps its second receiver
+#: only while it hands requests off (see LINGER): an idle link holds one thread.
 RECEIVERS = 2
+#: seconds a link keeps its second receiver after its last hand-off: a receiver done with a message
+#: while another already waits in gloo for the next one leaves the loop (back to the pool) unless the
+#: link handed a message off this recently. gloo offers no way to wait for many receives with one
+#: thread (its receive Work has no future, and a receive waited on with a timeout closes the pair),
+#: so a receiver, once waiting in gloo, leaves only with a frame: an idle link's next frame (at the
+#: latest its peer's heartbeat) retires its second receiver.
+LINGER = 1.0
 
 
 class _ThreadRole(threading.local):
@@ -75,6 +83,14 @@ class _ThreadRole(threading.local):
 
 
 THREAD_ROLE = _ThreadRole()
+
+
+class _Retired:
+    """What _next_header returns to a receiver that leaves the loop while another serves it (see
+    LINGER)."""
+
+
+_RETIRED = _Retired()
 
 
 class Receiver:
@@ -149,6 +165,8 @@ class Receiver:
         self._receivers = 0
         #: receiving has ended for good (close frame, IO error): receivers leave, none rejoin
         self._ended = False
+        #: when a receiver last handed its role off (monotonic; see LINGER)
+        self._handed_off_at = float("-inf")
         # -- credit, read by the sender: header receives each side has posted again ---------------
         #: header frames we have taken from our ring and posted a receive again for (under
         #: _post_lock); every header we send carries it as ``ack``
@@ -198,6 +216,7 @@ class Receiver:
         THREAD_ROLE.link = None
         THREAD_ROLE.no_blocking_send = False
         CALLBACK_ROLE.defer = None
+        self._handed_off_at = time.monotonic()
         with self._rx_lock:
             self._receivers -= 1
             self._turn += 1
@@ -335,12 +354,13 @@ class Receiver:
             self._turn += 1
             self._busy = False
 
-    def _next_header(self) -> Header | None:
+    def _next_header(self) -> Header | _Retired | None:
         """Become the dispatcher of the next slot: take it at once if its frame is here, else claim
         a slot and wait in gloo for its frame (receives are kept posted ahead, see RING); a frame
         that arrives before its turn is left for the dispatcher and this thread parks as a spare.
         Decode the header; its buffer's receive is posted again later (_repost). None: receiving
-        ended meanwhile."""
+        ended meanwhile; _RETIRED: this thread has left the loop, which another receiver serves
+        (see LINGER)."""
         if self._headers_in_ring:
             return self._next_header_from_slots()
         while True:
@@ -351,6 +371,8 @@ class Receiver:
                     return None
                 turn = self._ready_turn()
                 if turn is None:
+                    if self._retires():
+                        return _RETIRED
                     slot = self._claimed
                     # the receive of slot s is the s-th one posted: RING at first, one per consumed
                     unposted = slot >= RING + self.consumed
@@ -377,7 +399,7 @@ class Receiver:
             if arrived:
                 return self._decode(slot)
 
-    def _next_header_from_slots(self) -> Header | None:
+    def _next_header_from_slots(self) -> Header | _Retired | None:
         """_next_header for header frames that come through the peer's ring: the thread holding the
         door lock claims the next slot, sleeps on the doorbell until the peer has written it, copies
         it into a header buffer of ours and frees it; dispatching is shared as over gloo."""
@@ -386,6 +408,8 @@ class Receiver:
                 if self._ended:
                     return None
                 turn = self._ready_turn()
+                if turn is None and self._retires():
+                    return _RETIRED
             if turn is not None:
                 return self._decode(turn)
             with self._door_lock:
@@ -415,6 +439,14 @@ class Receiver:
         self._ready.discard(slot)
         self._busy = True
         return slot
+
+    def _retires(self) -> bool:
+        """Under _rx_lock: leave the loop (see LINGER) when another receiver already waits for an
+        earlier frame and the link has not handed a message off lately."""
+        if self._native and time.monotonic() - self._handed_off_at > LINGER:
+            self._receivers -= 1
+            return True
+        return False
 
     def _waiting(self, slot: int) -> None:
         """Under _rx_lock: this thread waits for the frame of ``slot`` (for hand_off and liveness)."""
@@ -498,13 +530,6 @@ class Receiver:
                 self._fail(exc)
             self._leave(ended=True)
             return
-        if self._run_elsewhere is not None:
-            with self._rx_lock:
-                more = self._receivers < RECEIVERS and not self._ended
-                if more:
-                    self._receivers += 1
-            if more:
-                self._run_elsewhere(self._receive_more)
         self._receive_more()
 
     def _receive_more(self) -> None:
@@ -533,6 +558,8 @@ class Receiver:
                     THREAD_ROLE.link = None
                     THREAD_ROLE.no_blocking_send = False
                 CALLBACK_ROLE.defer = None
+            if isinstance(handed_off, _Retired):
+                return  # it left the loop, which another receiver serves (see LINGER)
             if not handed_off:
                 self._leave(ended=True)
                 return
@@ -564,8 +591,9 @@ class Receiver:
         _log.error("twinrpc: %s", exc)
         self._fail(exc)
 
-    def _receive_messages(self) -> bool:
-        """Dispatch messages in turn; True: this thread handed its role off, False: receiving ended.
+    def _receive_messages(self) -> bool | _Retired:
+        """Dispatch messages in turn; True: this thread handed its role off, False: receiving ended,
+        _RETIRED: this thread left the loop, which another receiver serves (see LINGER).
         A frame's messages (riders, its first message, the further ones) are dispatched in order by
         this thread: it hands its role off only at the frame's last message (see hand_off)."""
         state = self._state
@@ -574,6 +602,8 @@ class Receiver:
                 header = self._next_header()
                 if header is None:
                     return False
+                if isinstance(header, _Retired):
+                    return header
                 if state.failed is not None:
                     return False  # declared dead (heartbeat): nothing it still sends is trusted
                 if header.closing:  # the peer sends one per receiver of ours: each ends one

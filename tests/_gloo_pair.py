@@ -17,15 +17,8 @@ from twinrpc._message import Message
 WAIT = 10.0  # seconds: a bound for things that should take milliseconds
 
 
-def make_links(
-    on_message: Callable[[Message], None],
-    failures: list[BaseException],
-    back: Callable[[Message], None] | None = None,
-) -> tuple[PeerLink, PeerLink]:
-    """Rank 0's link (the sender) and rank 1's (the listener, delivering to ``on_message``) over a
-    fresh gloo pair, not started; link failures on either side are appended to ``failures``.
-    ``back``: where rank 0 delivers what rank 1 sends it (dropped by default)."""
-    store = dist.HashStore()
+def make_pair_groups(store: Any) -> dict[int, Any]:
+    """Both ends (by rank) of a gloo pair group over ``store``, made at once (each waits for the other)."""
     groups: dict[int, Any] = {}
 
     def make(me: int) -> None:
@@ -36,6 +29,18 @@ def make_links(
         t.start()
     for t in threads:
         t.join(WAIT)
+    return groups
+
+
+def make_links(
+    on_message: Callable[[Message], None],
+    failures: list[BaseException],
+    back: Callable[[Message], None] | None = None,
+) -> tuple[PeerLink, PeerLink]:
+    """Rank 0's link (the sender) and rank 1's (the listener, delivering to ``on_message``) over a
+    fresh gloo pair, not started; link failures on either side are appended to ``failures``.
+    ``back``: where rank 0 delivers what rank 1 sends it (dropped by default)."""
+    groups = make_pair_groups(dist.HashStore())
     sender = PeerLink(0, 1, groups[0], back or (lambda m: None), lambda peer, exc: failures.append(exc))
     listener = PeerLink(1, 0, groups[1], on_message, lambda peer, exc: failures.append(exc))
     return sender, listener

@@ -26,11 +26,14 @@ LINK_PARTS = [
     "_riders.py",
     "_sender.py",
 ]
+#: torch's privates a part uses as API: ``ProcessGroupGloo._Options`` is the only way to give a pair's
+#: group the shared gloo device and its thread count (PyTorch's own gloo tests build their groups so)
+TORCH_API = {"_pair.py": {"_Options"}}
 
 
 @pytest.mark.parametrize("module", LINK_PARTS)
 def test_no_part_of_the_link_reaches_into_another_objects_private_state(module: str) -> None:
-    reaches = private_reaches(IMPL / module, base=IMPL.parent, allowed=set())
+    reaches = private_reaches(IMPL / module, base=IMPL.parent, allowed=TORCH_API.get(module, set()))
     assert not reaches, "private attributes used across objects:\n" + "\n".join(reaches)
 
 

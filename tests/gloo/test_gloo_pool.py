@@ -5,7 +5,9 @@ exited, so that nothing of ours is still inside a gloo call when a program exits
 from __future__ import annotations
 
 import threading
+import time
 
+import pytest
 from twinrpc.impl._pool import RequestPool
 
 
@@ -60,3 +62,36 @@ def test_join_from_a_pool_thread_does_not_wait_for_itself() -> None:
     pool.submit(stop_from_inside)
     assert done.wait(5.0)
     assert left == [[]]  # the idle thread exited; the calling one is not waited for
+
+
+def test_threads_a_burst_started_exit_once_idle_and_the_prestarted_ones_stay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A burst (many peers' requests at once) starts threads; once idle for IDLE_EXIT they exit, down
+    to the pre-started ones, and the pool still runs what comes next."""
+    from twinrpc.impl import _pool
+
+    monkeypatch.setattr(_pool, "IDLE_EXIT", 0.05)
+    pool = RequestPool(8, "test-pool-d", prestart=2)
+    started, release = threading.Barrier(7), threading.Event()
+
+    def request() -> None:
+        started.wait(5.0)
+        release.wait(5.0)
+
+    for _ in range(6):
+        pool.submit(request)
+    started.wait(5.0)
+    assert len(_pool_threads("test-pool-d")) == 6
+    release.set()
+    for _ in range(100):
+        if len(_pool_threads("test-pool-d")) == 2:
+            break
+        time.sleep(0.05)
+    assert len(_pool_threads("test-pool-d")) == 2
+    ran = threading.Event()
+    pool.submit(ran.set)
+    assert ran.wait(5.0)
+    pool.stop()
+    assert pool.join(5.0) == []
+    assert _pool_threads("test-pool-d") == []
