@@ -128,6 +128,8 @@ class Receiver:
         #: held by the one receiver thread that waits on the doorbell (claims, takes and frees
         #: header slots in order)
         self._door_lock = threading.Lock()
+        #: receivers queued for the door lock (under _rx_lock): one of them may leave (see LINGER)
+        self._at_door = 0
         self._live = liveness
         self._riders = riders
         self._on_message = on_message
@@ -371,7 +373,7 @@ class Receiver:
                     return None
                 turn = self._ready_turn()
                 if turn is None:
-                    if self._retires():
+                    if self._retires(another_waits=bool(self._native)):
                         return _RETIRED
                     slot = self._claimed
                     # the receive of slot s is the s-th one posted: RING at first, one per consumed
@@ -408,14 +410,21 @@ class Receiver:
                 if self._ended:
                     return None
                 turn = self._ready_turn()
-                if turn is None and self._retires():
-                    return _RETIRED
+                if turn is None:
+                    # a receiver waits for a slot, or holds the door on its way to waiting for one
+                    if self._retires(bool(self._native) or self._door_lock.locked()):
+                        return _RETIRED
+                    self._at_door += 1
             if turn is not None:
                 return self._decode(turn)
             with self._door_lock:
                 with self._rx_lock:
+                    self._at_door -= 1
                     if self._ended:
                         return None
+                    # another receiver queues for the door behind this one: it can serve the link
+                    if self._retires(self._at_door > 0):
+                        return _RETIRED
                     slot = self._claimed
                     self._claimed += 1
                     self._waiting(slot)
@@ -440,10 +449,10 @@ class Receiver:
         self._busy = True
         return slot
 
-    def _retires(self) -> bool:
+    def _retires(self, another_waits: bool) -> bool:
         """Under _rx_lock: leave the loop (see LINGER) when another receiver already waits for an
         earlier frame and the link has not handed a message off lately."""
-        if self._native and time.monotonic() - self._handed_off_at > LINGER:
+        if another_waits and time.monotonic() - self._handed_off_at > LINGER:
             self._receivers -= 1
             return True
         return False

@@ -20,8 +20,9 @@ from twinrpc.impl._pair import Pair, _gloo_loop_threads
 #: threads a process holds besides one per link: the main thread, the timer, gloo's one event loop
 #: (a device shared by every pair group) and the request pool's two pre-started threads
 FIXED_THREADS = 5
-#: descriptors a link adds: its gloo connection and, on one host, its shared-memory rings
-FDS_PER_LINK = 3
+#: descriptors a link adds: its gloo connection and, on one host, its shared-memory rings (3) and its
+#: doorbell (its eventfds and the peer's pidfd: 4, impl/_doorbell.py)
+FDS_PER_LINK = 7
 #: descriptors rpc adds besides its links: the store's connection, gloo's listening socket and epoll
 FIXED_FDS = 6
 #: seconds a worker idles before the counts: a link's second receiver leaves at its next frame once
