@@ -63,7 +63,11 @@ class PairAsks:
         self._next = 1
         #: the watcher's own connection: a TCPStore client serves one request at a time, so a wait
         #: for the next inbox entry on the shared one would block every other use of the store
-        self._watch: Any = store.clone()
+        #: (a store that cannot be cloned, e.g. an in-process HashStore, has no such connection)
+        try:
+            self._watch: Any = store.clone()
+        except RuntimeError:
+            self._watch = store
 
     def ask(self, peer: int) -> None:
         """Ask ``peer`` to connect to this worker (its watcher reads it)."""
@@ -159,7 +163,8 @@ class LinkTable:
         self._failed = failed
         self._send_failed = send_failed
         self._silence = silence
-        self._lock = threading.Lock()
+        #: guards what follows; notified when a link is made or given up (link_to)
+        self._lock = threading.Condition()
         #: replaced, never changed in place (readers iterate without the lock)
         self.links: dict[int, PeerLink] = {}
         #: peers being connected to, with the messages waiting for the link, in order
@@ -204,13 +209,39 @@ class LinkTable:
             if not self._stopping.is_set():
                 self._connect(peer, asking)
 
+    def link_to(self, peer: int, timeout: float) -> PeerLink:
+        """The link to ``peer``, made now if there is none (for tools and tests that need it before
+        any message).
+
+        Raises:
+            BaseException: why it could not be made (as reported to the agent).
+            TimeoutError: it was not made within ``timeout`` seconds.
+        """
+        self.reach(peer)
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                link = self.links.get(peer)
+                if link is not None:
+                    return link
+                error = self._unreachable.get(peer)
+                if error is not None:
+                    raise error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no link to rank {peer} within {timeout:g} s")
+                self._lock.wait(left)
+
     def _connect(self, peer: int, asking: bool) -> None:
         """Under the lock: start connecting to ``peer`` on a thread of its own, unless under way."""
         if peer in self._connecting:
             return
         self._waiting.setdefault(peer, [])
         thread = threading.Thread(
-            target=self._connect_on_thread, args=(peer, asking), name=f"twinrpc-link-{self._rank}-{peer}", daemon=True
+            target=self._connect_on_thread,
+            args=(peer, asking),
+            name=f"twinrpc-link-{self._rank}-{peer}",
+            daemon=True,
         )
         self._connecting[peer] = thread
         thread.start()
@@ -224,6 +255,7 @@ class LinkTable:
                 asks.ask(peer)
             asks.wait_for(peer, self._silence, self._stopping)
             link = self._make(peer)
+
         except BaseException as exc:
             self._give_up(peer, exc)
             return
@@ -235,12 +267,14 @@ class LinkTable:
                 link.send_later(msg, self._send_failed)
             self.links = {**self.links, peer: link}
             self._connecting.pop(peer, None)
+            self._lock.notify_all()
 
     def _give_up(self, peer: int, exc: BaseException) -> None:
         with self._lock:
             waiting = self._waiting.pop(peer, [])
             self._unreachable[peer] = exc
             self._connecting.pop(peer, None)
+            self._lock.notify_all()
         if isinstance(exc, LinkStopped):
             return  # nothing is reported after stop
         _log.debug("twinrpc: rank %d could not connect to rank %d: %s", self._rank, peer, exc)

@@ -141,7 +141,7 @@ class GlooWorld(World):
         # joiner connects to every member now, as each member connects to it (_watch_joins).
         self._table = LinkTable(
             self.rank,
-            PairAsks(joined.run_store, self.rank) if self._group is None else None,
+            PairAsks(joined.run_store or joined.store, self.rank) if self._group is None else None,
             lambda peer: self._make_link(peer, *self._connect(pair_store, peer)),
             self._start_link,
             self._peer_failed,
@@ -199,6 +199,10 @@ class GlooWorld(World):
         for peer in peers:
             if peer != self.rank:
                 self._table.reach(peer)
+
+    def link_to(self, peer: int, timeout: float) -> PeerLink:
+        """The link to ``peer``, made now if need be (see LinkTable.link_to)."""
+        return self._table.link_to(peer, timeout)
 
     def _start_link(self, link: PeerLink) -> None:
         link.start(self._pool.run_job, self._callbacks.submit)
