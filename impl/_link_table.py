@@ -33,6 +33,7 @@ from twinrpc._message import Message
 
 from ._auth import AuthenticationError
 from ._link import PeerLink, PeerShutDown, PeerSilent
+from ._stores import WrappedStore
 
 _log = logging.getLogger("twinrpc.impl")
 
@@ -46,6 +47,37 @@ _POLL_MAX = 0.1
 def pair_key(a: int, b: int) -> str:
     """The prefix of a pair's keys (the lower rank first), as ``make_pair_group`` and ``JobAuth.link``."""
     return f"pair/{min(a, b)}-{max(a, b)}"
+
+
+class PolledWaits(WrappedStore):
+    """The store a pair is made over: a read of a key not written yet waits by looking at the store
+    (``check``) until it is there, instead of blocking in the store. A TCPStore client serves one
+    request at a time, so a pair's gloo group waiting for its peer's address would hold the process's
+    connection: pairs made at once around a ring of workers would then wait on each other in a cycle
+    (each peer's own connection held by its next pair) until the store's timeout."""
+
+    def __init__(self, inner: Any, timeout: timedelta) -> None:
+        super().__init__(inner)
+        self._seconds = timeout.total_seconds()
+
+    def _await(self, keys: list[str], timeout: timedelta | None) -> None:
+        seconds = self._seconds if timeout is None else timeout.total_seconds()
+        deadline = time.monotonic() + seconds
+        pause = _POLL_FIRST
+        while not self._inner.check(keys):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"Wait timeout after {seconds:g} s for keys {keys} (the peer did not connect)"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX)
+
+    def get(self, key: str) -> bytes:
+        self._await([key], None)
+        return super().get(key)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._await(keys, timeout)
 
 
 class LinkStopped(RuntimeError):
@@ -303,6 +335,11 @@ class LinkTable:
                 return
             self.reach(peer, asking=False)
 
+    def release(self) -> None:
+        """After stop: let go of the store (no link is made any more; see GlooWorld._release)."""
+        self._asks = None
+        self._make = _stopped
+
     def stop(self, graceful: bool, timeout: float) -> list[str]:
         """No link is made from now on: tell the store (connections to us fail at once), end the
         watcher and wait up to ``timeout`` for the connections under way (a peer that answered
@@ -323,3 +360,8 @@ class LinkTable:
         if self._asks is not None:
             self._asks.close()
         return [t.name for t in threads if t.is_alive()]
+
+
+def _stopped(peer: int) -> PeerLink:
+    """What makes a link once the table is released: nothing."""
+    raise LinkStopped("this worker's RPC has stopped")

@@ -19,7 +19,7 @@ from twinrpc._world import GroupMembership, TimerHandle, World, WorldEvents
 from ._auth import FrameAuth
 from ._dynamic_group import StoreGroup
 from ._link import THREAD_ROLE, PeerLink, PeerShutDown, PeerSilent, link_broken, make_pair_group
-from ._link_table import LinkTable, PairAsks
+from ._link_table import LinkTable, PairAsks, PolledWaits
 from ._pair import PairGroup
 from ._pool import CallbackRunner, RequestPool
 from ._rendezvous import Joined
@@ -130,7 +130,10 @@ class GlooWorld(World):
         # With heartbeats the timer judges a stuck send (PeerLink.check_alive); without them a send
         # waits at most rpc_timeout in gloo (none with rpc_timeout=0: the user chose to wait forever).
         self._send_timeout = None if heartbeat_interval > 0 or rpc_timeout <= 0 else rpc_timeout
-        pair_store = joined.pair_store if joined.pair_store is not None else joined.store
+        # pairs are made over waits that never hold the store's connection (see PolledWaits)
+        pair_store = PolledWaits(
+            joined.pair_store if joined.pair_store is not None else joined.store, joined.timeout
+        )
         #: how long a silent peer may stay silent before it is judged dead
         silence = (
             heartbeat_interval * heartbeat_misses
@@ -389,6 +392,7 @@ class GlooWorld(World):
                 link.abandon()  # wakes whatever still waits in gloo for this peer (joined below)
                 link.join(_ABANDON_WAIT)
         self._stop_threads()
+        self._release()
 
     def _close_at_exit(self) -> None:
         """The program exits without rpc.shutdown() (e.g. on an exception): before the interpreter
@@ -402,13 +406,30 @@ class GlooWorld(World):
         for link in self.links.values():
             link.close_now()
         self._stop_threads()
+        self._release()
+
+    def _release(self) -> None:
+        """After stop: let go of every gloo group and, in a static group, of the store, so that gloo's
+        threads and every socket of ours close now rather than at a garbage collection (the world, its
+        agent and the links' parts refer to each other). A link whose threads are still running keeps
+        its group. A dynamic group's store stays: its members still use it to leave."""
+        for link in self.links.values():
+            if link.threads_done():
+                link.release()
+        if self._group is None:
+            self._table.release()
+            self._store = None
+            if self._auth is not None:
+                self._auth.release()
 
     def _stop_linking(self, graceful: bool) -> None:
         """No link is made from now on (peers connecting to us fail at once); the links being made
         are finished first, so that stop closes them too."""
         left = self._table.stop(graceful, _THREAD_EXIT_WAIT)
         if left:
-            _log.warning("twinrpc: %s still connecting %.0f s after RPC stopped", ", ".join(left), _THREAD_EXIT_WAIT)
+            _log.warning(
+                "twinrpc: %s still connecting %.0f s after RPC stopped", ", ".join(left), _THREAD_EXIT_WAIT
+            )
 
     def _stop_watching(self) -> None:
         if self._group is not None and self._watcher is not None:
