@@ -15,7 +15,6 @@ them is the core's (``twinrpc._membership``). Keys, under the generation's ``twi
 
 from __future__ import annotations
 
-import logging
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,12 +26,8 @@ from twinrpc._departure import Departure, departure_error
 from twinrpc._membership import MIXED_GROUP_ERROR
 from twinrpc._worker_info import WorkerInfo
 
-from ._auth import AuthenticationError, refuse_marked
-
-_log = logging.getLogger("twinrpc.impl")
-
-#: how long a member's watcher waits for its next inbox entry before asking again (quietly)
-_WATCH_WAIT = timedelta(days=1)
+from ._auth import refuse_marked
+from ._stores import next_entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,23 +170,7 @@ class StoreGroup:
     def next_notice(self) -> JoinNotice | None:
         """Block until the next inbox entry; None when it is ``stop``. With a job key, an entry that is
         not authenticated (not posted by a worker of this job) is logged and skipped."""
-        while True:
-            key = f"{self._inbox}/{self._next}"
-            while True:
-                try:
-                    self._watch_store.wait([key], _WATCH_WAIT)
-                    break
-                except RuntimeError as exc:
-                    if "timeout" not in str(exc).lower():
-                        raise  # the store is gone (its host process left)
-                    # the wait timed out: wait again
-            self._next += 1
-            try:
-                entry = self._watch_store.get(key).decode()
-            except AuthenticationError as exc:
-                _log.error("twinrpc: %s; skipped", exc)
-                continue
-            break
+        entry, self._next = next_entry(self._watch_store, self._inbox, self._next)
         if entry == "stop":
             return None
         _, rank, uid, name = entry.split(" ", 3)

@@ -31,14 +31,11 @@ from typing import Any
 
 from twinrpc._message import Message
 
-from ._auth import AuthenticationError
 from ._link import PeerLink, PeerShutDown, PeerSilent
-from ._stores import WrappedStore
+from ._stores import WrappedStore, next_entry
 
 _log = logging.getLogger("twinrpc.impl")
 
-#: how long the watcher waits for its next inbox entry before asking again (quietly)
-_WATCH_WAIT = timedelta(days=1)
 #: polling for the peer's answer: first and longest pause between two looks at the store
 _POLL_FIRST = 0.001
 _POLL_MAX = 0.1
@@ -148,22 +145,8 @@ class PairAsks:
     def next_ask(self) -> int | None:
         """Block until the next inbox entry: the rank that asks, or None for ``stop``. An entry that is
         not of this run (with a job key) is logged and skipped."""
-        while True:
-            key = f"ask/{self._rank}/{self._next}"
-            while True:
-                try:
-                    self._watch.wait([key], _WATCH_WAIT)
-                    break
-                except RuntimeError as exc:
-                    if "timeout" not in str(exc).lower():
-                        raise  # the store is gone (its host process left)
-            self._next += 1
-            try:
-                entry = self._watch.get(key).decode()
-            except AuthenticationError as exc:
-                _log.error("twinrpc: %s; skipped", exc)
-                continue
-            return None if entry == "stop" else int(entry)
+        entry, self._next = next_entry(self._watch, f"ask/{self._rank}", self._next)
+        return None if entry == "stop" else int(entry)
 
     def close(self) -> None:
         """Drop the watcher's connection (its socket closes now, not at a garbage collection)."""
