@@ -53,9 +53,11 @@ class PolledWaits(WrappedStore):
     connection: pairs made at once around a ring of workers would then wait on each other in a cycle
     (each peer's own connection held by its next pair) until the store's timeout."""
 
-    def __init__(self, inner: Any, timeout: timedelta) -> None:
+    def __init__(self, inner: Any, timeout: timedelta, stopping: threading.Event) -> None:
         super().__init__(inner)
         self._seconds = timeout.total_seconds()
+        #: set when this worker's world stops: a wait then ends at once (LinkStopped)
+        self._stopping = stopping
 
     def _await(self, keys: list[str], timeout: timedelta | None) -> None:
         seconds = self._seconds if timeout is None else timeout.total_seconds()
@@ -66,7 +68,8 @@ class PolledWaits(WrappedStore):
                 raise RuntimeError(
                     f"Wait timeout after {seconds:g} s for keys {keys} (the peer did not connect)"
                 )
-            time.sleep(pause)
+            if self._stopping.wait(pause):
+                raise LinkStopped("this worker's RPC stopped while connecting")
             pause = min(pause * 2, _POLL_MAX)
 
     def get(self, key: str) -> bytes:
@@ -187,7 +190,8 @@ class LinkTable:
         #: peers no link could be made to, and why (later sends fail at once with it)
         self._unreachable: dict[int, BaseException] = {}
         self._connecting: dict[int, threading.Thread] = {}
-        self._stopping = threading.Event()
+        #: set once this world stops: links being made give up (their waits in the store end)
+        self.stopping = threading.Event()
         self._watcher: threading.Thread | None = None
 
     # -- links -------------------------------------------------------------------------------------
@@ -205,7 +209,7 @@ class LinkTable:
                 return link
             error = self._unreachable.get(peer)
             if error is None:
-                if self._asks is None or self._stopping.is_set():
+                if self._asks is None or self.stopping.is_set():
                     # a dynamic group's member that stopped before this worker joined, or we stop
                     error = PeerShutDown(graceful=False)
                 else:
@@ -221,7 +225,7 @@ class LinkTable:
         with self._lock:
             if peer in self.links or peer in self._unreachable or self._asks is None:
                 return
-            if not self._stopping.is_set():
+            if not self.stopping.is_set():
                 self._connect(peer, asking)
 
     def link_to(self, peer: int, timeout: float) -> PeerLink:
@@ -268,7 +272,7 @@ class LinkTable:
             asks.here(peer)
             if asking:
                 asks.ask(peer)
-            asks.wait_for(peer, self._silence, self._stopping)
+            asks.wait_for(peer, self._silence, self.stopping)
             link = self._make(peer)
 
         except BaseException as exc:
@@ -327,7 +331,7 @@ class LinkTable:
         """No link is made from now on: tell the store (connections to us fail at once), end the
         watcher and wait up to ``timeout`` for the connections under way (a peer that answered
         makes its link in milliseconds; the others give up now). The names of threads still running."""
-        self._stopping.set()
+        self.stopping.set()
         deadline = time.monotonic() + timeout
         if self._asks is not None:
             try:

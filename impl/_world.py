@@ -130,10 +130,6 @@ class GlooWorld(World):
         # With heartbeats the timer judges a stuck send (PeerLink.check_alive); without them a send
         # waits at most rpc_timeout in gloo (none with rpc_timeout=0: the user chose to wait forever).
         self._send_timeout = None if heartbeat_interval > 0 or rpc_timeout <= 0 else rpc_timeout
-        # pairs are made over waits that never hold the store's connection (see PolledWaits)
-        pair_store = PolledWaits(
-            joined.pair_store if joined.pair_store is not None else joined.store, joined.timeout
-        )
         #: how long a silent peer may stay silent before it is judged dead
         silence = (
             heartbeat_interval * heartbeat_misses
@@ -150,6 +146,12 @@ class GlooWorld(World):
             self._peer_failed,
             self._send_failed,
             silence,
+        )
+        # pairs are made over waits that never hold the store's connection, and end when we stop
+        pair_store = PolledWaits(
+            joined.pair_store if joined.pair_store is not None else joined.store,
+            joined.timeout,
+            self._table.stopping,
         )
         if self._group is not None:
             # Pairs are created in one global order, so no two processes wait on each other in a cycle.
