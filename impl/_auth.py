@@ -266,6 +266,12 @@ class JobAuth:
         #: every AuthStore made: C++ holds them by a pointer that does not keep the Python half alive
         self._stores: list[AuthStore] = []
 
+    def release(self) -> None:
+        """Let go of the stores made (RPC has stopped, and nothing of C++ uses them any more): their
+        connections close now. They refer to the list that keeps them, so without this only a
+        garbage collection would free them."""
+        self._stores.clear()
+
     def wrap(self, store: Any) -> AuthStore:
         """``store`` with every value authenticated (see AuthStore)."""
         return self._wrap(store, self._store_mac)

@@ -49,11 +49,9 @@ from twinrpc._membership import MIXED_GROUP_ERROR
 from twinrpc._worker_info import WorkerInfo
 
 from ._auth import AuthenticationError, refuse_marked
+from ._stores import next_entry
 
 _log = logging.getLogger("twinrpc.impl")
-
-#: how long a member's watcher waits for its next inbox entry before asking again (quietly)
-_WATCH_WAIT = timedelta(days=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,23 +290,7 @@ class StoreGroup:
         (``ready/<joiner>/<me>``: this worker's view of the group) before it is returned. With a job
         key, an entry that is not authenticated (not posted by a worker of this job) is logged and
         skipped."""
-        while True:
-            key = f"{self._inbox}/{self._next}"
-            while True:
-                try:
-                    self._watch_store.wait([key], _WATCH_WAIT)
-                    break
-                except RuntimeError as exc:
-                    if "timeout" not in str(exc).lower():
-                        raise  # the store is gone (its host process left)
-                    # the wait timed out: wait again
-            self._next += 1
-            try:
-                entry = self._watch_store.get(key).decode()
-            except AuthenticationError as exc:
-                _log.error("twinrpc: %s; skipped", exc)
-                continue
-            break
+        entry, self._next = next_entry(self._watch_store, self._inbox, self._next)
         if entry == "stop":
             return None
         _, rank, uid, name = entry.split(" ", 3)

@@ -228,6 +228,15 @@ class PeerLink:
         self.pair.abandon()
         self.sender.stop_outbox()
 
+    def release(self) -> None:
+        """Once the link's threads have exited (``threads_done``): let go of everything of gloo's it
+        holds, so that the pair's gloo threads and sockets end now. The link's parts refer to each
+        other, so without this only a garbage collection would free them."""
+        self.pair.rings.release()
+        self.pair.release()
+        self.sender.release()
+        self.receiver.release()
+
     def join(self, timeout: float) -> bool:
         """Wait until receiving has ended (whichever thread receives by then)."""
         return self.receiver.join(timeout)

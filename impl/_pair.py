@@ -68,6 +68,13 @@ class Pair:
         except RuntimeError:
             self._kill_work = None  # a pair broken from the start: the receiver reports it
 
+    def release(self) -> None:
+        """Let go of the pair's process group and the kill switch's receive (the link has ended and
+        its threads have exited): gloo's threads and sockets for the pair end now, not when a garbage
+        collection frees the link's parts (they refer to each other)."""
+        self.pg = None
+        self._kill_work = None
+
     def abandon(self) -> None:
         """Close the pair's gloo connection now: every thread blocked in a send to or a receive from
         this peer wakes with an error. The pair's process group is unusable afterwards (gloo closes

@@ -250,6 +250,13 @@ class Receiver:
         """The receiver's own thread (receivers on pool threads are the pool's to join)."""
         return [self._thread]
 
+    def release(self) -> None:
+        """Let go of the pair's process group and the receives posted on it (receiving has ended and
+        the threads have exited; see Pair.release)."""
+        self._pg = None
+        self._ring_works = []
+        self._staging_work = None
+
     # -- receiving ---------------------------------------------------------------------------------
     def _recv_data(self, nbytes: int, as_bytes: bool = False) -> Any:
         """Receive the next data frame (``nbytes`` long) as a tensor of its own (or as ``bytes``),

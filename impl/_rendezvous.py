@@ -66,6 +66,9 @@ class Joined:
     stopped: frozenset[int] = frozenset()
     #: the job key (impl/_auth.py): ``store`` authenticates every value; None: no key
     auth: JobAuth | None = None
+    #: ``store`` bound to this run of a static group (with a key, MACed under the run key): where
+    #: links are asked for when first used (impl/_link_table.py); None in a dynamic group
+    run_store: Any = None
 
 
 def _int_from(value: str, what: str, fix: str) -> int:
@@ -312,7 +315,14 @@ def join(
             )
         seen[n] = r
     return Joined(
-        store, rank, world_size, [WorkerInfo(n, r) for r, n in enumerate(names)], timeout, shared, auth=auth
+        store,
+        rank,
+        world_size,
+        [WorkerInfo(n, r) for r, n in enumerate(names)],
+        timeout,
+        shared,
+        auth=auth,
+        run_store=names_store,
     )
 
 

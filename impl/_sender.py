@@ -484,6 +484,11 @@ class Sender:
         """The sender's own thread (the outbox), if started."""
         return [] if self._outbox_thread is None else [self._outbox_thread]
 
+    def release(self) -> None:
+        """Let go of the pair's process group (the link has ended and its threads have exited; see
+        Pair.release)."""
+        self._pg = None
+
     # -- heartbeats --------------------------------------------------------------------------------
     def send_heartbeat(self) -> None:
         """Send one heartbeat frame if that cannot block, else queue it on the outbox (never blocks);

@@ -9,12 +9,19 @@ libraries and stacks are). :class:`ScrubbedAddresses` zeroes that tail on the wa
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from twinrpc._errors import AuthenticationError
+
+_log = logging.getLogger("twinrpc.impl")
+#: how long an inbox's reader waits for its next entry before asking again (quietly)
+_INBOX_WAIT = timedelta(days=1)
 
 _U64 = struct.Struct("<Q")
 _FAMILY = struct.Struct("<H")
@@ -108,3 +115,27 @@ class ScrubbedAddresses(WrappedStore):
 
     def _encode(self, key: str, value: str | bytes) -> bytes:
         return scrub_gloo_address(super()._encode(key, value))
+
+
+def next_entry(store: Any, inbox: str, n: int) -> tuple[str, int]:
+    """Block until entry ``<inbox>/<n>`` of an inbox in ``store`` (entries numbered from 1, each
+    written once) is there; returns it and the number of the entry after it. An entry that fails the
+    job key's check (not written by a worker of this run) is logged and skipped.
+
+    Raises:
+        RuntimeError: the store is gone (its host process left).
+    """
+    while True:
+        key = f"{inbox}/{n}"
+        while True:
+            try:
+                store.wait([key], _INBOX_WAIT)
+                break
+            except RuntimeError as exc:
+                if "timeout" not in str(exc).lower():
+                    raise
+        n += 1
+        try:
+            return store.get(key).decode(), n
+        except AuthenticationError as exc:
+            _log.error("twinrpc: %s; skipped", exc)

@@ -6,7 +6,7 @@ import atexit
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from twinrpc._departure import Departure
@@ -19,6 +19,7 @@ from twinrpc._world import GroupMembership, TimerHandle, World, WorldEvents
 from ._auth import FrameAuth
 from ._dynamic_group import StoreGroup
 from ._link import THREAD_ROLE, PeerLink, PeerShutDown, PeerSilent, link_broken, make_pair_group
+from ._link_table import LinkTable, PairAsks, PolledWaits
 from ._pair import PairGroup
 from ._pool import CallbackRunner, RequestPool
 from ._rendezvous import Joined
@@ -86,7 +87,8 @@ DELETE_WAIT = 0.01
 
 
 class GlooWorld(World):
-    """One process's world: links to every peer, a request pool, a timer. Thread-safe."""
+    """One process's world: links to the peers it talks to (made on first use in a static group,
+    impl/_link_table.py; to every member in a dynamic one), a request pool, a timer. Thread-safe."""
 
     clock_name = "wall-clock"
 
@@ -125,28 +127,43 @@ class GlooWorld(World):
         #: user Future callbacks of futures completed on the links' and the timer's threads
         self._callbacks = CallbackRunner(self._pool.run_job)
         self._timer = TimerThread(f"twinrpc-timer-{self.rank}", defer_callbacks=self._callbacks.submit)
-        #: replaced, never changed in place, when a peer joins (readers iterate without the lock)
-        self.links: dict[int, PeerLink] = {}
         # With heartbeats the timer judges a stuck send (PeerLink.check_alive); without them a send
         # waits at most rpc_timeout in gloo (none with rpc_timeout=0: the user chose to wait forever).
         self._send_timeout = None if heartbeat_interval > 0 or rpc_timeout <= 0 else rpc_timeout
-        pair_store = joined.pair_store if joined.pair_store is not None else joined.store
-        # Pairs are created in one global order, so no two processes wait on each other in a cycle.
         #: how long a silent peer may stay silent before it is judged dead
         silence = (
             heartbeat_interval * heartbeat_misses
             if heartbeat_interval > 0
             else joined.timeout.total_seconds()
         )
-        if self._group is not None:  # every member answers our join notice before anything connects
-            self._group.confirm(silence)
-        for peer in sorted(self.workers):
-            if peer != self.rank and peer not in joined.stopped:
-                pg, auth = self._connect(pair_store, peer)
-                self.links[peer] = self._make_link(peer, pg, auth)
+        # A static group's links are made on first use (impl/_link_table.py); a dynamic group's
+        # joiner connects to every member now, as each member connects to it (_watch_joins).
+        self._table = LinkTable(
+            self.rank,
+            PairAsks(joined.run_store or joined.store, self.rank) if self._group is None else None,
+            lambda peer: self._make_link(peer, *self._connect(pair_store, peer)),
+            self._start_link,
+            self._peer_failed,
+            self._send_failed,
+            silence,
+        )
+        # pairs are made over waits that never hold the store's connection, and end when we stop
+        pair_store = PolledWaits(
+            joined.pair_store if joined.pair_store is not None else joined.store,
+            joined.timeout,
+            self._table.stopping,
+        )
+        if self._group is not None:
+            self._group.confirm(silence)  # every member answers our join notice before anything connects
+            # Pairs are created in one global order, so no two processes wait on each other in a cycle.
+            for peer in sorted(self.workers):
+                if peer != self.rank and peer not in joined.stopped:
+                    pg, auth = self._connect(pair_store, peer)
+                    self._table.add(self._make_link(peer, pg, auth))
         self._store = joined.store
         for link in self.links.values():
-            link.start(self._pool.run_job, self._callbacks.submit)
+            self._start_link(link)
+        self._table.watch()
         #: a dynamic member's thread that connects the links to workers joining later
         self._watcher: threading.Thread | None = None
         if self._group is not None:
@@ -157,7 +174,7 @@ class GlooWorld(World):
         # Heartbeats (failure detection for a peer that stops without closing its connection).
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat_threshold = heartbeat_interval * heartbeat_misses
-        if heartbeat_interval > 0 and self.links:
+        if heartbeat_interval > 0 and len(self.workers) > 1:
             self._next_tick = time.monotonic() + heartbeat_interval
             self._timer.call_later(heartbeat_interval, self._heartbeat_tick)
         atexit.register(self._close_at_exit)
@@ -175,6 +192,25 @@ class GlooWorld(World):
             raise AuthenticationError(
                 f"connecting to {self.workers[peer].name!r} (rank {peer}): {exc}; nothing connected"
             ) from exc
+
+    @property
+    def links(self) -> dict[int, PeerLink]:
+        """The links made so far, by peer (a snapshot: replaced, never changed in place)."""
+        return self._table.links
+
+    def reach(self, peers: Iterable[int]) -> None:
+        """Make the links to ``peers`` now (see World.reach): a peer that died before any link to it
+        was made is then reported, as a link's failure."""
+        for peer in peers:
+            if peer != self.rank:
+                self._table.reach(peer)
+
+    def link_to(self, peer: int, timeout: float) -> PeerLink:
+        """The link to ``peer``, made now if need be (see LinkTable.link_to)."""
+        return self._table.link_to(peer, timeout)
+
+    def _start_link(self, link: PeerLink) -> None:
+        link.start(self._pool.run_job, self._callbacks.submit)
 
     def _make_link(self, peer: int, pg: Any, auth: FrameAuth | None) -> PeerLink:
         link = PeerLink(
@@ -210,8 +246,8 @@ class GlooWorld(World):
             with self._lock:
                 self.workers = {**self.workers, info.id: info}
                 link = self._make_link(info.id, pg, auth)
-                self.links = {**self.links, info.id: link}
-            link.start(self._pool.run_job, self._callbacks.submit)
+                self._table.add(link)
+            self._start_link(link)
 
     # -- World interface ---------------------------------------------------------------------------
     def now(self) -> float:
@@ -227,10 +263,12 @@ class GlooWorld(World):
             local = Message(msg.kind, msg.id, msg.src, msg.dst, msg.payload, copy_storages(msg.tensors))
             self._deliver(local)
             return
-        link = self.links.get(msg.dst)
-        if link is None:  # a dynamic group's member that stopped before this worker joined
-            self._send_failed(msg, PeerShutDown(graceful=False))
-            return
+        link = self._table.links.get(msg.dst)
+        if link is None:
+            # No link yet: the message waits while it is made (or fails if it cannot be)
+            link = self._table.link_or_wait(msg)
+            if link is None:
+                return
         if msg.deferrable and link.defer(msg, self._send_failed):
             self._flush_riders_later()
             return
@@ -343,6 +381,7 @@ class GlooWorld(World):
         if graceful:
             FOLLOW_ON_EXIT.settled()
         self._stop_watching()
+        self._stop_linking(graceful)
         deadline = time.monotonic() + _CLOSE_WAIT
         links = list(self.links.values())
         for link in links:
@@ -357,6 +396,7 @@ class GlooWorld(World):
                 link.abandon()  # wakes whatever still waits in gloo for this peer (joined below)
                 link.join(_ABANDON_WAIT)
         self._stop_threads()
+        self._release()
 
     def _close_at_exit(self) -> None:
         """The program exits without rpc.shutdown() (e.g. on an exception): before the interpreter
@@ -366,9 +406,34 @@ class GlooWorld(World):
         if not self._mark_stopped():
             return
         self._stop_watching()
+        self._stop_linking(graceful=False)
         for link in self.links.values():
             link.close_now()
         self._stop_threads()
+        self._release()
+
+    def _release(self) -> None:
+        """After stop: let go of every gloo group and, in a static group, of the store, so that gloo's
+        threads and every socket of ours close now rather than at a garbage collection (the world, its
+        agent and the links' parts refer to each other). A link whose threads are still running keeps
+        its group. A dynamic group's store stays: its members still use it to leave."""
+        for link in self.links.values():
+            if link.threads_done():
+                link.release()
+        if self._group is None:
+            self._table.release()
+            self._store = None
+            if self._auth is not None:
+                self._auth.release()
+
+    def _stop_linking(self, graceful: bool) -> None:
+        """No link is made from now on (peers connecting to us fail at once); the links being made
+        are finished first, so that stop closes them too."""
+        left = self._table.stop(graceful, _THREAD_EXIT_WAIT)
+        if left:
+            _log.warning(
+                "twinrpc: %s still connecting %.0f s after RPC stopped", ", ".join(left), _THREAD_EXIT_WAIT
+            )
 
     def _stop_watching(self) -> None:
         if self._group is not None and self._watcher is not None:

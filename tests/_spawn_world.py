@@ -124,8 +124,8 @@ def bad_peer_world(
     from twinrpc._current import current_agent
 
     if rank == 0:
+        assert rpc.rpc_sync("worker1", operator.add, args=(1, 1)) == 2  # makes the link (first use)
         link = current_agent().world.links[1]  # type: ignore[attr-defined]
-        assert rpc.rpc_sync("worker1", operator.add, args=(1, 1)) == 2
         send_bad_frame(link)
         shared["sent"].set()
         deadline = time.monotonic() + wait

@@ -255,6 +255,9 @@ class ShutdownProtocol:
         agent = self._agent
         me = agent.info.id
         workers = agent.workers
+        # Links are made on first use: one to every follower now, so that a follower that died
+        # before it ever linked to the leader is seen departed rather than awaited.
+        agent.world.reach(w.id for w in workers)
         with self._lock:
             # Complete when every worker has contributed or departed (checked under the lock that
             # peer_failed takes, so a departure between this check and the wait still ends it). A

@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 import functools
 import importlib.metadata
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -287,6 +287,13 @@ class World(abc.ABC):
     def observers(self) -> ProtocolObservers:
         """Who observes this worker's protocol events (read once, when the agent is made)."""
         return NO_OBSERVERS
+
+    def reach(self, peers: Iterable[int]) -> None:
+        """Make the links to ``peers`` now rather than at the first message (links are made on first
+        use). The leader of graceful shutdown calls it, so that a follower that died before any link
+        to it was made is reported (``on_peer_failed``) instead of awaited. A world whose links all
+        exist from the start has nothing to make."""
+        del peers
 
     def schedule_rref_delete(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` (sending a dead user RRef's delete) on a task soon. Called from

@@ -40,7 +40,8 @@ def _protocol_of(me: int) -> tuple[ShutdownProtocol, list[Any]]:
     """Worker ``me``'s protocol (worker0 leads), with a world that records what it sends and whose
     timeouts pass at once (a wait with a timeout ends without blocking the test)."""
     sent: list[Any] = []
-    world = types.SimpleNamespace(send=sent.append, call_later=_times_out_at_once)
+    # reach: the leader makes its links to every follower (links are made on first use)
+    world = types.SimpleNamespace(send=sent.append, call_later=_times_out_at_once, reach=list)
     agent: Any = types.SimpleNamespace(
         info=WORKERS[me],
         leader=WORKERS[0],

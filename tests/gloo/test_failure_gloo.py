@@ -256,10 +256,10 @@ def _stopped_mid_transfer_program(rank: int, world_size: int, init_file: str, sh
         return "left"
     from twinrpc._current import current_agent
 
-    links = current_agent().world.links  # type: ignore[attr-defined]
     result: dict[str, Any] = {}
     assert rpc.rpc_sync("worker1", operator.add, args=(1, 2)) == 3
     assert rpc.rpc_sync("worker2", operator.add, args=(1, 2)) == 3
+    links = current_agent().world.links  # type: ignore[attr-defined]  # made by the calls above
 
     # -- send side: worker1 is stopped, then a 64 MiB send to it starts and cannot complete --------
     pending = rpc.rpc_async("worker1", time.sleep, args=(60.0,), timeout=0)
@@ -446,8 +446,8 @@ def _frames_program(rank: int, world_size: int, init_file: str, shared: dict[str
 
     from twinrpc._current import current_agent
 
+    assert rpc.rpc_sync("worker1", operator.add, args=(1, 1)) == 2  # makes the link (first use)
     link = current_agent().world.links[1]  # type: ignore[attr-defined]
-    assert rpc.rpc_sync("worker1", operator.add, args=(1, 1)) == 2
     frames = _bad_frames()
     with link.sender.lock:  # test-only injection: raw frames on the pair's own process group
         for _, t in frames:

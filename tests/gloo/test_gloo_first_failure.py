@@ -69,12 +69,13 @@ def test_spawn_reports_the_worker_whose_failure_started_it(tmp_path: Path) -> No
 
 
 def _dies_or_calls(rank: int, init_file: str, shared: dict[str, Any]) -> None:
-    """worker1 exits at once without shutting RPC down (its connections close); worker0 reports what
-    its calls to worker1 then raise."""
+    """worker0 calls worker1 once (their link is made), then worker1 exits at once without shutting
+    RPC down (its connections close); worker0 reports what its calls to worker1 then raise."""
     rpc = _init(rank, 2, init_file)
     if rank == 1:
         shared["ready"].wait(WORLD_TIMEOUT)
         os._exit(3)
+    assert rpc.rpc_sync("worker1", operator.add, args=(1, 1)) == 2
     shared["ready"].set()
     report(shared, rank, _call_until_it_fails, rpc, "worker1")
 
@@ -91,3 +92,47 @@ def test_a_broken_connection_is_reported_in_twinrpc_words_then_gloos(tmp_path: P
     said = "; gloo said: " in error or "; the same-host doorbell saw process" in error
     assert said and "Its process has probably died" in error, error
     assert "pair.cc" not in error  # not gloo's source location
+
+
+def _dies_before_any_link(rank: int, init_file: str, shared: dict[str, Any]) -> None:
+    """worker2 exits once every worker has joined, before any link to it is made (links are made on
+    first use); worker0 then calls it for the first time, and worker1 shuts down gracefully: both
+    report what they raised."""
+    import twinrpc.rpc as rpc
+
+    options = rpc.RpcBackendOptions(
+        init_method=f"file://{init_file}", heartbeat_interval=0.2, heartbeat_misses=5
+    )
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=options)
+    if rank == 2:
+        shared["gone"].set()
+        os._exit(3)
+    shared["gone"].wait(WORLD_TIMEOUT)
+    if rank == 0:
+        first = _call_until_it_fails(rpc, "worker2")
+    try:
+        rpc.shutdown()
+        ended = "shutdown returned"
+    except Exception as exc:
+        ended = f"{type(exc).__name__}: {exc}"
+    report(shared, rank, lambda: {"first": first, "shutdown": ended} if rank == 0 else {"shutdown": ended})
+
+
+def test_a_worker_that_died_before_any_link_to_it_fails_the_first_call_and_shutdown_naming_it(
+    tmp_path: Path,
+) -> None:
+    """No link to worker2 was ever made when it died, so no connection closing tells anyone: the
+    first call to it fails once it has not answered the link's set-up within the liveness bound,
+    and graceful shutdown (whose leader reaches every follower) fails naming it rather than waiting."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager:
+        shared = {"results": ctx.Queue(), "gone": manager.Event()}
+        args = [(rank, str(tmp_path / "init"), shared) for rank in range(3)]
+        got = run_world(ctx, _dies_before_any_link, args, shared, WORLD_TIMEOUT, reporting=[0, 1])
+    print(got)
+    first = got[0]["first"]
+    assert first.startswith("WorkerUnavailableError: worker 'worker2' (rank 2) is unavailable"), first
+    assert "did not answer this worker's connection" in first, first
+    for rank in (0, 1):
+        ended = got[rank]["shutdown"]
+        assert ended.startswith("WorkerUnavailableError") and "worker2" in ended, ended

@@ -154,10 +154,10 @@ def _release_program(rank: int, init_file: str, shared: dict[str, Any]) -> None:
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
     try:
         if rank == 0:
-            link = current_agent().world.links[1]  # type: ignore[attr-defined]
             t = torch.ones(2, requires_grad=True)
             with dist_autograd.context() as cid:
                 rpc.rpc_sync("worker1", torch.add, args=(t, 1))
+                link = current_agent().world.links[1]  # type: ignore[attr-defined]  # made by the call
                 frames = link.sender.headers_sent  # from here: the release, then one call
             gone = not rpc.rpc_sync("worker1", _context_exists, args=(cid,))
             shared["out"].put(("rode", gone, link.sender.headers_sent - frames))
@@ -222,9 +222,9 @@ def _delete_program(rank: int, init_file: str, calls: int, out: Any) -> None:
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
     try:
         if rank == 0:
-            sender = current_agent().world.links[1].sender  # type: ignore[attr-defined]
             one = torch.ones(1)
-            rpc.remote("worker1", torch.add, args=(one, 1)).to_here()  # warm up
+            rpc.remote("worker1", torch.add, args=(one, 1)).to_here()  # warm up (makes the link)
+            sender = current_agent().world.links[1].sender  # type: ignore[attr-defined]
             ours, theirs = sender.headers_sent, rpc.rpc_sync("worker1", _headers_to, args=(0,))
             for i in range(calls):  # each RRef dies right after its to_here()
                 assert rpc.remote("worker1", torch.add, args=(one, i)).to_here().item() == i + 1

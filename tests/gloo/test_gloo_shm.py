@@ -500,12 +500,14 @@ def _world_program(rank: int, init_file: str, shared: dict[str, Any]) -> Any:
         init_method=f"file://{init_file}", heartbeat_interval=0.2, heartbeat_misses=5
     )
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=options)
-    links = current_agent().world.links
-    found: dict[str, Any] = {"same_host": {peer: link.same_host for peer, link in links.items()}}
+    world = current_agent().world
+    found: dict[str, Any] = {}
     if rank == 0:
         t = torch.arange(1 << 18, dtype=torch.float32)
         for peer in ("worker1", "worker2"):
             assert torch.equal(rpc.rpc_sync(peer, torch.neg, args=(t,)), -t)
+        links = world.links  # made by the calls (links are made on first use)
+        found["same_host"] = {peer: link.same_host for peer, link in links.items()}
         found["maps_live"] = _ring_handles()
         shared["kill_me"].put(2)  # the operator kill -9s rank 2
         deadline = time.monotonic() + 30
@@ -516,7 +518,10 @@ def _world_program(rank: int, init_file: str, shared: dict[str, Any]) -> Any:
         assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(t,)), -t)  # the other link works
     elif rank == 1:  # serves rank 0 until it leaves
         deadline = time.monotonic() + WORLD_TIMEOUT
-        while not links[0].state.closed_by_peer and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            link = world.links.get(0)
+            if link is not None and link.state.closed_by_peer:
+                break
             time.sleep(0.05)
     else:
         time.sleep(WORLD_TIMEOUT)  # until killed
