@@ -71,9 +71,11 @@ class Pair:
     def release(self) -> None:
         """Let go of the pair's process group and the kill switch's receive (the link has ended and
         its threads have exited): gloo's threads and sockets for the pair end now, not when a garbage
-        collection frees the link's parts (they refer to each other)."""
+        collection frees the link's parts (they refer to each other), and with the last pair the
+        shared gloo device and its event-loop thread (SharedDevices)."""
         self.pg = None
         self._kill_work = None
+        self._devices = None
 
     def abandon(self) -> None:
         """Close the pair's gloo connection now: every thread blocked in a send to or a receive from

@@ -55,7 +55,7 @@ WAIT = 10.0
 #: the world's bound, start and shutdown included (an example takes ~20 ms each way on 2 cores)
 WORLD_TIMEOUT = 120.0 + 0.2 * EXAMPLES
 #: what worker1 may unpickle: the operators the payloads call, and this module (its probe)
-ALLOW = ["operator.add", "operator.mul", "torch.add", "torch.mul", "torch.cat", "test_gloo_fuzz_messages.*"]
+ALLOW = ["operator.add", "operator.mul", "torch.add", "torch.mul", "torch.cat", f"{__name__}.*"]
 #: worker1's request pool: num_worker_threads (16) plus the receive loops of its two links
 POOL_BOUND = 16 + 2 * 2
 
