@@ -42,6 +42,10 @@ from ._pair import DATA_TAG, LARGE_TAG, READY_TAG, TAG, Pair
 from ._receiver import GO_AHEAD_BYTES, RECEIVERS, RING, STAGED_BYTES, Receiver
 from ._riders import Rider, Riders, messages, report_failed
 
+#: seconds an idle outbox thread waits before it exits (the next message that needs it starts
+#: another): a link that needed its outbox once does not hold a thread for the rest of its life
+_OUTBOX_IDLE_EXIT = 2.0
+
 _log = logging.getLogger("twinrpc.impl")
 _CLOSE_FLUSH = 10.0  # seconds to let the outbox drain before the close frame
 
@@ -447,21 +451,28 @@ class Sender:
             if self.lock.acquire(blocking=False):
                 self._lead(blocking=False)
             return
-        if self._outbox_thread is None:
-            # Not under the send lock: the timer queues heartbeats here and must never wait for a
-            # send that is stuck on a stopped peer (it is the thread that judges that peer).
-            with self._outbox_lock:
-                if self._outbox_thread is None:
-                    self._outbox_thread = threading.Thread(
-                        target=self._outbox_loop, name=f"twinrpc-send-{self._state.peer}", daemon=True
-                    )
-                    self._outbox_thread.start()
-        self._outbox.put(True)
+        # Not under the send lock: the timer queues heartbeats here and must never wait for a send
+        # that is stuck on a stopped peer (it is the thread that judges that peer). Under the outbox
+        # lock, so an outbox thread leaving for idleness (see _OUTBOX_IDLE_EXIT) never misses a kick.
+        with self._outbox_lock:
+            if self._outbox_thread is None:
+                self._outbox_thread = threading.Thread(
+                    target=self._outbox_loop, name=f"twinrpc-send-{self._state.peer}", daemon=True
+                )
+                self._outbox_thread.start()
+            self._outbox.put(True)
 
     def _outbox_loop(self) -> None:
         CALLBACK_ROLE.defer = self._defer_callbacks  # a failed send fails its call's future here
         while True:
-            item = self._outbox.get()
+            try:
+                item = self._outbox.get(timeout=_OUTBOX_IDLE_EXIT)
+            except queue.Empty:
+                with self._outbox_lock:
+                    if self._outbox.empty() and not self._queue:
+                        self._outbox_thread = None  # the next kick starts another
+                        return
+                continue
             if self._queue:
                 self.lock.acquire()
                 self._lead(blocking=True)  # fails what is queued at once once the link failed
@@ -472,8 +483,9 @@ class Sender:
         """The link ends at once (a process exiting without shutdown): let the outbox thread end,
         failing what is still queued."""
         self._closed = True
-        if self._outbox_thread is not None:
-            self._outbox.put(None)
+        with self._outbox_lock:
+            if self._outbox_thread is not None:
+                self._outbox.put(None)
 
     def outbox_done(self) -> bool:
         """Whether no outbox thread is running (none was started, or it exited)."""
@@ -528,12 +540,14 @@ class Sender:
         self._deadline = deadline
         if self._queue:
             self._kick()  # what is still queued goes first, from the outbox (a bounded wait here)
-        if self._outbox_thread is not None:
-            self._outbox.put(None)  # the outbox thread ends after what is queued (or at once if failed)
-            if state.failed is None:
-                # at least a moment: an idle outbox exits within milliseconds
-                self._outbox_thread.join(max(0.5, deadline - time.monotonic()))
-        stuck = self._outbox_thread is not None and self._outbox_thread.is_alive()
+        with self._outbox_lock:
+            outbox = self._outbox_thread
+            if outbox is not None:
+                self._outbox.put(None)  # it ends after what is queued (or at once if failed)
+        if outbox is not None and state.failed is None:
+            # at least a moment: an idle outbox exits within milliseconds
+            outbox.join(max(0.5, deadline - time.monotonic()))
+        stuck = outbox is not None and outbox.is_alive()
         # a dead peer reads nothing; a stuck outbox holds the send lock (it fails what is queued
         # once its send ends: at the deadline, or when abandon() wakes it)
         if (

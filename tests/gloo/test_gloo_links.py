@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import operator
+import time
 from typing import Any
 
 import pytest
@@ -80,6 +81,11 @@ def _links_program(rank: int, port: int, keyed: bool, barrier: Any) -> dict[str,
     answers = [f.wait().tolist() for f in futs]
     after_all = sorted(world.links)  # type: ignore[attr-defined]
     rpc.shutdown()
+    # a joined thread's kernel task goes a moment after join() returns: allow that moment, no more
+    # (what holds a thread or a descriptor past shutdown would hold it for good: gc is off)
+    settle = time.monotonic() + 2.0
+    while (_threads() - threads or _descriptors() - descriptors) and time.monotonic() < settle:
+        time.sleep(0.05)
     return {
         "at_init": at_init,
         "after_one": after_one,

@@ -17,9 +17,10 @@ from _benchmarks import load_benchmark
 from _gloo_pair import make_pair_groups
 from twinrpc.impl._pair import Pair, _gloo_loop_threads
 
-#: threads a process holds besides one per link: the main thread, the timer, gloo's one event loop
-#: (a device shared by every pair group) and the request pool's two pre-started threads
-FIXED_THREADS = 5
+#: threads a process holds besides one per link: the main thread, the timer, the watcher that answers
+#: peers asking for a link (impl/_link_table.py), gloo's one event loop (a device shared by every pair
+#: group) and the request pool's two pre-started threads
+FIXED_THREADS = 6
 #: descriptors a link adds: its gloo connection and, on one host, its shared-memory rings (3) and its
 #: doorbell (its eventfds and the peer's pidfd: 4, impl/_doorbell.py)
 FDS_PER_LINK = 7
