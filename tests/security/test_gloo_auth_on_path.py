@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _gloo_pair import WAIT, Inbox, end_links, wait_failed
-from twinrpc.impl import _rendezvous
+from twinrpc.impl import _pair, _rendezvous
 from twinrpc.impl._auth import MARK, AuthenticationError, JobAuth
 from twinrpc.impl._dynamic_group import StoreGroup
 from twinrpc.impl._link import PeerLink, make_pair_group
@@ -569,6 +569,9 @@ def test_a_storage_changed_by_a_relay_on_the_path_fails_the_link_naming_the_peer
     message is not delivered, worker1's link from worker0 fails naming authentication and worker0,
     and worker2's messages still arrive."""
     monkeypatch.setenv("TWINRPC_SHM", "0")
+    # the two ends live in this one process, where they would share one gloo device and so one
+    # listening address; as in two processes, each end gets a device (and an address) of its own
+    monkeypatch.setattr(_pair.SHARED_DEVICES, "get", _pair._Devices)
     store = JobAuth(KEY).wrap(dist.HashStore())
     inbox = Inbox()
     sevens = torch.full((4096,), 7.0)
