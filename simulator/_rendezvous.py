@@ -71,6 +71,8 @@ class Rendezvous:
         self._dynamic: dict[int, DynamicGroup] = {}
         #: generation -> rank -> the job key its worker joined with (None: none), static and dynamic
         self._keys: dict[int, dict[int, bytes | None]] = {}
+        #: generation -> whether its complete static group's keys differ (_keys_differ)
+        self._keys_differ_in: dict[int, bool] = {}
         #: rank -> (heartbeat_interval, heartbeat_misses) of its latest init_rpc's options: how long it
         #: lets a silent peer be before declaring it dead (simulator/_liveness.py, silence_bound)
         self.heartbeat_options: dict[int, tuple[float, int]] = {}
@@ -113,12 +115,22 @@ class Rendezvous:
         if len(arrived) == world_size:
             self.sched.call_later(RENDEZVOUS_DELAY, lambda: done.set_result(None))
         done.wait()
-        _check_keys(name, worker.rank, keys, arrived)
+        if self._keys_differ(generation, keys):
+            _check_keys(name, worker.rank, keys, arrived)
         infos, roster = self._roster(generation, arrived)
         world = SimWorld(worker, options.num_worker_threads, generation)
         worker.world = world
         self._heartbeats_of(worker.rank, options)
         return Connection(world, infos[worker.rank], roster)
+
+    def _keys_differ(self, generation: int, keys: dict[int, bytes | None]) -> bool:
+        """Whether the members of complete static group ``generation`` (``keys``: rank -> key) were
+        started with more than one key: found once for the group, not by each member comparing its
+        key with every other's (N^2 comparisons)."""
+        differ = self._keys_differ_in.get(generation)
+        if differ is None:
+            differ = self._keys_differ_in[generation] = len(set(keys.values())) > 1
+        return differ
 
     def open_round(self, rank: int, since: int) -> int:
         """The generation a process that newly joins as ``rank`` takes part in: the first, from
