@@ -116,6 +116,8 @@ def _extra(doc: dict[str, Any]) -> list[str]:
         lines.append(f"- Fitted model: {model}.")
     if extra.get("wakeups"):
         lines += _wakeups(extra["wakeups"])
+    if extra.get("sim_scale"):
+        lines += _sim_scale(extra["sim_scale"])
     if extra.get("explore"):
         cells = "; ".join(
             f"{e['jobs']} job{'s' if e['jobs'] > 1 else ''}: {_num(e['runs_per_s'])} runs/s, "
@@ -123,6 +125,21 @@ def _extra(doc: dict[str, Any]) -> list[str]:
             for e in extra["explore"]
         )
         lines.append(f"- Medians over the rounds (worker start-up included in the time): {cells}.")
+    return lines
+
+
+def _sim_scale(runs: list[dict[str, Any]]) -> list[str]:
+    """bench_sim_scale.py's runs: per world size, messages, events and memory."""
+    lines = [
+        "| simulated workers | messages | scheduler events per message | messages/s (trace off) | "
+        "peak RSS, trace off (MB) | peak RSS, trace on (MB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r['workers']:,} | {r['messages']:,} | {r['events'] / r['messages']:.3f} | "
+            f"{_num(r['messages_per_s'])} | {_num(r.get('rss_mb'))} | {_num(r['rss_mb_trace_on'])} |"
+        )
     return lines
 
 
@@ -207,7 +224,12 @@ def render(docs: list[dict[str, Any]]) -> str:
                 "|---|---|" + "---|" * len(systems) + "---|---|---|",
             ]
             for f in doc["figures"]:
-                cells = " | ".join(_num(f["values"].get(s, float("nan"))) for s in systems)
+                if [f["system"], f["against"]] == systems:
+                    cells = " | ".join(_num(f["values"].get(s, float("nan"))) for s in systems)
+                else:  # a figure of other systems than the table's columns: each value names its own
+                    cells = " | ".join(
+                        f"{NAMES.get(s, s)}: {_num(f['values'][s])}" for s in (f["system"], f["against"])
+                    )
                 better = "higher is better" if f["higher_is_better"] else "lower is better"
                 out.append(
                     f"| {f['label']} | {f['unit']}, {better} | {cells} | {_ratio(f)} | {_target(f)} | {_met(f)} |"
