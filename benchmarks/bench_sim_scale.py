@@ -123,6 +123,8 @@ def worker(rank: int, world_size: int, servers: int, steps: int) -> Any:
 class JobResult:
     outcomes: tuple[WorkerOutcome, ...]
     wall: float
+    #: CPU time of the run (this process): less moved by other processes' load than ``wall``
+    cpu: float
     virtual: float
     messages: int
     events: int
@@ -145,13 +147,14 @@ def run_job(
 ) -> JobResult:
     """Run the job once; ``messages`` counts sends (known only with the trace on, else -1)."""
     sim = Simulation(world_size, seed=seed, network=network, trace=trace)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     result = sim.run(worker, world_size, servers, steps)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     messages = result.trace.count("send") if trace else -1
     return JobResult(
         result.outcomes,
         wall,
+        cpu,
         result.virtual_time,
         messages,
         sim.sched.events_scheduled,
@@ -205,19 +208,23 @@ def compare(args: Any) -> int:
             flush=True,
         )
     rates: dict[int, list[float]] = {n: [] for n in sizes}
+    cpu_rates: dict[int, list[float]] = {n: [] for n in sizes}
     rss: dict[int, list[float]] = {n: [] for n in sizes}
-    ratios = []
+    ratios, cpu_ratios = [], []
     for round_ in range(args.rounds):
         for n in sizes if round_ % 2 == 0 else sizes[::-1]:
             got = run_alone(n, args.servers, args.steps, args.seed, trace=False)
             rates[n].append(counted[n]["messages"] / got["wall"])
+            cpu_rates[n].append(counted[n]["messages"] / got["cpu"])
             rss[n].append(got["rss_mb"])
             print(
                 f"  round {round_ + 1}: {n:,} workers, trace off: {got['wall']:.2f} s, "
-                f"{rates[n][-1]:,.0f} messages/s, peak RSS {got['rss_mb']:,.0f} MB",
+                f"{rates[n][-1]:,.0f} messages/s ({cpu_rates[n][-1]:,.0f} per CPU second), "
+                f"peak RSS {got['rss_mb']:,.0f} MB",
                 flush=True,
             )
         ratios.append(rates[args.against][-1] / rates[args.workers][-1])
+        cpu_ratios.append(cpu_rates[args.against][-1] / cpu_rates[args.workers][-1])
     small, large = (f"{n:,} workers" for n in sizes)
     per_message = {n: counted[n]["events"] / counted[n]["messages"] for n in sizes}
     figures = [
@@ -246,6 +253,7 @@ def compare(args: Any) -> int:
             "messages": counted[n]["messages"],
             "events": counted[n]["events"],
             "messages_per_s": statistics.median(rates[n]),
+            "messages_per_cpu_s": statistics.median(cpu_rates[n]),
             "rss_mb": statistics.median(rss[n]),
             "rss_mb_trace_on": counted[n]["rss_mb"],
         }
@@ -281,6 +289,10 @@ def compare(args: Any) -> int:
         )
     for f in figures:
         print(_results.describe(f))
+    print(
+        f"  per CPU second (what other processes' load moves less): ratio {statistics.median(cpu_ratios):.2f} "
+        f"(rounds {min(cpu_ratios):.2f}-{max(cpu_ratios):.2f})"
+    )
     if args.json:
         command = (
             f"python benchmarks/bench_sim_scale.py --workers {args.workers} --against {args.against} "
@@ -336,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             "messages": r.messages,
             "events": r.events,
             "wall": r.wall,
+            "cpu": r.cpu,
             "rss_mb": peak_rss_mb(),
             "exact": exact(r, args.workers, args.servers, args.steps),
         }
