@@ -170,9 +170,11 @@ def bench(session: nox.Session) -> None:
     What runs: simulated round trips per wall-clock second; the gloo world vs TensorPipe vs raw gloo (ratios,
     alternating rounds); what a job key costs a call; the simulator's models fitted to gloo on one host
     and between two network namespaces, and the training job's simulated vs real time; 256 simulated
-    workers training; distributed autograd vs TensorPipe; wake-ups, CPU and messages per operation vs
+    workers training, and the simulator's cost per message at 2,048 workers against 256 (and the memory of
+    8,192); distributed autograd vs TensorPipe; wake-ups, CPU and messages per operation vs
     TensorPipe; scale under torchrun vs TensorPipe (8 to 64 workers, each calling every peer or two of
-    them: init, first calls, shutdown, threads, descriptors, memory); twinrpc between two namespaces vs the raw gloo floor there; parameter-server training
+    them: init, first calls, shutdown, threads, descriptors, memory); twinrpc between two namespaces
+    vs the raw gloo floor there; parameter-server training
     vs TensorPipe and the reply hand-off; exploration throughput (runs per second) against the number
     of jobs; an RRef soak and a soak of calls, RRefs and autograd contexts
     on gloo.
@@ -199,6 +201,12 @@ def bench(session: nox.Session) -> None:
         f"{results}/bench_calibration.json",
     )
     session.run("python", "benchmarks/bench_sim_scale.py", "--network", network)
+    session.run(
+        "python",
+        "benchmarks/bench_sim_scale.py",
+        *("--steps", "2", "--against", "2048", "--memory", "8192"),
+        *("--json", f"{results}/bench_sim_scale.json"),
+    )
     session.run(
         "python", "benchmarks/bench_dist_autograd.py", "--json", f"{results}/bench_dist_autograd.json"
     )

@@ -119,6 +119,8 @@ def _extra(doc: dict[str, Any]) -> list[str]:
         lines += _wakeups(extra["wakeups"])
     if extra.get("scale"):
         lines += _scale(extra["scale"])
+    if extra.get("sim_scale"):
+        lines += _sim_scale(extra["sim_scale"])
     for failure in extra.get("failed") or []:
         lines.append(f"- Failed: {failure}.")
     if extra.get("explore"):
@@ -150,6 +152,21 @@ def _explore(extra: dict[str, Any]) -> list[str]:
         f"- Start-up: the server the jobs fork from was ready after {_num(extra['explore_server_s'])} s "
         f"(once per exploration, beside its calibration run); then, per exploration: {start}.",
     ]
+
+
+def _sim_scale(runs: list[dict[str, Any]]) -> list[str]:
+    """bench_sim_scale.py's runs: per world size, messages, events and memory."""
+    lines = [
+        "| simulated workers | messages | scheduler events per message | messages/s (trace off) | "
+        "peak RSS, trace off (MB) | peak RSS, trace on (MB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r['workers']:,} | {r['messages']:,} | {r['events'] / r['messages']:.3f} | "
+            f"{_num(r['messages_per_s'])} | {_num(r.get('rss_mb'))} | {_num(r['rss_mb_trace_on'])} |"
+        )
+    return lines
 
 
 def _per_op(worker: dict[str, Any], key: str) -> str:
@@ -257,7 +274,12 @@ def render(docs: list[dict[str, Any]]) -> str:
                 "|---|---|" + "---|" * len(systems) + "---|---|---|",
             ]
             for f in doc["figures"]:
-                cells = " | ".join(_num(f["values"].get(s, float("nan"))) for s in systems)
+                if [f["system"], f["against"]] == systems:
+                    cells = " | ".join(_num(f["values"].get(s, float("nan"))) for s in systems)
+                else:  # a figure of other systems than the table's columns: each value names its own
+                    cells = " | ".join(
+                        f"{NAMES.get(s, s)}: {_num(f['values'][s])}" for s in (f["system"], f["against"])
+                    )
                 better = "higher is better" if f["higher_is_better"] else "lower is better"
                 out.append(
                     f"| {f['label']} | {f['unit']}, {better} | {cells} | {_ratio(f)} | {_target(f)} | {_met(f)} |"

@@ -56,6 +56,11 @@ class Crashes:
         self.stop_monitors = stop_monitors
         #: rank -> virtual time of its crash
         self.crashed: dict[int, float] = {}
+        #: rank -> its world, for every worker running RPC (started, not stopped, not crashed): who
+        #: hears of a departure
+        self.live: dict[int, SimWorld] = {}
+        #: how many worlds started so far (``world_started``)
+        self._worlds_started = 0
         #: stops a crashed worker's tasks (runs on the hub); a program run replaces it to kill only the
         #: process that owned the worker's agent (simulator/_launch/_processes.py)
         self.reaper: Callable[[int], None] = self.reap
@@ -78,6 +83,7 @@ class Crashes:
         if rank in self.crashed:
             return
         self.crashed[rank] = sched.now
+        self.live.pop(rank, None)
         worker = self.workers[rank]
         worker.crashed = True
         self.trace.record(sched.now, rank, "fault", f"crash worker {rank}")
@@ -130,57 +136,75 @@ class Crashes:
             self.trace.record(self.sched.now, observer, "peer-failed", f"rank {dead}")
         world.peer_failed(dead, departure, detail)
 
+    def world_started(self, world: SimWorld) -> int:
+        """``world`` is its worker's world from now on (``init_rpc``): it hears of departures.
+        Returns its serial number: a departure announced later is news to it, one announced earlier
+        is not."""
+        self._worlds_started += 1
+        self.live[world.rank] = world
+        return self._worlds_started
+
     def announce_departure(self, world: SimWorld, departure: Departure) -> None:
         """``world``'s worker shut down RPC: each peer learns it after the network's delay, and after
         the messages the worker sent it before (gloo's close frame goes after what is queued). A
         non-graceful shutdown also stops the RRef monitors, as a crash does (their invariants
-        assume every worker completes the protocol)."""
+        assume every worker completes the protocol).
+
+        The news can reach no peer before the network's least delay; only then are its peers
+        picked (those running RPC then that already were at the departure) and their delays
+        drawn. When a whole world shuts down, nearly every peer has stopped by then: one event per
+        departure instead of one per pair of workers (N^2 of them, which made the simulator's cost
+        per message grow with the world's size)."""
         rank, sched = world.rank, self.sched
         if not departure.orderly:
             self.stop_monitors(
                 f"worker {rank} shut down RPC without a graceful shutdown at t={sched.now:.6f}"
             )
-        # One event per peer, in the order and with the random draws of one call_later each; held
-        # in the heap one at a time, and those to peers that stop meanwhile (nearly all, when the
-        # whole world shuts down) are dropped unrun (Scheduler.schedule_spread).
-        delay_of, rng, now, crashed = self.network.delay, sched.rng, sched.now, self.crashed
-        last_arrival = world.last_arrival
-        targets = [
-            other.world
-            for other in self.workers
-            if other.rank != rank
-            and other.world is not None
-            and not other.world.stopped
-            and other.rank not in crashed
-        ]
+        if self.live.get(rank) is world:
+            del self.live[rank]
+        sched.schedule(
+            _least_delay(self.network),
+            self._send_departure,
+            (world, departure, sched.now, self._worlds_started),
+        )
+
+    def _send_departure(self, item: tuple[SimWorld, Departure, float, int]) -> None:
+        """The departure's news can first arrive now: one event for each peer still running RPC
+        that already was at the departure (``world_started`` serials up to ``started``), at the
+        departure's time plus its delay, in rank order; one of them in the heap at a time, and those
+        to peers that stop meanwhile dropped unrun (Scheduler.schedule_spread_at)."""
+        world, departure, since, started = item
+        rank, sched = world.rank, self.sched
+        live = self.live
+        targets = [live[r] for r in sorted(live) if r != rank and live[r].serial <= started]
+        if not targets:
+            return
 
         def announce(target: SimWorld) -> None:
             self._departed((target, rank, departure))
 
-        network = self.network
+        network, rng, last_arrival = self.network, sched.rng, world.last_arrival
+        times, ties = array("d"), array("d")
         if type(network).delay is not NetworkModel.delay or network.placed:
             # a model of the user's (its own delays), or workers on hosts (two kinds of link)
-
-            def delay(target: SimWorld) -> float:
-                d = delay_of(rank, target.rank, 0, rng)
+            for target in targets:
+                d = network.delay(rank, target.rank, 0, rng)
                 arrival = last_arrival.get(target.rank)
-                return d if arrival is None or now + d > arrival else _delay_after(now, arrival)
-
-            sched.schedule_spread(announce, targets, delay, self._moot)
-            return
-        # NetworkModel.delay of a 0-byte message to another worker, inlined, with the draws of
-        # schedule_spread in its order (the delay's, then the tie-break's, per target): the same
-        # events, without two Python calls per pair of workers (a world's shutdown is N^2 of them).
-        # (Its size term, 0 bytes / bandwidth, adds 0.0: left out.)
-        latency, jitter = network.latency, network.jitter
-        draw, arrival = rng.random, last_arrival.get
-        times, ties = array("d"), array("d")
-        for target in targets:
-            due = now + latency + draw() * jitter
-            last = arrival(target.rank)
-            # strictly after the last message: at the same time, the tie-break could put it first
-            times.append(due if last is None or due > last else math.nextafter(last, math.inf))
-            ties.append(draw())
+                times.append(
+                    since + (d if arrival is None or since + d > arrival else _delay_after(since, arrival))
+                )
+                ties.append(rng.random())
+        else:
+            # NetworkModel.delay of a 0-byte message to another worker, inlined. (Its size term,
+            # 0 bytes / bandwidth, adds 0.0: left out.)
+            latency, jitter = network.latency, network.jitter
+            draw, arrival_of = rng.random, last_arrival.get
+            for target in targets:
+                due = since + latency + draw() * jitter
+                last = arrival_of(target.rank)
+                # strictly after the last message: at the same time, the tie-break could put it first
+                times.append(due if last is None or due > last else math.nextafter(last, math.inf))
+                ties.append(draw())
         sched.schedule_spread_at(announce, targets, times, ties, self._moot)
 
     def _moot(self, observer: SimWorld) -> bool:
@@ -197,6 +221,14 @@ class Crashes:
             return
         observer, rank, departure = item
         self.peer_unavailable(observer, observer.rank, rank, departure)
+
+
+def _least_delay(network: NetworkModel) -> float:
+    """The least delay of a 0-byte message between two workers in ``network`` (0 for a model of
+    the user's, whose delays are its own)."""
+    if type(network).delay is not NetworkModel.delay:
+        return 0.0
+    return min(network.latency, network.same_host_latency) if network.placed else network.latency
 
 
 def _delay_after(now: float, arrival: float) -> float:

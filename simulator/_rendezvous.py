@@ -73,6 +73,8 @@ class Rendezvous:
         self._keys: dict[int, dict[int, bytes | None]] = {}
         #: generation -> rank -> the options a static group's member joined with, until it completes
         self._options: dict[int, dict[int, JoinOptions]] = {}
+        #: generation -> whether its complete static group's keys differ (_keys_differ)
+        self._keys_differ_in: dict[int, bool] = {}
         #: rank -> (heartbeat_interval, heartbeat_misses) of its latest init_rpc's options: how long it
         #: lets a silent peer be before declaring it dead (simulator/_liveness.py, silence_bound)
         self.heartbeat_options: dict[int, tuple[float, int]] = {}
@@ -116,7 +118,8 @@ class Rendezvous:
         if len(arrived) == world_size:
             self.sched.call_later(RENDEZVOUS_DELAY, lambda: self._complete_static(generation, done))
         done.wait()
-        _check_keys(name, worker.rank, keys, arrived)
+        if self._keys_differ(generation, keys):
+            _check_keys(name, worker.rank, keys, arrived)
         infos, roster = self._roster(generation, arrived)
         world = worker.world
         assert world is not None and world.generation == generation
@@ -130,7 +133,7 @@ class Rendezvous:
         in its world until its agent starts, and never find it "not initialised"."""
         arrived = self._arrived[generation]
         keys = self._keys[generation]
-        if len({keys[r] for r in arrived}) == 1 and self._roster_error(generation, arrived) is None:
+        if not self._keys_differ(generation, keys) and self._roster_error(generation, arrived) is None:
             for rank, options in sorted(self._options.pop(generation).items()):
                 worker = self.workers[rank]
                 if worker.crashed:
@@ -138,6 +141,15 @@ class Rendezvous:
                 worker.world = SimWorld(worker, options.num_worker_threads, generation)
                 self._heartbeats_of(rank, options)
         done.set_result(None)
+
+    def _keys_differ(self, generation: int, keys: dict[int, bytes | None]) -> bool:
+        """Whether the members of complete static group ``generation`` (``keys``: rank -> key) were
+        started with more than one key: found once for the group, not by each member comparing its
+        key with every other's (N^2 comparisons)."""
+        differ = self._keys_differ_in.get(generation)
+        if differ is None:
+            differ = self._keys_differ_in[generation] = len(set(keys.values())) > 1
+        return differ
 
     def open_round(self, rank: int, since: int) -> int:
         """The generation a process that newly joins as ``rank`` takes part in: the first, from

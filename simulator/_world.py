@@ -150,6 +150,8 @@ class SimWorld(World):
         self._pool_queue: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
         #: this worker's handle on its dynamic group (LIFE-5); None in a static group
         self.membership: GroupMembership | None = None
+        #: this world's place among the simulation's worlds: who hears of which departure
+        self.serial = self._crashes.world_started(self)
 
     # -- World interface ---------------------------------------------------------------------------
     def now(self) -> float:

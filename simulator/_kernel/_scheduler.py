@@ -46,7 +46,7 @@ def _fire(item: tuple[TimerHandle, Callable[[], None]]) -> None:
 
 
 class _Spread:
-    """Events of one :meth:`Scheduler.schedule_spread`: event ``i`` runs ``fn(args[i])`` at key
+    """Events of one :meth:`Scheduler.schedule_spread_at`: event ``i`` runs ``fn(args[i])`` at key
     ``(times[i], ties[i], first + i)``; ``head`` is the one in the heap, ``live`` the rest in
     reverse order once the first is due."""
 
@@ -110,9 +110,9 @@ class Scheduler:
         #: the order of events is the one a single heap gives. Timers are mostly far off (RPC timeouts)
         #: and mostly cancelled; apart, they keep the heap every message goes through small.
         self._timers: list[tuple[float, float, int, Callable[[Any], None], Any]] = []
-        #: the latest time of a skipped no-op event (:meth:`schedule_spread`) at or before ``max_time``,
-        #: and whether one was later: what popping them would have done to ``now`` (seen only in a
-        #: deadlock's or a max_time error's report), applied when the run stops on one of those
+        #: the latest time of a skipped no-op event (:meth:`schedule_spread_at`) at or before
+        #: ``max_time``, and whether one was later: what popping them would have done to ``now`` (seen
+        #: only in a deadlock's or a max_time error's report), applied when the run stops on one of those
         self._skipped_until = 0.0
         self._skipped_past_max = False
         #: the timers' size at which the cancelled ones are dropped (see :meth:`_compact_timers`)
@@ -135,38 +135,13 @@ class Scheduler:
     @property
     def events_scheduled(self) -> int:
         """How many events were scheduled so far (messages, task starts and wake-ups, timers, and
-        each announcement of a departure, run or dropped)."""
+        each event of :meth:`schedule_spread_at`, run or dropped)."""
         return self._seq
 
     # -- events -----------------------------------------------------------------------------------
     def schedule(self, delay: float, fn: Callable[[Any], None], arg: Any = None) -> None:
         seq = self._seq = self._seq + 1
         _heappush(self._heap, (self.now + delay, self._random(), seq, fn, arg))
-
-    def schedule_spread(
-        self,
-        fn: Callable[[Any], None],
-        args: Sequence[Any],
-        delay_of: Callable[[Any], float],
-        dead: Callable[[Any], bool],
-    ) -> None:
-        """Run ``fn(arg)`` for each of ``args`` after ``delay_of(arg)``, with the keys, random draws
-        and order of one :meth:`schedule` call per arg, in turn, holding one of them in the heap at a
-        time.
-
-        ``dead(arg)`` says an event has become a no-op for good (e.g. an announcement to a worker that
-        has stopped since): such events are dropped unrun instead of being popped one by one. (A worker
-        stopping announces it to every peer: N^2 events a run, nearly all to peers stopped by then.)
-        The keys are kept as two arrays of floats, not as N tuples each: at 2048 workers, those
-        tuples were most of what the garbage collector walked."""
-        if not args:
-            return
-        now, random = self.now, self._random
-        times, ties = array("d"), array("d")
-        for arg in args:
-            times.append(now + delay_of(arg))
-            ties.append(random())
-        self.schedule_spread_at(fn, args, times, ties, dead)
 
     def schedule_spread_at(
         self,
@@ -176,8 +151,14 @@ class Scheduler:
         ties: array[float],
         dead: Callable[[Any], bool],
     ) -> None:
-        """:meth:`schedule_spread` with each event's time and tie-break already drawn (``times[i]``,
-        ``ties[i]``, as it draws them): for a caller that draws them faster than one call per arg."""
+        """Run ``fn(arg)`` for each of ``args``, event ``i`` at key ``(times[i], ties[i])`` (a time at
+        or after now and a tie-break drawn as :meth:`schedule` draws it), with the order of one
+        :meth:`schedule` call per arg, in turn, holding one of them in the heap at a time.
+
+        ``dead(arg)`` says an event has become a no-op for good (e.g. an announcement to a worker that
+        has stopped since): such events are dropped unrun instead of being popped one by one. The
+        keys are kept as two arrays of floats, not as N tuples each: a departure's news to every
+        peer of a large world would otherwise be most of what the garbage collector walks."""
         if not args:
             return
         first = self._seq + 1

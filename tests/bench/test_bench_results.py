@@ -63,6 +63,46 @@ def test_the_page_lists_each_figure_with_its_target_ratio_machine_date_and_comma
     assert "```{" not in page and "```python" not in page
 
 
+def test_a_figure_of_other_systems_than_the_table_s_names_its_own_and_sim_scale_runs_get_a_table(
+    tmp_path: Path,
+) -> None:
+    rate = _results.figure(
+        "rate", "rate", "messages/s", True, {"2,048 workers": 9.0, "256 workers": 10.0}, [0.9], (">=", 0.9)
+    )
+    memory = _results.figure(
+        "memory", "peak RSS", "MB", False, {"8,192 workers": 2048.0, "limit": 4096.0}, [0.5], ("<=", 1.0)
+    )
+    doc = _doc([rate, memory], "bench_sim_scale")
+    doc["extra"] = {
+        "sim_scale": [
+            {
+                "workers": 256,
+                "messages": 1000,
+                "events": 1450,
+                "messages_per_s": 10.0,
+                "rss_mb": 300.0,
+                "rss_mb_trace_on": 310.0,
+            },
+            {
+                "workers": 8192,
+                "messages": 4000,
+                "events": 5800,
+                "messages_per_s": 8.0,
+                "rss_mb_trace_on": 2048.0,
+            },
+        ]
+    }
+    (tmp_path / "a.json").write_text(json.dumps(doc))
+    page = render_results.render(render_results.load(tmp_path))
+    assert "| rate | messages/s, higher is better | 9.00 | 10.0 | 0.90 | ≥ 0.9 | met |" in page
+    assert (
+        "| peak RSS | MB, lower is better | 8,192 workers: 2,048 | limit: 4,096 | 0.50 | ≤ 1.0 | met |"
+        in page
+    )
+    assert "| 256 | 1,000 | 1.450 | 10.0 | 300 | 310 |" in page
+    assert "| 8,192 | 4,000 | 1.450 | 8.00 | - | 2,048 |" in page
+
+
 def test_check_fails_when_the_page_is_not_what_the_results_render_to(tmp_path: Path) -> None:
     (tmp_path / "a.json").write_text(json.dumps(_doc([])))
     page = tmp_path / "page.md"

@@ -216,3 +216,31 @@ def test_a_crash_fails_the_leader_s_shutdown_only_after_the_healthy_trainer_s_la
     assert verdict < server_leaves and verdict_arrives < trainer_leaves
     # the server served epochs after it knew: the calls it answered then were the trainer's
     assert sum(1 for ev in events[server_knows:verdict] if msg("RESPONSE", 0, 1, "send")(ev)) >= 3
+
+
+def _reinit_within_the_departure_news(rank: int) -> Any:
+    """Both workers leave generation 0 without a graceful shutdown (rank 1 first, rank 0 at t=0.5)
+    and init_rpc again; generation 1 starts 1 ms after rank 0's departure, well before its news
+    (0.1 s of latency) lands. Then rank 1 calls rank 0."""
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    if rank == 0:
+        sleep(0.5)
+    rpc.shutdown(graceful=False)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    result = None
+    if rank == 1:
+        sleep(0.2)  # rank 0's generation-0 news has landed by now
+        result = rpc.rpc_sync("worker0", operator.add, args=(1, 2))
+    rpc.shutdown()
+    return result
+
+
+def test_a_departure_s_news_reaches_only_the_worlds_running_when_it_left() -> None:
+    """Rank 0's departure from generation 0 is news to no one: rank 1 had left that generation, and
+    rank 1's generation-1 world started after it (a gloo worker that joins later has no link to the
+    departed one, so no close frame). The call in generation 1 succeeds."""
+    model = NetworkModel(latency=0.1, jitter=0.0)
+    result = Simulation(2, seed=3, network=model).run(_reinit_within_the_departure_news)
+    assert result.values() == [None, 3]
+    left = [(e.worker, e.detail) for e in result.trace.events() if e.event == "peer-left"]
+    assert left == [(0, "rank 1 (shut down)")]  # rank 1's generation-0 departure, heard by rank 0
