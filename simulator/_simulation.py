@@ -204,6 +204,7 @@ class Simulation:
             self.rendezvous.connect,
             self.links.send,
             self.links.bounce,
+            self.crashes.world_started,
             self.crashes.announce_departure,
             self.observers.protocol_observers,
         )

@@ -77,6 +77,9 @@ class WorkerParts:
     send: Callable[[SimWorld, Message], None]
     #: a message reached a worker not running RPC (``Links.bounce``)
     bounce: Callable[[Message, Departure], None]
+    #: a world starts (``init_rpc``): it hears of departures from now on; returns its serial number
+    #: (``Crashes.world_started``)
+    world_started: Callable[[SimWorld], int]
     #: a world's worker shut down RPC: its peers learn it (``Crashes.announce_departure``)
     announce_departure: Callable[[SimWorld, Departure], None]
     #: what the agents of a group of a generation report to (``RunObservers.protocol_observers``)
@@ -151,7 +154,7 @@ class SimWorld(World):
         #: this worker's handle on its dynamic group (LIFE-5); None in a static group
         self.membership: GroupMembership | None = None
         #: this world's place among the simulation's worlds: who hears of which departure
-        self.serial = self._crashes.world_started(self)
+        self.serial = parts.world_started(self)
 
     # -- World interface ---------------------------------------------------------------------------
     def now(self) -> float:
