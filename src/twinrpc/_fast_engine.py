@@ -37,6 +37,7 @@ from torch.autograd.graph import GradientEdge
 from ._ddp_unused import DDP_SINK_TYPE, unreached_parameters_error
 from ._dist_autograd import (
     RECV_NODE_TYPE,
+    TAKING,
     DistAutogradContainer,
     DistAutogradContext,
     RecvRpcBackward,
@@ -80,19 +81,6 @@ def _run_engine(
         torch.autograd.backward(outputs, grads, retain_graph=retain_graph, inputs=inputs)
         return
     _ENGINE_RUN_BACKWARD(tuple(outputs), tuple(grads), retain_graph, False, tuple(inputs or ()), True, True)
-
-
-class _Take:
-    """A recv node's pre-hook: keeps the gradient the node is handed (after tensor hooks)."""
-
-    __slots__ = ("node", "taken")
-
-    def __init__(self, taken: dict[Any, torch.Tensor | None], node: Any) -> None:
-        self.taken = taken
-        self.node = node
-
-    def __call__(self, grad_outputs: Any) -> None:
-        self.taken[self.node] = grad_outputs[0]
 
 
 class _StopAfterNode(Exception):
@@ -298,7 +286,7 @@ class GraphPass:
     # -- bulk mode -------------------------------------------------------------------------------
     def _run_region(self, key: Any, edges: list[tuple[Any, int]], grads: list[torch.Tensor | None]) -> None:
         """One engine call for the region: its leaves' AccumulateGrad nodes run (hooks included) into
-        the context, and a pre-hook on each recv node takes the gradient it is handed. A send
+        the context, and each recv node keeps the gradient it is handed (its ``taken``). A send
         function's gradients go in through its :class:`Handoff` nodes, one per edge (summed when a
         message carried one tensor twice), and ``grads`` is emptied (DAG-20); the roots' gradients
         are the engine's root gradients, as in PyTorch's engine."""
@@ -327,8 +315,8 @@ class GraphPass:
                 root_grads.append(h)
         outputs.clear()
         recvs = [n for n in terminals if type(n) is RECV_NODE_TYPE]
-        taken: dict[Any, torch.Tensor | None] = {}
-        handles = [node.register_prehook(_Take(taken, node)) for node in recvs]
+        for node in recvs:
+            node.taken = TAKING
         try:
             with context_grads_in_leaves(
                 self.ctx, self.leaves, [n for n in terminals if type(n) is _ACC_TYPE]
@@ -337,13 +325,15 @@ class GraphPass:
                     roots, root_grads, self.retain_graph, inputs=[GradientEdge(n, 0) for n in terminals]
                 )
         finally:
-            for handle in handles:
-                handle.remove()
+            taken = []
+            for node in recvs:
+                g, node.taken = node.taken, None
+                taken.append(None if g is TAKING else g)
             if key != _ROOT:  # a handoff the engine did not reach must not keep its gradient
                 for root in roots:
                     root.node.pending = None
-        for node in recvs:
-            self._recv_slot_done(node, taken.get(node))
+        for node, g in zip(recvs, taken, strict=True):
+            self._recv_slot_done(node, g)
 
     # -- per-node mode ---------------------------------------------------------------------------
     def _execute(self, node: Any, ready: list[Any]) -> None:
