@@ -317,13 +317,15 @@ class GraphPass:
         recvs = [n for n in terminals if type(n) is RECV_NODE_TYPE]
         for node in recvs:
             node.taken = TAKING
+        inputs = [GradientEdge(n, 0) for n in terminals]
         try:
-            with context_grads_in_leaves(
-                self.ctx, self.leaves, [n for n in terminals if type(n) is _ACC_TYPE]
-            ):
-                _run_engine(
-                    roots, root_grads, self.retain_graph, inputs=[GradientEdge(n, 0) for n in terminals]
-                )
+            if self.leaves:
+                with context_grads_in_leaves(
+                    self.ctx, self.leaves, [n for n in terminals if type(n) is _ACC_TYPE]
+                ):
+                    _run_engine(roots, root_grads, self.retain_graph, inputs)
+            else:  # no leaf on this worker's part of the pass: no gradient to swap in
+                _run_engine(roots, root_grads, self.retain_graph, inputs)
         finally:
             taken = []
             for node in recvs:
@@ -599,14 +601,13 @@ def on_gradient_request(container: DistAutogradContainer, msg: Message, obj: Any
             raise context_not_found(context_id)
         with ctx.lock:
             owner = ctx.gradient_requests.get((msg.src, msg.id))
-        if owner is not None:
-            _answer_copy(agent, owner, msg)
-            return
-        with ctx.lock:
             send = ctx.sends.get(message_id)
             gp = ctx.current_pass
             if send is not None and (gp is None or gp.pass_id != pass_id):
                 gp = None
+        if owner is not None:
+            _answer_copy(agent, owner, msg)
+            return
         if send is None:
             raise RuntimeError(f"Could not find send function for autograd message id: {message_id}")
         if gp is None:
