@@ -620,7 +620,7 @@ class DistAutogradContainer:
         """A GRADIENT request: gradients for one of this worker's send functions (DAG-6)."""
         from ._fast_engine import on_gradient_request
 
-        on_gradient_request(self, msg, obj)
+        self.agent.world.submit(on_gradient_request, self, msg, obj)
 
     def debug_info(self) -> dict[str, str]:
         with self._lock:

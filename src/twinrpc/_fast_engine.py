@@ -592,10 +592,7 @@ def _hold_copy(gp: GraphPass, msg: Message) -> bool:
 
 
 def on_gradient_request(container: DistAutogradContainer, msg: Message, obj: Any) -> None:
-    """Serve a GRADIENT request (DAG-6) on the task that received it: taking it in never blocks (a
-    pass is found or made, the gradients queued, the request held or answered), so the answer of a
-    busy worker goes out at once; running the nodes, which may block (a DDP hook's all-reduce), is
-    the request pool's, and only when no runner of the pass is at work already."""
+    """Serve a GRADIENT request (DAG-6); runs on the worker's request pool."""
     agent = container.agent
     try:
         context_id, pass_id, message_id, grads, retain_graph = obj
@@ -653,4 +650,4 @@ def on_gradient_request(container: DistAutogradContainer, msg: Message, obj: Any
     if not hold:  # the worker is busy already: its held request stands for this work (DAG-6)
         agent.reply(msg, None)
     if start:
-        agent.world.submit(gp._drain)
+        gp._drain()
