@@ -111,18 +111,30 @@ class SendRpcBackward:
         return f"<SendRpcBackward id={self.autograd_message_id} {self.what}>"
 
 
+#: a recv node's ``taken`` while a pass waits for the gradient it is handed (twinrpc._fast_engine)
+TAKING: Any = object()
+
+
 class _RecvRpc(torch.autograd.Function):
     """The grad_fn of one received tensor. Its edge to a dummy leaf only makes the output require grad;
-    the FAST engine never lets gradients flow past it: it collects them per message instead."""
+    the FAST engine never lets gradients flow past it: it collects them per message instead.
+
+    A pass that sets the node's ``taken`` to :data:`TAKING` gets there the gradient the node is handed
+    (after tensor hooks and pre-hooks, undefined as None): a hook of its own would cost a registration
+    and a removal per node and pass, on the critical path of every distributed backward."""
 
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, box: list[torch.Tensor], entry: Any, slot: int) -> Any:
         ctx.entry = entry
         ctx.slot = slot
+        ctx.taken = None
+        ctx.set_materialize_grads(False)  # an undefined gradient stays None: zeros of the slot's layout go
         return box[0]
 
     @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
+    def backward(ctx: Any, grad: Any) -> Any:
+        if ctx.taken is TAKING:
+            ctx.taken = grad
         return None, None, None, None
 
 

@@ -37,6 +37,7 @@ from torch.autograd.graph import GradientEdge
 from ._ddp_unused import DDP_SINK_TYPE, unreached_parameters_error
 from ._dist_autograd import (
     RECV_NODE_TYPE,
+    TAKING,
     DistAutogradContainer,
     DistAutogradContext,
     RecvRpcBackward,
@@ -80,19 +81,6 @@ def _run_engine(
         torch.autograd.backward(outputs, grads, retain_graph=retain_graph, inputs=inputs)
         return
     _ENGINE_RUN_BACKWARD(tuple(outputs), tuple(grads), retain_graph, False, tuple(inputs or ()), True, True)
-
-
-class _Take:
-    """A recv node's pre-hook: keeps the gradient the node is handed (after tensor hooks)."""
-
-    __slots__ = ("node", "taken")
-
-    def __init__(self, taken: dict[Any, torch.Tensor | None], node: Any) -> None:
-        self.taken = taken
-        self.node = node
-
-    def __call__(self, grad_outputs: Any) -> None:
-        self.taken[self.node] = grad_outputs[0]
 
 
 class _StopAfterNode(Exception):
@@ -298,7 +286,7 @@ class GraphPass:
     # -- bulk mode -------------------------------------------------------------------------------
     def _run_region(self, key: Any, edges: list[tuple[Any, int]], grads: list[torch.Tensor | None]) -> None:
         """One engine call for the region: its leaves' AccumulateGrad nodes run (hooks included) into
-        the context, and a pre-hook on each recv node takes the gradient it is handed. A send
+        the context, and each recv node keeps the gradient it is handed (its ``taken``). A send
         function's gradients go in through its :class:`Handoff` nodes, one per edge (summed when a
         message carried one tensor twice), and ``grads`` is emptied (DAG-20); the roots' gradients
         are the engine's root gradients, as in PyTorch's engine."""
@@ -327,23 +315,27 @@ class GraphPass:
                 root_grads.append(h)
         outputs.clear()
         recvs = [n for n in terminals if type(n) is RECV_NODE_TYPE]
-        taken: dict[Any, torch.Tensor | None] = {}
-        handles = [node.register_prehook(_Take(taken, node)) for node in recvs]
+        for node in recvs:
+            node.taken = TAKING
+        inputs = [GradientEdge(n, 0) for n in terminals]
         try:
-            with context_grads_in_leaves(
-                self.ctx, self.leaves, [n for n in terminals if type(n) is _ACC_TYPE]
-            ):
-                _run_engine(
-                    roots, root_grads, self.retain_graph, inputs=[GradientEdge(n, 0) for n in terminals]
-                )
+            if self.leaves:
+                with context_grads_in_leaves(
+                    self.ctx, self.leaves, [n for n in terminals if type(n) is _ACC_TYPE]
+                ):
+                    _run_engine(roots, root_grads, self.retain_graph, inputs)
+            else:  # no leaf on this worker's part of the pass: no gradient to swap in
+                _run_engine(roots, root_grads, self.retain_graph, inputs)
         finally:
-            for handle in handles:
-                handle.remove()
+            taken = []
+            for node in recvs:
+                g, node.taken = node.taken, None
+                taken.append(None if g is TAKING else g)
             if key != _ROOT:  # a handoff the engine did not reach must not keep its gradient
                 for root in roots:
                     root.node.pending = None
-        for node in recvs:
-            self._recv_slot_done(node, taken.get(node))
+        for node, g in zip(recvs, taken, strict=True):
+            self._recv_slot_done(node, g)
 
     # -- per-node mode ---------------------------------------------------------------------------
     def _execute(self, node: Any, ready: list[Any]) -> None:
@@ -609,14 +601,13 @@ def on_gradient_request(container: DistAutogradContainer, msg: Message, obj: Any
             raise context_not_found(context_id)
         with ctx.lock:
             owner = ctx.gradient_requests.get((msg.src, msg.id))
-        if owner is not None:
-            _answer_copy(agent, owner, msg)
-            return
-        with ctx.lock:
             send = ctx.sends.get(message_id)
             gp = ctx.current_pass
             if send is not None and (gp is None or gp.pass_id != pass_id):
                 gp = None
+        if owner is not None:
+            _answer_copy(agent, owner, msg)
+            return
         if send is None:
             raise RuntimeError(f"Could not find send function for autograd message id: {message_id}")
         if gp is None:
