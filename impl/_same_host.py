@@ -5,8 +5,20 @@ Each direction of a link has a *ring*: an anonymous shared-memory file (``memfd_
 sending process creates and maps, and that the receiving process maps too, by opening it through
 ``/proc/<sender pid>/fd/<fd>`` once, at connection time. The sender copies a message's data into its
 ring and sends only the header frame over gloo, with the data's positions in the ring; the receiver
-copies the data out, in the order the headers arrive, and publishes how far it has read (the first
-eight bytes of the file). Gloo keeps every control frame and stays the only path between hosts.
+takes the data in the order the headers arrive and publishes how far the sender may write again (the
+first eight bytes of the file). Gloo keeps every control frame and stays the only path between hosts.
+
+* **Zero-copy receives.** A large storage (``ALIAS_MIN_BYTES`` and up) is received *in place*: the
+  tensor is built over the receiver's mapping of the ring, and its bytes stay the tensor's until its
+  storage is freed; only then does the published read position move past them. Storages are freed in
+  any order, so the receiver keeps the spans freed ahead of the oldest one still held and publishes
+  the contiguous freed prefix (``_Releases``). The sender writes only into room that position frees,
+  so a received tensor never sees its bytes change. A program that keeps received tensors does not
+  stall the link: the receiver copies instead once the bytes it holds in the ring would pass half of
+  it, and a sender whose data does not fit the free room sends it over gloo. Smaller storages (a copy
+  costs less than building a tensor over the mapping), and every storage of a link with a key (the
+  peer could rewrite bytes after they were checked), are copied out and their room freed at once.
+  The mapping lives while any tensor over it does, after the link has ended or the peer has died.
 
 * **Discovery** (``connect``, when a pair's process group is made): each end posts an *offer* in the
   pair's store keys (its host identity, pid, the memfd and its size), maps the peer's ring if the
@@ -26,6 +38,7 @@ eight bytes of the file). Gloo keeps every control frame and stays the only path
 
 from __future__ import annotations
 
+import collections
 import logging
 import mmap
 import os
@@ -33,6 +46,7 @@ import struct
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -71,6 +85,10 @@ _ALIGN = 64
 #: how long discovery waits for the peer's offer and answer (it posts them right after the pair's
 #: process group is made, which both ends finish together)
 _ANSWER_WAIT = timedelta(seconds=30)
+#: a storage at least this large is received in place (aliases the ring until freed, see the module
+#: docstring); below it a copy costs less than the tensor, finalizer and bookkeeping over the mapping
+#: (about 10 us; docs/explanation/benchmarks.md)
+ALIAS_MIN_BYTES = 64 << 10
 _OFFER = struct.Struct("<64sIiQi")  # host identity, pid, fd, file size, doorbell fd (-1: none)
 _NO_OFFER = b"-"
 
@@ -331,11 +349,15 @@ class InRing:
         #: where the sender's next piece starts: it places pieces in order (OutRing._plan) and we take
         #: them in the same order, so any other position is a malformed header
         self._next = 0
+        #: what the sender may write again (a tensor over the ring holds this, not the ring itself:
+        #: its doorbell and the rest go with the link)
+        self._releases = _Releases(self._read)
 
     def _where(self, pos: int, n: int) -> int:
         """The offset of the ``n`` bytes at ``pos``, which must be where the sender put its next piece
         (else a header with a made-up position could read anything, move the read position the sender
-        trusts past data not yet read, or beyond 2**64)."""
+        trusts past data not yet read, or beyond 2**64). The piece's span, from where the previous
+        one ended (any room the sender skipped is freed with it), ends at ``self._next``."""
         expected = self._next
         step = _aligned(n)
         cap = self.capacity
@@ -355,12 +377,24 @@ class InRing:
         self._next = pos + step
         return off
 
-    def take(self, pos: int, n: int, out: torch.Tensor) -> torch.Tensor:
-        """Copy ``n`` bytes at ``pos`` into ``out`` (a fresh ``uint8`` tensor of ``n``) and release them."""
+    def take(
+        self, pos: int, n: int, new_buffer: Callable[[int], torch.Tensor], in_place: bool = True
+    ) -> torch.Tensor:
+        """The storage of ``n`` bytes at ``pos``, as a ``uint8`` tensor: over the ring itself when
+        ``in_place`` allows, it is large enough and the bytes held in the ring leave room for it (its
+        span is freed when its storage is), else copied into ``new_buffer(n)`` (its span freed now)."""
+        start = self._next
         off = self._where(pos, n)
+        end = self._next
+        releases = self._releases
+        if in_place and n >= ALIAS_MIN_BYTES and end - releases.published <= self.capacity // 2:
+            arr = np.frombuffer(self._view[off : off + n], dtype=np.uint8)
+            weakref.finalize(arr, releases.free, start, end).atexit = False
+            return torch.from_numpy(arr)
+        out = new_buffer(n)
         if n:
             np.copyto(out.numpy(), np.frombuffer(self._view[off : off + n], dtype=np.uint8))  # see place
-        self._read[0] = pos + _aligned(n)
+        releases.free(start, end)
         return out
 
     def wait_header(self, slot: int) -> None:
@@ -387,10 +421,50 @@ class InRing:
 
     def take_bytes(self, pos: int, n: int) -> bytes:
         """The ``n`` bytes at ``pos``, released."""
+        start = self._next
         off = self._where(pos, n)
         data = self._view[off : off + n].tobytes()
-        self._read[0] = pos + _aligned(n)
+        self._releases.free(start, self._next)
         return data
+
+
+class _Releases:
+    """Which spans of a ring the receiver has freed, and the read position it publishes from them:
+    the end of the contiguous freed prefix (spans are taken in order but freed in any order).
+
+    ``free`` runs in whatever thread drops a tensor's last reference, a garbage collection included
+    (possibly while this thread is inside ``free`` already): it queues the span without a lock, and
+    whoever gets the lock, without waiting for it, merges every queued span; a thread that finds the
+    lock taken leaves its span to the holder, which looks at the queue again after letting go.
+    """
+
+    def __init__(self, read: np.ndarray) -> None:
+        self._read = read
+        #: the published read position (the sender writes only below it plus the ring's size)
+        self.published = int(read[0])
+        #: start -> end of spans freed ahead of ``published``
+        self._ahead: dict[int, int] = {}
+        self._queued: collections.deque[tuple[int, int]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def free(self, start: int, end: int) -> None:
+        """The span from ``start`` to ``end`` is free again."""
+        queued = self._queued
+        queued.append((start, end))
+        while queued and self._lock.acquire(blocking=False):
+            try:
+                ahead = self._ahead
+                published = self.published
+                while queued:
+                    s, e = queued.popleft()
+                    ahead[s] = e
+                while published in ahead:
+                    published = ahead.pop(published)
+                if published != self.published:
+                    self.published = published
+                    self._read[0] = published
+            finally:
+                self._lock.release()
 
 
 @dataclass
