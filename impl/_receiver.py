@@ -278,9 +278,8 @@ class Receiver:
             payload = record.inline_payload
             if payload is None:
                 payload = ring.take_bytes(positions[0], record.payload_len)
-            in_place = self._auth is None  # with a key, the peer could rewrite bytes once checked
             tensors = [
-                ring.take(pos, size, RECV_BUFFERS.take, in_place)
+                ring.take(pos, size, RECV_BUFFERS.take)
                 for pos, size in zip(positions[1:], record.sizes, strict=True)
             ]
         except ValueError as exc:

@@ -16,8 +16,7 @@ first eight bytes of the file). Gloo keeps every control frame and stays the onl
   so a received tensor never sees its bytes change. A program that keeps received tensors does not
   stall the link: the receiver copies instead once the bytes it holds in the ring would pass half of
   it, and a sender whose data does not fit the free room sends it over gloo. Smaller storages (a copy
-  costs less than building a tensor over the mapping), and every storage of a link with a key (the
-  peer could rewrite bytes after they were checked), are copied out and their room freed at once.
+  costs less than building a tensor over the mapping) are copied out and their room freed at once.
   The mapping lives while any tensor over it does, after the link has ended or the peer has died.
 
 * **Discovery** (``connect``, when a pair's process group is made): each end posts an *offer* in the
@@ -380,9 +379,10 @@ class InRing:
     def take(
         self, pos: int, n: int, new_buffer: Callable[[int], torch.Tensor], in_place: bool = True
     ) -> torch.Tensor:
-        """The storage of ``n`` bytes at ``pos``, as a ``uint8`` tensor: over the ring itself when
-        ``in_place`` allows, it is large enough and the bytes held in the ring leave room for it (its
-        span is freed when its storage is), else copied into ``new_buffer(n)`` (its span freed now)."""
+        """The storage of ``n`` bytes at ``pos``, as a ``uint8`` tensor: over the ring itself when it
+        is large enough and the bytes held in the ring leave room for it (its span is freed when its
+        storage is), else (or with ``in_place`` False) copied into ``new_buffer(n)``, its span freed
+        now."""
         start = self._next
         off = self._where(pos, n)
         end = self._next

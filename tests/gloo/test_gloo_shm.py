@@ -210,13 +210,6 @@ def test_a_small_storage_is_copied_and_frees_its_room_at_once() -> None:
     assert _read_position(out) == LARGE  # its aligned span
 
 
-def test_with_a_key_a_large_storage_is_copied() -> None:
-    out, inbound = _pair_of_rings(1 << 20)
-    [pos] = out.place(None, [torch.ones(LARGE, dtype=torch.uint8)]) or [None]
-    got = inbound.take(pos, LARGE, _fresh, in_place=False)
-    assert not _over_a_ring(got) and _read_position(out) == LARGE
-
-
 @given(order=st.permutations(range(6)))
 @settings(max_examples=40, deadline=None)
 def test_storages_freed_in_any_order_publish_the_end_of_the_freed_prefix(order: list[int]) -> None:
