@@ -14,8 +14,9 @@ first eight bytes of the file). Gloo keeps every control frame and stays the onl
   any order, so the receiver keeps the spans freed ahead of the oldest one still held and publishes
   the contiguous freed prefix (``_Releases``). The sender writes only into room that position frees,
   so a received tensor never sees its bytes change. A program that keeps received tensors does not
-  stall the link: the receiver copies instead once the bytes it holds in the ring would pass half of
-  it, and a sender whose data does not fit the free room sends it over gloo. Smaller storages (a copy
+  stall the link: a sender whose data does not fit the free room sends it over gloo, as it always
+  did. (Copying rather than aliasing past some share of the ring would not help: the read position
+  cannot pass the oldest storage still held, whatever is freed after it.) Smaller storages (a copy
   costs less than building a tensor over the mapping) are copied out and their room freed at once.
   The mapping lives while any tensor over it does, after the link has ended or the peer has died.
 
@@ -380,14 +381,13 @@ class InRing:
         self, pos: int, n: int, new_buffer: Callable[[int], torch.Tensor], in_place: bool = True
     ) -> torch.Tensor:
         """The storage of ``n`` bytes at ``pos``, as a ``uint8`` tensor: over the ring itself when it
-        is large enough and the bytes held in the ring leave room for it (its span is freed when its
-        storage is), else (or with ``in_place`` False) copied into ``new_buffer(n)``, its span freed
-        now."""
+        is large enough (its span is freed when its storage is), else (or with ``in_place`` False)
+        copied into ``new_buffer(n)``, its span freed now."""
         start = self._next
         off = self._where(pos, n)
         end = self._next
         releases = self._releases
-        if in_place and n >= ALIAS_MIN_BYTES and end - releases.published <= self.capacity // 2:
+        if in_place and n >= ALIAS_MIN_BYTES:
             arr = np.frombuffer(self._view[off : off + n], dtype=np.uint8)
             weakref.finalize(arr, releases.free, start, end).atexit = False
             return torch.from_numpy(arr)

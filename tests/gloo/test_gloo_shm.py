@@ -231,20 +231,6 @@ def test_storages_freed_in_any_order_publish_the_end_of_the_freed_prefix(order: 
         assert all(torch.all(t == j) for j, t in held.items())
 
 
-def test_a_receiver_holding_half_its_ring_copies_further_storages() -> None:
-    out, inbound = _pair_of_rings(1 << 20)
-    n = 128 << 10
-    got = []
-    for i in range(6):
-        [pos] = out.place(None, [torch.full((n,), i, dtype=torch.uint8)]) or [None]
-        got.append(inbound.take(pos, n, _fresh))
-    assert [_over_a_ring(t) for t in got] == [True] * 4 + [False] * 2  # 4 x 128 KiB: half the ring
-    assert all(torch.all(t == i) for i, t in enumerate(got))
-    assert _read_position(out) == 0  # the copies are freed, behind the first storage still held
-    del got[:4]
-    assert _read_position(out) == 6 * n
-
-
 def test_a_kept_storage_never_changes_while_later_pieces_flow_and_the_sender_falls_back() -> None:
     import random
 
@@ -541,8 +527,8 @@ def test_a_received_large_tensor_is_the_ring_s_bytes_until_freed() -> None:
 
 
 def test_keeping_received_tensors_does_not_stall_a_link(monkeypatch: pytest.MonkeyPatch) -> None:
-    """100 received 1 MiB tensors kept through a 16 MiB ring: the receiver stops receiving in place
-    at half the ring, the sender sends over gloo what no longer fits, and no kept tensor changes."""
+    """100 received 1 MiB tensors kept through a 16 MiB ring: those received in place fill the ring,
+    the sender sends over gloo what no longer fits, and no kept tensor changes."""
     monkeypatch.setenv("TWINRPC_SHM_RING_BYTES", str(16 << 20))
     with started_links() as (sender, _, inbox):
         assert sender.same_host == (True, True)
@@ -552,7 +538,7 @@ def test_keeping_received_tensors_does_not_stall_a_link(monkeypatch: pytest.Monk
         assert [m.id for m in got] == list(range(100))
         assert all(torch.all(m.tensors[0] == m.id) for m in got)
         in_place = sum(_over_a_ring(m.tensors[0]) for m in got)
-        assert 1 <= in_place <= 8
+        assert 1 <= in_place <= 16
         for i in range(100, 140):  # more traffic while they are kept
             sender.send(
                 Message(Kind.CALL, i, 0, 1, b"p", [torch.full((1 << 20,), i % 256, dtype=torch.uint8)])
