@@ -16,8 +16,8 @@ first eight bytes of the file). Gloo keeps every control frame and stays the onl
   so a received tensor never sees its bytes change. A program that keeps received tensors does not
   stall the link: a sender whose data does not fit the free room sends it over gloo, as it always
   did. (Copying rather than aliasing past some share of the ring would not help: the read position
-  cannot pass the oldest storage still held, whatever is freed after it.) Smaller storages (a copy
-  costs less than building a tensor over the mapping) are copied out and their room freed at once.
+  cannot pass the oldest storage still held, whatever is freed after it.) The payload and smaller
+  storages are copied out and their room freed at once (see ``ALIAS_MIN_BYTES``).
   The mapping lives while any tensor over it does, after the link has ended or the peer has died.
 
 * **Discovery** (``connect``, when a pair's process group is made): each end posts an *offer* in the
@@ -85,9 +85,9 @@ _ALIGN = 64
 #: how long discovery waits for the peer's offer and answer (it posts them right after the pair's
 #: process group is made, which both ends finish together)
 _ANSWER_WAIT = timedelta(seconds=30)
-#: a storage at least this large is received in place (aliases the ring until freed, see the module
-#: docstring); below it a copy costs less than the tensor, finalizer and bookkeeping over the mapping
-#: (about 10 us; docs/explanation/benchmarks.md)
+#: a storage at least this large is received in place (over the ring until freed, see the module
+#: docstring); below it receiving in place saved at most 1-2 us a storage, while a small tensor the
+#: program keeps would hold ring room for as long as it lives (docs/explanation/benchmarks.md)
 ALIAS_MIN_BYTES = 64 << 10
 _OFFER = struct.Struct("<64sIiQi")  # host identity, pid, fd, file size, doorbell fd (-1: none)
 _NO_OFFER = b"-"
