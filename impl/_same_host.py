@@ -446,9 +446,14 @@ class _Releases:
         self._ahead: dict[int, int] = {}
         self._queued: collections.deque[tuple[int, int]] = collections.deque()
         self._lock = threading.Lock()
+        #: a process forked from ours shares the mapping but not the link: its frees must not move
+        #: the read position (the parent may still hold what the child let go of)
+        self._pid = os.getpid()
 
     def free(self, start: int, end: int) -> None:
-        """The span from ``start`` to ``end`` is free again."""
+        """The span from ``start`` to ``end`` is free again (in this process: see ``_pid``)."""
+        if os.getpid() != self._pid:
+            return
         queued = self._queued
         queued.append((start, end))
         while queued and self._lock.acquire(blocking=False):

@@ -231,6 +231,26 @@ def test_storages_freed_in_any_order_publish_the_end_of_the_freed_prefix(order: 
         assert all(torch.all(t == j) for j, t in held.items())
 
 
+def test_a_forked_child_freeing_a_storage_does_not_free_its_room_for_the_parent() -> None:
+    out, inbound = _pair_of_rings(1 << 20)
+    [pos] = out.place(None, [torch.ones(LARGE, dtype=torch.uint8)]) or [None]
+    kept = inbound.take(pos, LARGE, _fresh)
+    pid = os.fork()
+    if pid == 0:  # the child drops its copy of the reference, collects, and leaves
+        code = 0
+        try:
+            del kept
+            gc.collect()
+        except BaseException:
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _read_position(out) == 0 and torch.all(kept == 1)  # still the parent's
+    del kept
+    assert _read_position(out) == LARGE
+
+
 def test_a_kept_storage_never_changes_while_later_pieces_flow_and_the_sender_falls_back() -> None:
     import random
 
