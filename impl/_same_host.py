@@ -39,6 +39,7 @@ first eight bytes of the file). Gloo keeps every control frame and stays the onl
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import mmap
 import os
@@ -389,7 +390,9 @@ class InRing:
         releases = self._releases
         if in_place and n >= ALIAS_MIN_BYTES:
             arr = np.frombuffer(self._view[off : off + n], dtype=np.uint8)
-            weakref.finalize(arr, releases.free, start, end).atexit = False
+            key = id(arr)
+            _IN_PLACE[key] = weakref.ref(arr)
+            weakref.finalize(arr, _let_go, key, releases, start, end).atexit = False
             return torch.from_numpy(arr)
         out = new_buffer(n)
         if n:
@@ -426,6 +429,77 @@ class InRing:
         data = self._view[off : off + n].tobytes()
         self._releases.free(start, self._next)
         return data
+
+
+#: the buffers under this process's tensors received in place, by ``id`` (see ``_ForkSnapshot``)
+_IN_PLACE: dict[int, weakref.ref[np.ndarray]] = {}
+
+
+def _let_go(key: int, releases: _Releases, start: int, end: int) -> None:
+    """The storage of a tensor received in place was freed: its span is free again."""
+    _IN_PLACE.pop(key, None)
+    releases.free(start, end)
+
+
+class _ForkSnapshot:
+    """A process forked while it holds tensors received in place gets its own copy of their bytes,
+    as it does of any other memory: the ring is shared, so once the parent freed such a tensor the
+    peer could write over the child's. The parent copies the held pages before the fork (after it,
+    the parent may free them and the peer write there before the child has copied anything); the
+    child puts private pages with those bytes at the same addresses. Best effort: where ``mmap``
+    with ``MAP_FIXED`` is refused, the child keeps the shared pages."""
+
+    _PROT_RW = 0x1 | 0x2  # PROT_READ | PROT_WRITE
+    _FLAGS = 0x02 | 0x20 | 0x10  # MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[int, bytes]] = []
+
+    def before(self) -> None:
+        spans = []
+        for ref in list(_IN_PLACE.values()):
+            arr = ref()
+            if arr is not None and arr.nbytes:
+                addr = arr.ctypes.data
+                spans.append((addr // _PAGE * _PAGE, -(-(addr + arr.nbytes) // _PAGE) * _PAGE))
+        merged: list[list[int]] = []
+        for lo, hi in sorted(spans):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self._saved = [(lo, ctypes.string_at(lo, hi - lo)) for lo, hi in merged]
+
+    def in_parent(self) -> None:
+        self._saved = []
+
+    def in_child(self) -> None:
+        saved, self._saved = self._saved, []
+        for lo, data in saved:
+            if _mmap_fn is not None and _mmap_fn(lo, len(data), self._PROT_RW, self._FLAGS, -1, 0) == lo:
+                ctypes.memmove(lo, data, len(data))
+
+
+def _load_mmap() -> Any:
+    """libc's ``mmap``, loaded now: a forked child must not load libraries (another thread may have
+    held the loader's lock at the fork)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mmap
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    return fn
+
+
+_mmap_fn = _load_mmap()
+
+
+if hasattr(os, "register_at_fork"):
+    _snapshot = _ForkSnapshot()
+    os.register_at_fork(
+        before=_snapshot.before, after_in_parent=_snapshot.in_parent, after_in_child=_snapshot.in_child
+    )
 
 
 class _Releases:

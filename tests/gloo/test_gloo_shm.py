@@ -251,6 +251,29 @@ def test_a_forked_child_freeing_a_storage_does_not_free_its_room_for_the_parent(
     assert _read_position(out) == LARGE
 
 
+def test_a_forked_child_keeps_the_bytes_of_a_storage_the_parent_frees_and_the_peer_overwrites() -> None:
+    out, inbound = _pair_of_rings(1 << 20)
+    [pos] = out.place(None, [torch.full((LARGE,), 7, dtype=torch.uint8)]) or [None]
+    kept = inbound.take(pos, LARGE, _fresh)
+    go_on, done = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # waits until the parent freed the storage and the peer wrote over its room
+        code = 1
+        try:
+            os.read(go_on[0], 1)
+            code = 0 if bool((kept.numpy() == 7).all()) else 2  # no torch kernel after a fork
+        finally:
+            os._exit(code)
+    del kept
+    again = out.place(None, [torch.full((1 << 20,), 9, dtype=torch.uint8)])  # the whole ring
+    assert again is not None
+    os.write(go_on[1], b"x")
+    _, status = os.waitpid(pid, 0)
+    for fd in (*go_on, *done):
+        os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_a_kept_storage_never_changes_while_later_pieces_flow_and_the_sender_falls_back() -> None:
     import random
 
