@@ -87,9 +87,11 @@ _ALIGN = 64
 #: process group is made, which both ends finish together)
 _ANSWER_WAIT = timedelta(seconds=30)
 #: a storage at least this large is received in place (over the ring until freed, see the module
-#: docstring); below it receiving in place saved at most 1-2 us a storage, while a small tensor the
-#: program keeps would hold ring room for as long as it lives (docs/explanation/benchmarks.md)
-ALIAS_MIN_BYTES = 64 << 10
+#: docstring). Smaller ones are copied: a storage received in place is often still held when the
+#: next message is placed, so the sender cannot start again at the ring's start and walks the whole
+#: ring through memory no cache holds; with 256 KiB storages that cost the distributed-autograd
+#: iteration more CPU than the copies it saved (docs/explanation/benchmarks.md)
+ALIAS_MIN_BYTES = 1 << 20
 _OFFER = struct.Struct("<64sIiQi")  # host identity, pid, fd, file size, doorbell fd (-1: none)
 _NO_OFFER = b"-"
 

@@ -186,10 +186,19 @@ def _read_position(out: OutRing) -> int:
     return int(out._read[0])
 
 
-LARGE = _same_host.ALIAS_MIN_BYTES
+#: storages from this size are received in place in the ring tests below (small enough that a 1 MiB
+#: ring holds several; the product's threshold is ``_same_host.ALIAS_MIN_BYTES``)
+LARGE = 64 << 10
 
 
-def test_a_large_storage_is_received_over_the_ring_and_frees_its_room_only_when_freed() -> None:
+@pytest.fixture
+def in_place_from_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_same_host, "ALIAS_MIN_BYTES", LARGE)
+
+
+def test_a_large_storage_is_received_over_the_ring_and_frees_its_room_only_when_freed(
+    in_place_from_large: None,
+) -> None:
     out, inbound = _pair_of_rings(1 << 20)
     data = torch.randint(0, 255, (LARGE,), dtype=torch.uint8)
     [pos] = out.place(None, [data]) or [None]
@@ -201,18 +210,25 @@ def test_a_large_storage_is_received_over_the_ring_and_frees_its_room_only_when_
     assert _read_position(out) == LARGE and out.fits([1 << 20])
 
 
-def test_a_small_storage_is_copied_and_frees_its_room_at_once() -> None:
-    out, inbound = _pair_of_rings(1 << 20)
-    data = torch.randint(0, 255, (LARGE - 1,), dtype=torch.uint8)
+def test_a_storage_below_the_threshold_is_copied_and_frees_its_room_at_once() -> None:
+    small = _same_host.ALIAS_MIN_BYTES - 1
+    out, inbound = _pair_of_rings(4 << 20)
+    data = torch.randint(0, 255, (small,), dtype=torch.uint8)
     [pos] = out.place(None, [data]) or [None]
-    got = inbound.take(pos, LARGE - 1, _fresh)
+    got = inbound.take(pos, small, _fresh)
     assert not _over_a_ring(got) and torch.equal(got, data)
-    assert _read_position(out) == LARGE  # its aligned span
+    assert _read_position(out) == _same_host.ALIAS_MIN_BYTES  # its aligned span
 
 
 @given(order=st.permutations(range(6)))
 @settings(max_examples=40, deadline=None)
 def test_storages_freed_in_any_order_publish_the_end_of_the_freed_prefix(order: list[int]) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_same_host, "ALIAS_MIN_BYTES", LARGE)
+        _free_in_order(order)
+
+
+def _free_in_order(order: list[int]) -> None:
     out, inbound = _pair_of_rings(4 << 20)
     sizes = [LARGE + 1000 * i for i in range(6)]
     positions = out.place(None, [torch.full((n,), i, dtype=torch.uint8) for i, n in enumerate(sizes)])
@@ -231,7 +247,9 @@ def test_storages_freed_in_any_order_publish_the_end_of_the_freed_prefix(order: 
         assert all(torch.all(t == j) for j, t in held.items())
 
 
-def test_a_forked_child_freeing_a_storage_does_not_free_its_room_for_the_parent() -> None:
+def test_a_forked_child_freeing_a_storage_does_not_free_its_room_for_the_parent(
+    in_place_from_large: None,
+) -> None:
     out, inbound = _pair_of_rings(1 << 20)
     [pos] = out.place(None, [torch.ones(LARGE, dtype=torch.uint8)]) or [None]
     kept = inbound.take(pos, LARGE, _fresh)
@@ -251,7 +269,9 @@ def test_a_forked_child_freeing_a_storage_does_not_free_its_room_for_the_parent(
     assert _read_position(out) == LARGE
 
 
-def test_a_forked_child_keeps_the_bytes_of_a_storage_the_parent_frees_and_the_peer_overwrites() -> None:
+def test_a_forked_child_keeps_the_bytes_of_a_storage_the_parent_frees_and_the_peer_overwrites(
+    in_place_from_large: None,
+) -> None:
     out, inbound = _pair_of_rings(1 << 20)
     [pos] = out.place(None, [torch.full((LARGE,), 7, dtype=torch.uint8)]) or [None]
     kept = inbound.take(pos, LARGE, _fresh)
@@ -274,7 +294,9 @@ def test_a_forked_child_keeps_the_bytes_of_a_storage_the_parent_frees_and_the_pe
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-def test_a_kept_storage_never_changes_while_later_pieces_flow_and_the_sender_falls_back() -> None:
+def test_a_kept_storage_never_changes_while_later_pieces_flow_and_the_sender_falls_back(
+    in_place_from_large: None,
+) -> None:
     import random
 
     out, inbound = _pair_of_rings(1 << 20)
