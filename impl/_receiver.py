@@ -290,8 +290,9 @@ class Receiver:
         return out
 
     def _take_from_ring(self, record: Record) -> tuple[bytes, list[torch.Tensor]]:
-        """The payload and storages of a message whose data is in the peer's same-host ring, copied
-        out (which frees their room in it)."""
+        """The payload and storages of a message whose data is in the peer's same-host ring: the
+        payload and small storages copied out (freeing their room), large ones over the ring until
+        freed (``InRing.take``)."""
         ring = self._rings.inbound
         positions = record.positions
         assert positions is not None
@@ -306,7 +307,7 @@ class Receiver:
             if payload is None:
                 payload = ring.take_bytes(positions[0], record.payload_len)
             tensors = [
-                ring.take(pos, size, RECV_BUFFERS.take(size))
+                ring.take(pos, size, RECV_BUFFERS.take)
                 for pos, size in zip(positions[1:], record.sizes, strict=True)
             ]
         except ValueError as exc:
@@ -707,6 +708,9 @@ class Receiver:
                     self._on_message(Message(record.kind, record.id, state.peer, state.me, payload, tensors))
                 except Exception:
                     _log.exception("twinrpc: handling a message from %s failed", state.peer_name)
+                # the message is the handler's now: this frame must not keep its storages (some
+                # hold room in the peer's ring until freed) while waiting, nor in a traceback
+                del payload, tensors
                 if THREAD_ROLE.link is not self:
                     return True  # handed off while handling the frame's last message (the turn went with it)
             self._frame_left = 0

@@ -5,8 +5,20 @@ Each direction of a link has a *ring*: an anonymous shared-memory file (``memfd_
 sending process creates and maps, and that the receiving process maps too, by opening it through
 ``/proc/<sender pid>/fd/<fd>`` once, at connection time. The sender copies a message's data into its
 ring and sends only the header frame over gloo, with the data's positions in the ring; the receiver
-copies the data out, in the order the headers arrive, and publishes how far it has read (the first
-eight bytes of the file). Gloo keeps every control frame and stays the only path between hosts.
+takes the data in the order the headers arrive and publishes how far the sender may write again (the
+first eight bytes of the file). Gloo keeps every control frame and stays the only path between hosts.
+
+* **Zero-copy receives.** A large storage (``ALIAS_MIN_BYTES`` and up) is received *in place*: the
+  tensor is built over the receiver's mapping of the ring, and its bytes stay the tensor's until its
+  storage is freed; only then does the published read position move past them. Storages are freed in
+  any order, so the receiver keeps the spans freed ahead of the oldest one still held and publishes
+  the contiguous freed prefix (``_Releases``). The sender writes only into room that position frees,
+  so a received tensor never sees its bytes change. A program that keeps received tensors does not
+  stall the link: a sender whose data does not fit the free room sends it over gloo, as it always
+  did. (Copying rather than aliasing past some share of the ring would not help: the read position
+  cannot pass the oldest storage still held, whatever is freed after it.) The payload and smaller
+  storages are copied out and their room freed at once (see ``ALIAS_MIN_BYTES``).
+  The mapping lives while any tensor over it does, after the link has ended or the peer has died.
 
 * **Discovery** (``connect``, when a pair's process group is made): each end posts an *offer* in the
   pair's store keys (its host identity, pid, the memfd and its size), maps the peer's ring if the
@@ -26,6 +38,8 @@ eight bytes of the file). Gloo keeps every control frame and stays the only path
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import logging
 import mmap
 import os
@@ -33,6 +47,7 @@ import struct
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -71,6 +86,12 @@ _ALIGN = 64
 #: how long discovery waits for the peer's offer and answer (it posts them right after the pair's
 #: process group is made, which both ends finish together)
 _ANSWER_WAIT = timedelta(seconds=30)
+#: a storage at least this large is received in place (over the ring until freed, see the module
+#: docstring). Smaller ones are copied: a storage received in place is often still held when the
+#: next message is placed, so the sender cannot start again at the ring's start and walks the whole
+#: ring through memory no cache holds; with 256 KiB storages that cost the distributed-autograd
+#: iteration more CPU than the copies it saved (docs/explanation/benchmarks.md)
+ALIAS_MIN_BYTES = 1 << 20
 _OFFER = struct.Struct("<64sIiQi")  # host identity, pid, fd, file size, doorbell fd (-1: none)
 _NO_OFFER = b"-"
 
@@ -331,11 +352,15 @@ class InRing:
         #: where the sender's next piece starts: it places pieces in order (OutRing._plan) and we take
         #: them in the same order, so any other position is a malformed header
         self._next = 0
+        #: what the sender may write again (a tensor over the ring holds this, not the ring itself:
+        #: its doorbell and the rest go with the link)
+        self._releases = _Releases(self._read)
 
     def _where(self, pos: int, n: int) -> int:
         """The offset of the ``n`` bytes at ``pos``, which must be where the sender put its next piece
         (else a header with a made-up position could read anything, move the read position the sender
-        trusts past data not yet read, or beyond 2**64)."""
+        trusts past data not yet read, or beyond 2**64). The piece's span, from where the previous
+        one ended (any room the sender skipped is freed with it), ends at ``self._next``."""
         expected = self._next
         step = _aligned(n)
         cap = self.capacity
@@ -355,12 +380,26 @@ class InRing:
         self._next = pos + step
         return off
 
-    def take(self, pos: int, n: int, out: torch.Tensor) -> torch.Tensor:
-        """Copy ``n`` bytes at ``pos`` into ``out`` (a fresh ``uint8`` tensor of ``n``) and release them."""
+    def take(
+        self, pos: int, n: int, new_buffer: Callable[[int], torch.Tensor], in_place: bool = True
+    ) -> torch.Tensor:
+        """The storage of ``n`` bytes at ``pos``, as a ``uint8`` tensor: over the ring itself when it
+        is large enough (its span is freed when its storage is), else (or with ``in_place`` False)
+        copied into ``new_buffer(n)``, its span freed now."""
+        start = self._next
         off = self._where(pos, n)
+        end = self._next
+        releases = self._releases
+        if in_place and n >= ALIAS_MIN_BYTES:
+            arr = np.frombuffer(self._view[off : off + n], dtype=np.uint8)
+            key = id(arr)
+            _IN_PLACE[key] = weakref.ref(arr)
+            weakref.finalize(arr, _let_go, key, releases, start, end).atexit = False
+            return torch.from_numpy(arr)
+        out = new_buffer(n)
         if n:
             np.copyto(out.numpy(), np.frombuffer(self._view[off : off + n], dtype=np.uint8))  # see place
-        self._read[0] = pos + _aligned(n)
+        releases.free(start, end)
         return out
 
     def wait_header(self, slot: int) -> None:
@@ -387,10 +426,126 @@ class InRing:
 
     def take_bytes(self, pos: int, n: int) -> bytes:
         """The ``n`` bytes at ``pos``, released."""
+        start = self._next
         off = self._where(pos, n)
         data = self._view[off : off + n].tobytes()
-        self._read[0] = pos + _aligned(n)
+        self._releases.free(start, self._next)
         return data
+
+
+#: the buffers under this process's tensors received in place, by ``id`` (see ``_ForkSnapshot``)
+_IN_PLACE: dict[int, weakref.ref[np.ndarray]] = {}
+
+
+def _let_go(key: int, releases: _Releases, start: int, end: int) -> None:
+    """The storage of a tensor received in place was freed: its span is free again."""
+    _IN_PLACE.pop(key, None)
+    releases.free(start, end)
+
+
+class _ForkSnapshot:
+    """A process forked while it holds tensors received in place gets its own copy of their bytes,
+    as it does of any other memory: the ring is shared, so once the parent freed such a tensor the
+    peer could write over the child's. The parent copies the held pages before the fork (after it,
+    the parent may free them and the peer write there before the child has copied anything); the
+    child puts private pages with those bytes at the same addresses. Best effort: where ``mmap``
+    with ``MAP_FIXED`` is refused, the child keeps the shared pages."""
+
+    _PROT_RW = 0x1 | 0x2  # PROT_READ | PROT_WRITE
+    _FLAGS = 0x02 | 0x20 | 0x10  # MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[int, bytes]] = []
+
+    def before(self) -> None:
+        spans = []
+        for ref in list(_IN_PLACE.values()):
+            arr = ref()
+            if arr is not None and arr.nbytes:
+                addr = arr.ctypes.data
+                spans.append((addr // _PAGE * _PAGE, -(-(addr + arr.nbytes) // _PAGE) * _PAGE))
+        merged: list[list[int]] = []
+        for lo, hi in sorted(spans):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self._saved = [(lo, ctypes.string_at(lo, hi - lo)) for lo, hi in merged]
+
+    def in_parent(self) -> None:
+        self._saved = []
+
+    def in_child(self) -> None:
+        saved, self._saved = self._saved, []
+        for lo, data in saved:
+            if _mmap_fn is not None and _mmap_fn(lo, len(data), self._PROT_RW, self._FLAGS, -1, 0) == lo:
+                ctypes.memmove(lo, data, len(data))
+
+
+def _load_mmap() -> Any:
+    """libc's ``mmap``, loaded now: a forked child must not load libraries (another thread may have
+    held the loader's lock at the fork)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mmap
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    return fn
+
+
+_mmap_fn = _load_mmap()
+
+
+if hasattr(os, "register_at_fork"):
+    _snapshot = _ForkSnapshot()
+    os.register_at_fork(
+        before=_snapshot.before, after_in_parent=_snapshot.in_parent, after_in_child=_snapshot.in_child
+    )
+
+
+class _Releases:
+    """Which spans of a ring the receiver has freed, and the read position it publishes from them:
+    the end of the contiguous freed prefix (spans are taken in order but freed in any order).
+
+    ``free`` runs in whatever thread drops a tensor's last reference, a garbage collection included
+    (possibly while this thread is inside ``free`` already): it queues the span without a lock, and
+    whoever gets the lock, without waiting for it, merges every queued span; a thread that finds the
+    lock taken leaves its span to the holder, which looks at the queue again after letting go.
+    """
+
+    def __init__(self, read: np.ndarray) -> None:
+        self._read = read
+        #: the published read position (the sender writes only below it plus the ring's size)
+        self.published = int(read[0])
+        #: start -> end of spans freed ahead of ``published``
+        self._ahead: dict[int, int] = {}
+        self._queued: collections.deque[tuple[int, int]] = collections.deque()
+        self._lock = threading.Lock()
+        #: a process forked from ours shares the mapping but not the link: its frees must not move
+        #: the read position (the parent may still hold what the child let go of)
+        self._pid = os.getpid()
+
+    def free(self, start: int, end: int) -> None:
+        """The span from ``start`` to ``end`` is free again (in this process: see ``_pid``)."""
+        if os.getpid() != self._pid:
+            return
+        queued = self._queued
+        queued.append((start, end))
+        while queued and self._lock.acquire(blocking=False):
+            try:
+                ahead = self._ahead
+                published = self.published
+                while queued:
+                    s, e = queued.popleft()
+                    ahead[s] = e
+                while published in ahead:
+                    published = ahead.pop(published)
+                if published != self.published:
+                    self.published = published
+                    self._read[0] = published
+            finally:
+                self._lock.release()
 
 
 @dataclass

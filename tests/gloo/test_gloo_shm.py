@@ -22,6 +22,8 @@ import pytest
 import torch
 from _gloo_pair import Inbox, close_links, make_links, started_links
 from _spawn_world import report, run_world
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twinrpc.impl import _same_host
 from twinrpc.impl._doorbell import Bell, Doorbell
 from twinrpc.impl._framing import (
@@ -89,6 +91,11 @@ def _pair_of_rings(capacity: int = 1 << 20) -> tuple[OutRing, InRing]:
     return out, inbound
 
 
+def _fresh(n: int) -> torch.Tensor:
+    """A buffer to copy a piece of the ring into."""
+    return torch.empty(n, dtype=torch.uint8)
+
+
 def _message(payload: bytes, *sizes: int) -> Message:
     tensors = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
     return Message(Kind.CALL, 7, 0, 1, payload, tensors)
@@ -107,7 +114,7 @@ def test_a_ring_gives_back_exactly_what_was_placed_across_wrap_arounds() -> None
         assert positions is not None
         assert inbound.take_bytes(positions[0], len(payload)) == payload
         for pos, t in zip(positions[1:], tensors, strict=True):
-            got = inbound.take(pos, t.numel(), torch.empty(t.numel(), dtype=torch.uint8))
+            got = inbound.take(pos, t.numel(), _fresh, in_place=False)
             assert torch.equal(got, t)
 
 
@@ -118,7 +125,7 @@ def test_a_full_ring_refuses_without_placing_and_takes_again_once_read() -> None
     big = [torch.ones(700_000, dtype=torch.uint8)]
     assert not out.fits([700_000])
     assert out.place(None, big) is None  # the sender never waits for room: the caller uses gloo
-    inbound.take(first[0], 700_000, torch.empty(700_000, dtype=torch.uint8))
+    inbound.take(first[0], 700_000, _fresh, in_place=False)
     assert out.place(None, big) is not None
     assert out.place(None, [torch.ones(2 << 20, dtype=torch.uint8)]) is None  # larger than the ring
 
@@ -131,11 +138,11 @@ def test_an_emptied_ring_takes_a_piece_as_large_as_the_ring_whatever_came_before
     for small, large in ((100, 600_000), (300_000, 1 << 20), (64, (1 << 20) - 64)):
         pos = out.place(None, [torch.ones(small, dtype=torch.uint8)])
         assert pos is not None
-        inbound.take(pos[0], small, torch.empty(small, dtype=torch.uint8))
+        inbound.take(pos[0], small, _fresh, in_place=False)
         data = torch.randint(0, 255, (large,), dtype=torch.uint8)
         where = out.place(None, [data])
         assert where is not None, f"{large} B after {small} B did not fit an empty {1 << 20} B ring"
-        assert torch.equal(inbound.take(where[0], large, torch.empty(large, dtype=torch.uint8)), data)
+        assert torch.equal(inbound.take(where[0], large, _fresh, in_place=False), data)
 
 
 def test_a_ring_restarted_at_its_start_takes_more_before_the_first_piece_is_read() -> None:
@@ -145,15 +152,173 @@ def test_a_ring_restarted_at_its_start_takes_more_before_the_first_piece_is_read
     out, inbound = _pair_of_rings(1 << 20)
     first = torch.full((300_000,), 1, dtype=torch.uint8)
     [pos] = out.place(None, [first]) or [None]
-    inbound.take(pos, 300_000, torch.empty(300_000, dtype=torch.uint8))  # empty, mid-lap
+    inbound.take(pos, 300_000, _fresh, in_place=False)  # empty, mid-lap
     pieces = [torch.full((300_000,), i, dtype=torch.uint8) for i in (2, 3, 4)]
     placed = [out.place(None, [t]) for t in pieces]
     assert all(p is not None for p in placed), placed
     assert out.place(None, [first]) is None  # the ring's 1 MiB is taken now
     for t, p in zip(pieces, placed, strict=True):
         assert p is not None
-        got = inbound.take(p[0], 300_000, torch.empty(300_000, dtype=torch.uint8))
+        got = inbound.take(p[0], 300_000, _fresh, in_place=False)
         assert torch.equal(got, t)
+
+
+# -- storages received in place ---------------------------------------------------------------------
+def _ring_ranges() -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of ring files."""
+    ranges = []
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+        for line in f:
+            if RING_NAME in line:
+                lo, hi = line.split()[0].split("-")
+                ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges
+
+
+def _over_a_ring(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes are a ring's (received in place), not a copy."""
+    ptr = t.data_ptr()
+    return any(lo <= ptr and ptr + t.nbytes <= hi for lo, hi in _ring_ranges())
+
+
+def _read_position(out: OutRing) -> int:
+    """The read position the receiver has published to the sender (the ring's first word)."""
+    return int(out._read[0])
+
+
+#: storages from this size are received in place in the ring tests below (small enough that a 1 MiB
+#: ring holds several; the product's threshold is ``_same_host.ALIAS_MIN_BYTES``)
+LARGE = 64 << 10
+
+
+@pytest.fixture
+def in_place_from_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_same_host, "ALIAS_MIN_BYTES", LARGE)
+
+
+def test_a_large_storage_is_received_over_the_ring_and_frees_its_room_only_when_freed(
+    in_place_from_large: None,
+) -> None:
+    out, inbound = _pair_of_rings(1 << 20)
+    data = torch.randint(0, 255, (LARGE,), dtype=torch.uint8)
+    [pos] = out.place(None, [data]) or [None]
+    got = inbound.take(pos, LARGE, _fresh)
+    assert _over_a_ring(got) and torch.equal(got, data)
+    assert _read_position(out) == 0 and not out.fits([1 << 20])  # held: the sender keeps off it
+    got[0] = got[0] + 1  # the program's own, writable
+    del got
+    assert _read_position(out) == LARGE and out.fits([1 << 20])
+
+
+def test_a_storage_below_the_threshold_is_copied_and_frees_its_room_at_once() -> None:
+    small = _same_host.ALIAS_MIN_BYTES - 1
+    out, inbound = _pair_of_rings(4 << 20)
+    data = torch.randint(0, 255, (small,), dtype=torch.uint8)
+    [pos] = out.place(None, [data]) or [None]
+    got = inbound.take(pos, small, _fresh)
+    assert not _over_a_ring(got) and torch.equal(got, data)
+    assert _read_position(out) == _same_host.ALIAS_MIN_BYTES  # its aligned span
+
+
+@given(order=st.permutations(range(6)))
+@settings(max_examples=40, deadline=None)
+def test_storages_freed_in_any_order_publish_the_end_of_the_freed_prefix(order: list[int]) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_same_host, "ALIAS_MIN_BYTES", LARGE)
+        _free_in_order(order)
+
+
+def _free_in_order(order: list[int]) -> None:
+    out, inbound = _pair_of_rings(4 << 20)
+    sizes = [LARGE + 1000 * i for i in range(6)]
+    positions = out.place(None, [torch.full((n,), i, dtype=torch.uint8) for i, n in enumerate(sizes)])
+    assert positions is not None
+    held: dict[int, torch.Tensor] = {
+        i: inbound.take(pos, n, _fresh) for i, (pos, n) in enumerate(zip(positions, sizes, strict=True))
+    }
+    assert all(_over_a_ring(t) for t in held.values())
+    ends = [pos + (n + 63) // 64 * 64 for pos, n in zip(positions, sizes, strict=True)]
+    freed: set[int] = set()
+    for i in order:
+        del held[i]
+        freed.add(i)
+        prefix = next(j for j in range(7) if j not in freed)
+        assert _read_position(out) == (ends[prefix - 1] if prefix else 0)
+        assert all(torch.all(t == j) for j, t in held.items())
+
+
+def test_a_forked_child_freeing_a_storage_does_not_free_its_room_for_the_parent(
+    in_place_from_large: None,
+) -> None:
+    out, inbound = _pair_of_rings(1 << 20)
+    [pos] = out.place(None, [torch.ones(LARGE, dtype=torch.uint8)]) or [None]
+    kept = inbound.take(pos, LARGE, _fresh)
+    pid = os.fork()
+    if pid == 0:  # the child drops its copy of the reference, collects, and leaves
+        code = 0
+        try:
+            del kept
+            gc.collect()
+        except BaseException:
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _read_position(out) == 0 and torch.all(kept == 1)  # still the parent's
+    del kept
+    assert _read_position(out) == LARGE
+
+
+def test_a_forked_child_keeps_the_bytes_of_a_storage_the_parent_frees_and_the_peer_overwrites(
+    in_place_from_large: None,
+) -> None:
+    out, inbound = _pair_of_rings(1 << 20)
+    [pos] = out.place(None, [torch.full((LARGE,), 7, dtype=torch.uint8)]) or [None]
+    kept = inbound.take(pos, LARGE, _fresh)
+    go_on, done = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # waits until the parent freed the storage and the peer wrote over its room
+        code = 1
+        try:
+            os.read(go_on[0], 1)
+            code = 0 if bool((kept.numpy() == 7).all()) else 2  # no torch kernel after a fork
+        finally:
+            os._exit(code)
+    del kept
+    again = out.place(None, [torch.full((1 << 20,), 9, dtype=torch.uint8)])  # the whole ring
+    assert again is not None
+    os.write(go_on[1], b"x")
+    _, status = os.waitpid(pid, 0)
+    for fd in (*go_on, *done):
+        os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_kept_storage_never_changes_while_later_pieces_flow_and_the_sender_falls_back(
+    in_place_from_large: None,
+) -> None:
+    import random
+
+    out, inbound = _pair_of_rings(1 << 20)
+    rng = random.Random(32)
+    [pos] = out.place(None, [torch.randint(0, 255, (LARGE,), dtype=torch.uint8)]) or [None]
+    kept = inbound.take(pos, LARGE, _fresh)
+    assert _over_a_ring(kept)
+    expected = kept.clone()
+    placed = refused = 0
+    for _ in range(300):
+        n = rng.randrange(1, 300_000)
+        data = torch.randint(0, 255, (n,), dtype=torch.uint8)
+        where = out.place(None, [data])
+        if where is None:  # no room left beside the kept storage: the caller sends over gloo
+            refused += 1
+        else:
+            placed += 1
+            assert torch.equal(inbound.take(where[0], n, _fresh), data)
+        assert torch.equal(kept, expected)
+    assert placed and refused
+    del kept
+    assert out.place(None, [torch.ones(1 << 20, dtype=torch.uint8)]) is not None  # all free again
 
 
 def test_a_position_outside_the_ring_is_refused() -> None:
@@ -201,7 +366,7 @@ def test_a_header_carries_ring_positions_for_payload_and_storages() -> None:
     assert header.sizes == [5000, 0, 70_000]
     assert inbound.take_bytes(header.positions[0], header.payload_len) == msg.payload
     for pos, t in zip(header.positions[1:], msg.tensors, strict=True):
-        assert torch.equal(inbound.take(pos, t.numel(), torch.empty(t.numel(), dtype=torch.uint8)), t)
+        assert torch.equal(inbound.take(pos, t.numel(), _fresh, in_place=False), t)
 
 
 def test_a_small_payload_stays_inline_beside_ring_storages() -> None:
@@ -413,6 +578,41 @@ def test_data_larger_than_the_ring_falls_back_to_gloo(monkeypatch: pytest.Monkey
         _exchange(sender, inbox)  # 5 MiB goes in data frames, the rest through the ring
 
 
+def test_a_received_large_tensor_is_the_ring_s_bytes_until_freed() -> None:
+    with started_links() as (sender, _, inbox):
+        data = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8)
+        sender.send(Message(Kind.CALL, 1, 0, 1, b"p", [data]))
+        [got] = inbox.wait_for(1)
+        assert _over_a_ring(got.tensors[0]) and torch.equal(got.tensors[0], data)
+        out = sender.pair.rings.out
+        assert out is not None and _read_position(out) == 0
+        inbox.got.clear()
+        del got
+        assert _read_position(out) > 0
+
+
+def test_keeping_received_tensors_does_not_stall_a_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    """100 received 1 MiB tensors kept through a 16 MiB ring: those received in place fill the ring,
+    the sender sends over gloo what no longer fits, and no kept tensor changes."""
+    monkeypatch.setenv("TWINRPC_SHM_RING_BYTES", str(16 << 20))
+    with started_links() as (sender, _, inbox):
+        assert sender.same_host == (True, True)
+        for i in range(100):
+            sender.send(Message(Kind.CALL, i, 0, 1, b"p", [torch.full((1 << 20,), i, dtype=torch.uint8)]))
+        got = inbox.wait_for(100)
+        assert [m.id for m in got] == list(range(100))
+        assert all(torch.all(m.tensors[0] == m.id) for m in got)
+        in_place = sum(_over_a_ring(m.tensors[0]) for m in got)
+        assert 1 <= in_place <= 16
+        for i in range(100, 140):  # more traffic while they are kept
+            sender.send(
+                Message(Kind.CALL, i, 0, 1, b"p", [torch.full((1 << 20,), i % 256, dtype=torch.uint8)])
+            )
+        later = inbox.wait_for(140)[100:]
+        assert all(torch.all(m.tensors[0] == m.id % 256) for m in later)
+        assert all(torch.all(m.tensors[0] == m.id) for m in got)
+
+
 def test_rings_beyond_the_process_budget_stay_on_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TWINRPC_SHM_MAX_BYTES", str(1 << 19))  # less than the smallest ring
     with started_links() as (sender, _, inbox):
@@ -453,6 +653,9 @@ def test_rings_of_a_failed_link_are_released() -> None:
     listener.start()
     sender.send(_message(b"x", 200_000))
     inbox.wait_for(1)
+    # the program lets go of what it received (the failures' tracebacks reach the inbox, and a kept
+    # tensor keeps the ring it was received in mapped: see the test with a killed peer)
+    inbox.got.clear()
     sender.fail(RuntimeError("test: the link broke"))  # closes the pair: the listener fails too
     assert sender.same_host == (False, False)
     deadline = time.monotonic() + 10
@@ -504,8 +707,9 @@ def _world_program(rank: int, init_file: str, shared: dict[str, Any]) -> Any:
     found: dict[str, Any] = {}
     if rank == 0:
         t = torch.arange(1 << 18, dtype=torch.float32)
-        for peer in ("worker1", "worker2"):
-            assert torch.equal(rpc.rpc_sync(peer, torch.neg, args=(t,)), -t)
+        assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(t,)), -t)
+        kept = rpc.rpc_sync("worker2", torch.neg, args=(t,))  # 1 MiB: over rank 2's ring
+        found["kept_over_ring"] = _over_a_ring(kept)
         links = world.links  # made by the calls (links are made on first use)
         found["same_host"] = {peer: link.same_host for peer, link in links.items()}
         found["maps_live"] = _ring_handles()
@@ -515,6 +719,7 @@ def _world_program(rank: int, init_file: str, shared: dict[str, Any]) -> Any:
             time.sleep(0.05)
         found["rank2_failed"] = links[2].failed is not None
         found["maps_after_kill"] = _ring_handles()
+        found["kept_after_kill"] = bool(torch.equal(kept, -t))
         assert torch.equal(rpc.rpc_sync("worker1", torch.neg, args=(t,)), -t)  # the other link works
     elif rank == 1:  # serves rank 0 until it leaves
         deadline = time.monotonic() + WORLD_TIMEOUT
@@ -526,6 +731,10 @@ def _world_program(rank: int, init_file: str, shared: dict[str, Any]) -> Any:
     else:
         time.sleep(WORLD_TIMEOUT)  # until killed
     rpc.shutdown(graceful=False)
+    if rank == 0:  # the kept tensor still holds the dead peer's ring, and reads as it did
+        found["maps_while_kept"] = _ring_handles()
+        found["kept_after_shutdown"] = bool(torch.equal(kept, -t))
+        del kept
     found["maps_after_shutdown"] = _ring_handles()
     return found
 
@@ -534,7 +743,9 @@ def _world_child(rank: int, init_file: str, shared: dict[str, Any]) -> None:
     report(shared, rank, _world_program, rank, init_file, shared)
 
 
-def test_a_killed_peer_leaves_no_segment_and_shutdown_releases_every_ring(tmp_path: Path) -> None:
+def test_a_killed_peer_leaves_no_segment_and_shutdown_releases_every_ring_a_kept_tensor_does_not_hold(
+    tmp_path: Path,
+) -> None:
     mp = multiprocessing.get_context("spawn")
     shared: dict[str, Any] = {"results": mp.Queue(), "kill_me": mp.Queue()}
     shm_before = _named_segments()
@@ -549,8 +760,12 @@ def test_a_killed_peer_leaves_no_segment_and_shutdown_releases_every_ring(tmp_pa
     maps_live, fds_live = zero["maps_live"]
     assert maps_live == 4  # two rings for each of the two links
     assert zero["rank2_failed"]
-    # the dead peer's link let go of both rings (and of the descriptors the mappings hold)
-    assert zero["maps_after_kill"] == (maps_live - 2, fds_live - 2)
-    assert zero["maps_after_shutdown"] == (0, 0)
+    # the dead peer's link let go of both rings (and of the descriptors the mappings hold) but for
+    # the mapping of rank 2's ring that a tensor received from it in place still holds
+    assert zero["kept_over_ring"]
+    assert zero["maps_after_kill"] == (maps_live - 1, fds_live - 1)
+    assert zero["kept_after_kill"] and zero["kept_after_shutdown"]
+    assert zero["maps_while_kept"] == (1, 1)
+    assert zero["maps_after_shutdown"] == (0, 0)  # the mapping went with the tensor
     assert out[1]["maps_after_shutdown"] == (0, 0)
     assert _named_segments() == shm_before  # nothing named was ever created
