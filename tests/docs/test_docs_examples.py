@@ -478,11 +478,11 @@ def _check_the_step_lands_between_forward_and_backward(path: Path) -> None:
     lines = [f"#{i} {detail}" for i, detail in server if 154 <= i <= 223]
     forward = lines.index("#176 CALL#3 1->0 (847 B)")
     step = lines.index("#217 CALL#9 2->0 (265 B)")
-    backward = lines.index("#221 GRADIENT#8 1->0 (250 B)")
+    backward = lines.index("#221 GRADIENT#8 1->0 (204 B)")
     # (the exception's size depends on the paths in its traceback: not checked)
     assert forward < step < backward and lines[-1].startswith("#223 EXCEPTION#8 0->1 ("), lines
     step_sent, backward_sent = events[206].clock, events[212].clock
-    assert events[206].detail == "CALL#9 2->0 (265 B)" and events[212].detail == "GRADIENT#8 1->0 (250 B)"
+    assert events[206].detail == "CALL#9 2->0 (265 B)" and events[212].detail == "GRADIENT#8 1->0 (204 B)"
     assert step_sent is not None and backward_sent is not None
     pairs = list(zip(step_sent, backward_sent, strict=True))
     assert any(a > b for a, b in pairs) and any(a < b for a, b in pairs), pairs  # concurrent
