@@ -101,9 +101,9 @@ def _worlds(stores: list[Any]) -> tuple[dict[int, Any], dict[int, BaseException]
     """Two keyed gloo worlds (as init_rpc makes them after the names are known), rank r over
     ``stores[r]``, each with its link to the other made (as at the first message between them); a
     rank whose link could not be made is in the errors (and its world stopped)."""
-    auth = JobAuth(KEY)
 
     def make(rank: int) -> GlooWorld:
+        auth = JobAuth(KEY)  # each its own, as each process has: a stopped world releases its stores
         store = dist.PrefixStore("twinrpc/0", auth.wrap(stores[rank]))  # type: ignore[attr-defined]
         joined = Joined(store, rank, 2, WORKERS, timedelta(seconds=WAIT), auth=auth)
         world = GlooWorld(joined, 2, heartbeat_interval=5.0, heartbeat_misses=3, rpc_timeout=WAIT)
