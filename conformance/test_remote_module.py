@@ -1,4 +1,4 @@
-"""RemoteModule (NN-1..NN-8), after PyTorch's remote_module_test.py: construction and remote devices,
+"""RemoteModule (RMOD-1..RMOD-8), after PyTorch's remote_module_test.py: construction and remote devices,
 forward and forward_async, remote parameters and the module RRef, training with distributed autograd and
 DistributedOptimizer, train/eval, sending an instance over RPC, and the nn.Module methods it refuses."""
 
@@ -63,7 +63,7 @@ def _echo(ctx: Any, remote_device: str = "worker1/cpu") -> Any:
     return ctx.nn.RemoteModule(remote_device, _EchoModule, (1,), {"first_kwarg": 2})
 
 
-# -- NN-1, NN-2 -----------------------------------------------------------------------------------------
+# -- RMOD-1, RMOD-2 -----------------------------------------------------------------------------------------
 def _calls(owner_rref: Any) -> int:
     return owner_rref.local_value().calls
 
@@ -95,7 +95,7 @@ def _forward_forms(ctx: Any, remote_device: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.spec("NN-1", "NN-2")
+@pytest.mark.spec("RMOD-1", "RMOD-2")
 @pytest.mark.parametrize(
     ("remote_device", "on"), [("worker1/cpu", "worker1"), ("rank:1/cpu", 1), ("worker1", "worker1")]
 )
@@ -122,7 +122,7 @@ def _bad_module(ctx: Any) -> Any:
     return outcome(rm.forward)
 
 
-@pytest.mark.spec("NN-1", "NN-2")
+@pytest.mark.spec("RMOD-1", "RMOD-2")
 def test_a_module_cls_that_makes_no_module_and_a_failing_forward_raise_at_the_caller(world: Any) -> None:
     kinds, message = world.run_on(0, _bad_module)
     assert kinds == ("ValueError",)
@@ -149,7 +149,7 @@ def _before_and_after_init(ctx: Any) -> dict[str, Any]:
     return got
 
 
-@pytest.mark.spec("NN-1")
+@pytest.mark.spec("RMOD-1")
 def test_a_remote_module_needs_rpc_and_a_valid_remote_device(world: Any) -> None:
     got = world.spawn(_before_and_after_init)
     assert got[1] == {"before_init": ("AssertionError", "RemoteModule only works in RPC.")}
@@ -168,7 +168,7 @@ def test_a_remote_module_needs_rpc_and_a_valid_remote_device(world: Any) -> None
     assert g["nosuch/cpu"][0] == "RuntimeError" and "nosuch" in g["nosuch/cpu"][1]
 
 
-# -- NN-3 -----------------------------------------------------------------------------------------------
+# -- RMOD-3 -----------------------------------------------------------------------------------------------
 def _parameters(ctx: Any) -> dict[str, Any]:
     rm = ctx.nn.RemoteModule("worker1/cpu", _Nested)
     deep, shallow = rm.remote_parameters(), rm.remote_parameters(recurse=False)
@@ -183,7 +183,7 @@ def _parameters(ctx: Any) -> dict[str, Any]:
     }
 
 
-@pytest.mark.spec("NN-3")
+@pytest.mark.spec("RMOD-3")
 def test_remote_parameters_are_rrefs_on_the_owner_and_the_module_rref_is_the_module(world: Any) -> None:
     got = world.run_on(0, _parameters)
     assert got["same_rref"] is True and got["module"] == "_Nested"
@@ -194,7 +194,7 @@ def test_remote_parameters_are_rrefs_on_the_owner_and_the_module_rref_is_the_mod
     assert all(torch.equal(a, b) for a, b in zip(got["copy"], expected, strict=True))
 
 
-# -- NN-4 -----------------------------------------------------------------------------------------------
+# -- RMOD-4 -----------------------------------------------------------------------------------------------
 _STEPS = 3
 
 
@@ -226,7 +226,7 @@ def _train_remotely(ctx: Any) -> dict[str, Any]:
     }
 
 
-@pytest.mark.spec("NN-4")
+@pytest.mark.spec("RMOD-4")
 def test_training_a_remote_module_with_distributed_optimizer_equals_local_training(world: Any) -> None:
     got = world.run_on(0, _train_remotely)
     remote_part, local = _SeededLinear(5), nn.Linear(2, 1)
@@ -249,7 +249,7 @@ def test_training_a_remote_module_with_distributed_optimizer_equals_local_traini
     assert not torch.equal(got["remote"][0], _SeededLinear(5).weight.detach())  # it did train
 
 
-# -- NN-5 -----------------------------------------------------------------------------------------------
+# -- RMOD-5 -----------------------------------------------------------------------------------------------
 def _training(owner_rref: Any) -> bool:
     return owner_rref.local_value().training
 
@@ -264,7 +264,7 @@ def _train_eval(ctx: Any) -> list[Any]:
     return seen
 
 
-@pytest.mark.spec("NN-5")
+@pytest.mark.spec("RMOD-5")
 def test_train_and_eval_set_the_remote_modules_mode_and_return_a_copy_of_it(world: Any) -> None:
     assert world.run_on(0, _train_eval) == [
         ("_EchoModule", True, True),
@@ -279,12 +279,12 @@ def _train_false(ctx: Any) -> bool:
     return ctx.rpc.rpc_sync("worker1", _training, (rm.get_module_rref(),))
 
 
-@pytest.mark.spec("NN-5")
+@pytest.mark.spec("RMOD-5")
 def test_train_false_puts_the_remote_module_in_eval_mode(world: Any) -> None:
     assert world.run_on(0, _train_false) is False
 
 
-# -- NN-6 -----------------------------------------------------------------------------------------------
+# -- RMOD-6 -----------------------------------------------------------------------------------------------
 def _received(remote_module: Any, args: tuple[Any, ...]) -> dict[str, Any]:
     attrs = remote_module.__dict__
     return {
@@ -313,7 +313,7 @@ def _send(ctx: Any) -> dict[str, Any]:
     return got
 
 
-@pytest.mark.spec("NN-6")
+@pytest.mark.spec("RMOD-6")
 def test_a_remote_module_sent_over_rpc_arrives_sharing_the_same_remote_module(world: Any) -> None:
     got = world.run_on(0, _send, world_size=3)
     assert got["type"] == "RemoteModule"
@@ -344,7 +344,7 @@ def _from_module_rref(ctx: Any) -> Any:
     )
 
 
-@pytest.mark.spec("NN-6")
+@pytest.mark.spec("RMOD-6")
 def test_init_from_module_rref_makes_a_remote_module_over_the_same_module(world: Any) -> None:
     expected = ("3", 2, torch.ones(1))
     assert world.run_on(0, _from_module_rref, world_size=3) == (
@@ -362,13 +362,13 @@ def _python_pickle(ctx: Any) -> list[Any]:
     return [outcome(lambda: pickle.dumps(rm)), outcome(lambda: torch.save(rm, io.BytesIO()))]
 
 
-@pytest.mark.spec("NN-6")
+@pytest.mark.spec("RMOD-6")
 def test_the_python_pickler_refuses_a_remote_module(world: Any) -> None:
     message = "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC"
     assert world.run_on(0, _python_pickle) == [(("RuntimeError",), message)] * 2
 
 
-# -- NN-7 -----------------------------------------------------------------------------------------------
+# -- RMOD-7 -----------------------------------------------------------------------------------------------
 def _hook(*args: Any) -> None:
     return None
 
@@ -415,7 +415,7 @@ def _refused(ctx: Any) -> dict[str, Any]:
     return got
 
 
-@pytest.mark.spec("NN-7")
+@pytest.mark.spec("RMOD-7")
 def test_nn_module_methods_a_remote_module_refuses_raise_value_error(world: Any) -> None:
     got = world.run_on(0, _refused)
     for name, _, _ in _REFUSED:
@@ -427,7 +427,7 @@ def test_nn_module_methods_a_remote_module_refuses_raise_value_error(world: Any)
     assert got["still works"] == ("default", 2, torch.ones(1))
 
 
-@pytest.mark.spec("NN-7")
+@pytest.mark.spec("RMOD-7")
 @pytest.mark.backends("sim")
 def test_remote_module_methods_have_pytorchs_signatures() -> None:
     """Compares twinrpc.nn.RemoteModule with torch's class directly in the pytest process: needs no
@@ -455,12 +455,12 @@ def test_remote_module_methods_have_pytorchs_signatures() -> None:
         assert params(getattr(RemoteModule, name)) == params(theirs), name
 
 
-# -- NN-8 -----------------------------------------------------------------------------------------------
+# -- RMOD-8 -----------------------------------------------------------------------------------------------
 def _cuda(ctx: Any) -> Any:
     return outcome(lambda: _echo(ctx, "worker1/cuda:0"))
 
 
-@pytest.mark.spec("NN-8")
+@pytest.mark.spec("RMOD-8")
 @pytest.mark.backends("sim", "gloo")
 def test_a_non_cpu_remote_device_is_refused_when_the_remote_module_is_made(world: Any) -> None:
     """twinrpc runs on the CPU only; PyTorch would place the module on the GPU (or, on a CPU-only
@@ -470,7 +470,7 @@ def test_a_non_cpu_remote_device_is_refused_when_the_remote_module_is_made(world
     assert "'cuda:0'" in message and "CPU only" in message
 
 
-# -- NN-9 -----------------------------------------------------------------------------------------------
+# -- RMOD-9 -----------------------------------------------------------------------------------------------
 def _run_script_module(module: Any, x: Tensor) -> tuple[str, Tensor, Any]:
     return type(module).__name__, module(x), torch.jit.script(nn.Linear(3, 1))
 
@@ -488,7 +488,7 @@ def _script_modules(ctx: Any) -> dict[str, Any]:
     }
 
 
-@pytest.mark.spec("NN-9")
+@pytest.mark.spec("RMOD-9")
 def test_a_scripted_module_travels_over_rpc_as_its_torchscript(world: Any) -> None:
     assert world.run_on(0, _script_modules) == {
         "arrived": "RecursiveScriptModule",

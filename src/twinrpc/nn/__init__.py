@@ -1,6 +1,6 @@
 """``twinrpc.nn``: PyTorch's ``torch.distributed.nn.RemoteModule``, served by twinrpc.
 
-Semantics: spec/nn.md (NN-1..NN-9). A :class:`RemoteModule` builds a module on another worker and
+Semantics: spec/nn.md (RMOD-1..RMOD-9). A :class:`RemoteModule` builds a module on another worker and
 runs its ``forward`` there over RPC, so distributed autograd records the call like any other RPC.
 """
 

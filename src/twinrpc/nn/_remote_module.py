@@ -1,4 +1,4 @@
-"""``RemoteModule``: a module built on another worker whose ``forward`` runs there over RPC (NN-1..NN-9).
+"""``RemoteModule``: a module built on another worker whose ``forward`` runs there over RPC (RMOD-1..RMOD-9).
 
 As PyTorch's ``torch.distributed.nn.api.remote_module``: the module lives on its owner behind an RRef
 (``module_rref``); ``forward``/``forward_async`` are one ``rpc_async`` to the owner each, so distributed
