@@ -110,21 +110,26 @@ def _throughput(rpc: Any, n: int, a: Any, b: Any) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def _link(peer: int) -> Any:
+    """This twinrpc worker's link to ``peer``, made now if need be (links are made on first use; a
+    tree from before that made them all in init_rpc)."""
+    from twinrpc._current import current_agent
+
+    world: Any = current_agent().world
+    return world.link_to(peer, 60.0) if hasattr(world, "link_to") else world.links[peer]
+
+
 def link_frames(peer: int) -> tuple[int, int]:
     """(header frames, messages) this twinrpc worker has sent to ``peer`` (a tree from before
     coalescing counts a message per frame)."""
-    from twinrpc._current import current_agent
-
-    sender = current_agent().world.links[peer].sender  # type: ignore[attr-defined]
+    sender = _link(peer).sender
     return sender.headers_sent, getattr(sender, "messages_sent", sender.headers_sent)
 
 
 def link_same_host(peer: int) -> list[bool] | None:
     """Whether this twinrpc worker's link to ``peer`` moves data through shared memory, each way
     ([ours to the peer, the peer's to us]); None: a tree without the same-host path."""
-    from twinrpc._current import current_agent
-
-    link = current_agent().world.links[peer]  # type: ignore[attr-defined]
+    link = _link(peer)
     same = getattr(link, "same_host", None)
     return None if same is None else [bool(x) for x in same]
 
