@@ -10,7 +10,9 @@ Run it on PyTorch: ``python examples/tutorials/rnn.py``. Unchanged under twinrpc
 world: the same file with its imports ported (``examples/port_imports.py``).
 
 What differs from the example: the sizes (fewer epochs), seeded random data and initial weights so
-that every world prints the same numbers, and ``MASTER_PORT`` taken from the environment when set.
+that every world prints the same numbers, the trainer waiting for the embedding table to exist before
+it asks for the decoder (both draw from the parameter server's random generator; see
+``rnn_model.RNNModel``), and ``MASTER_PORT`` taken from the environment when set.
 """
 
 import os

@@ -58,6 +58,10 @@ class RNNModel(nn.Module):
     def __init__(self, ps, ntoken, ninp, nhid, nlayers, dropout=0.5):
         super().__init__()
         self.emb_table_rref = rpc.remote(ps, EmbeddingTable, args=(ntoken, ninp, dropout))
+        # Not in PyTorch's example: wait until the table exists. Both constructions draw from the
+        # parameter server's random generator, and two requests may run at once (on TensorPipe too),
+        # so without this wait their initial weights depend on which request draws first.
+        _remote_method(nn.Module.train, self.emb_table_rref)
         self.rnn = nn.LSTM(ninp, nhid, nlayers, dropout=dropout)
         self.decoder_rref = rpc.remote(ps, Decoder, args=(ntoken, nhid, dropout))
 
