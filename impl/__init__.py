@@ -35,10 +35,17 @@ def connect(
     """
     auth = JobAuth(options.auth_key) if options.auth_key is not None else None
     raise_open_file_limit()
+    # a live worker answers at once; the bound is the one a silent peer gets (or the rpc timeout)
+    silence = options.heartbeat_interval * options.heartbeat_misses
+    answer_wait = silence if silence > 0 else options.rpc_timeout if options.rpc_timeout > 0 else 60.0
     if world_size:
-        joined = join(name, rank, world_size, options.init_method, options.rpc_timeout, generation, auth)
+        joined = join(
+            name, rank, world_size, options.init_method, options.rpc_timeout, generation, auth, answer_wait
+        )
     else:
-        joined = join_dynamic(name, rank, options.init_method, options.rpc_timeout, generation, auth)
+        joined = join_dynamic(
+            name, rank, options.init_method, options.rpc_timeout, generation, auth, answer_wait
+        )
     try:
         world = GlooWorld(
             joined,

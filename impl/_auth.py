@@ -306,7 +306,11 @@ class JobAuth:
         keys = [f"nonce/{r}" for r in range(world_size)]
         store.wait(keys, timeout)
         nonces = [mine if r == rank else store.get(k).decode() for r, k in enumerate(keys)]
-        return self._bound(store, self._derive(b"twinrpc-run", world_size, *nonces), "group")
+        return self.run_of(store, nonces)
+
+    def run_of(self, store: Any, nonces: list[str]) -> AuthStore:
+        """``store`` bound to the run of a static group whose ranks posted ``nonces`` (see run)."""
+        return self._bound(store, self._derive(b"twinrpc-run", len(nonces), *nonces), "group")
 
     def link(self, store: Any, me: int, peer: int) -> LinkAuth:
         """The link between ``me`` and ``peer``: each side posts a fresh nonce to ``store`` and reads

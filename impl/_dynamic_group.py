@@ -3,8 +3,7 @@
 The simulator keeps the same things in memory (``simulator/_dynamic_group.py``); the protocol that uses
 them is the core's (``twinrpc._membership``). Keys, under the generation's ``twinrpc/<n>/`` prefix:
 
-* ``kind``: ``static`` or ``dynamic``, set by the group's first worker; a worker of the other kind is
-  refused with PyTorch's "mixes statically and dynamically initialized members" error.
+* ``kind``: ``static`` or ``dynamic``, set by the group's first worker (impl/_group_kind.py).
 * ``token``: the membership token, as PyTorch's ``_group_membership_management``: taken with
   ``compare_set("", mine)``, given back by setting it to ``""`` and ``released/<mine>``.
 * ``members``: the current members, one ``rank uid name`` line each (written only under the token,
@@ -12,7 +11,9 @@ them is the core's (``twinrpc._membership``). Keys, under the generation's ``twi
   emptied, when the last member leaves).
 * ``inbox/<uid>/<n>``: what member ``uid`` must do next; a joiner posts ``join <rank> <uid> <name>``
   to every member, whose world then connects its link to the joiner (GlooWorld.connect_peer), and a
-  member posts ``stop`` to its own inbox when its world stops, which ends its watcher.
+  member posts ``stop`` to its own inbox when its world stops, which ends its watcher. A static
+  worker that found this group's ``kind`` posts ``vouch <challenge>``, which the member answers in
+  ``vouched/<challenge>/<uid>`` (impl/_group_kind.py).
 * ``ready/<joiner uid>/<member uid>``: a member's answer to a join notice: ``dynamic`` and the group's
   members as *that member* knows them (its own view: the list it joined with, the joins and leaves
   it was told of since), in the list's format.
@@ -45,10 +46,9 @@ import torch.distributed as dist
 
 from twinrpc._departure import Departure, departure_error
 from twinrpc._errors import RPCError
-from twinrpc._membership import MIXED_GROUP_ERROR
 from twinrpc._worker_info import WorkerInfo
 
-from ._auth import AuthenticationError, refuse_marked
+from ._auth import AuthenticationError
 from ._stores import next_entry
 
 _log = logging.getLogger("twinrpc.impl")
@@ -69,16 +69,6 @@ class JoinNotice:
 
     member: Member
     pair_store: Any
-
-
-def mark_kind(store: Any, kind: str) -> None:
-    """Record this group's kind (``static`` or ``dynamic``); raises PyTorch's error on a mix, and
-    AuthenticationError if the group's workers do not share this worker's key (impl/_auth.py)."""
-    raw = store.compare_set("kind", "", kind)
-    refuse_marked(raw, "the group's rendezvous entry 'kind'")
-    found = raw.decode()
-    if found != kind:
-        raise RuntimeError(MIXED_GROUP_ERROR)
 
 
 class StoreGroup:
@@ -276,8 +266,7 @@ class StoreGroup:
 
     # -- the inbox --------------------------------------------------------------------------------
     def _post(self, uid: str, entry: str) -> None:
-        n = int(self.store.add(f"inbox/{uid}/count", 1))
-        self.store.set(f"inbox/{uid}/{n}", entry)
+        post(self.store, uid, entry)
 
     def post_stop(self) -> None:
         """This member's world stops: joiners must not wait for it to connect (a member that leaves
@@ -290,7 +279,12 @@ class StoreGroup:
         (``ready/<joiner>/<me>``: this worker's view of the group) before it is returned. With a job
         key, an entry that is not authenticated (not posted by a worker of this job) is logged and
         skipped."""
-        entry, self._next = next_entry(self._watch_store, self._inbox, self._next)
+        while True:
+            entry, self._next = next_entry(self._watch_store, self._inbox, self._next)
+            if not entry.startswith("vouch "):
+                break
+            # a worker of a static group found this group's 'kind' entry: a live member says so
+            self._watch_store.set(f"vouched/{entry.removeprefix('vouch ')}/{self.me.uid}", "dynamic")
         if entry == "stop":
             return None
         _, rank, uid, name = entry.split(" ", 3)
@@ -300,6 +294,17 @@ class StoreGroup:
         # the joiner waits for this (confirm): MACed with the job key under a name holding its uid
         self._watch_store.set(f"ready/{uid}/{self.me.uid}", f"dynamic\n{_format(view)}")
         return JoinNotice(Member(WorkerInfo(name, int(rank)), uid), self.pair_store(uid))
+
+
+def post(store: Any, uid: str, entry: str) -> None:
+    """Post ``entry`` to member ``uid``'s inbox (its watcher reads it: StoreGroup.next_notice)."""
+    n = int(store.add(f"inbox/{uid}/count", 1))
+    store.set(f"inbox/{uid}/{n}", entry)
+
+
+def parse_members(text: str) -> list[Member]:
+    """A ``members`` entry's members (in the list's format)."""
+    return _parse(text)
 
 
 def _format(members: list[Member]) -> str:

@@ -10,6 +10,8 @@ acted on:
 * ``pair/<low>-<high>/here/<rank>``: ``rank`` is connecting the pair; each side waits for the other's
   before the pair's nonce exchange and gloo group (``JobAuth.link``, ``make_pair_group``), which use
   the same deterministic keys whoever started, so two sides that start at once make one link.
+* ``vouched/<challenge>/<rank>``: ``rank``'s answer to ``vouch <challenge>`` in its inbox, posted by
+  a dynamic group's worker that found this group's ``kind`` entry (impl/_group_kind.py).
 * ``gone/<rank>``: ``rank``'s world stopped (``graceful`` or ``abrupt``); a worker connecting to it
   then fails at once, as if the peer's close frame had come.
 
@@ -103,8 +105,7 @@ class PairAsks:
 
     def ask(self, peer: int) -> None:
         """Ask ``peer`` to connect to this worker (its watcher reads it)."""
-        n = int(self._store.add(f"ask/{peer}/count", 1))
-        self._store.set(f"ask/{peer}/{n}", str(self._rank))
+        post_ask(self._store, peer, str(self._rank))
 
     def here(self, peer: int) -> None:
         """Tell ``peer`` this worker is connecting their pair."""
@@ -148,12 +149,22 @@ class PairAsks:
     def next_ask(self) -> int | None:
         """Block until the next inbox entry: the rank that asks, or None for ``stop``. An entry that is
         not of this run (with a job key) is logged and skipped."""
-        entry, self._next = next_entry(self._watch, f"ask/{self._rank}", self._next)
-        return None if entry == "stop" else int(entry)
+        while True:
+            entry, self._next = next_entry(self._watch, f"ask/{self._rank}", self._next)
+            if not entry.startswith("vouch "):
+                return None if entry == "stop" else int(entry)
+            # a dynamic group's worker found this group's 'kind' entry: a live worker says so
+            self._watch.set(f"vouched/{entry.removeprefix('vouch ')}/{self._rank}", "static")
 
     def close(self) -> None:
         """Drop the watcher's connection (its socket closes now, not at a garbage collection)."""
         self._watch = None
+
+
+def post_ask(store: Any, peer: int, entry: str) -> None:
+    """Post ``entry`` to ``peer``'s inbox in the run's ``store`` (its watcher reads it: next_ask)."""
+    n = int(store.add(f"ask/{peer}/count", 1))
+    store.set(f"ask/{peer}/{n}", entry)
 
 
 class LinkTable:

@@ -33,7 +33,8 @@ from twinrpc._errors import AUTH_KEY_HINT, RPCError, RPCTimeoutError
 from twinrpc._worker_info import WorkerInfo
 
 from ._auth import AuthenticationError, JobAuth, refuse_marked
-from ._dynamic_group import StoreGroup, mark_kind
+from ._dynamic_group import StoreGroup
+from ._group_kind import StaleKindEntry, live_dynamic_group, live_static_group, mark_kind
 
 #: how long init waits for the other workers when rpc_timeout is 0 ("never")
 _DEFAULT_STORE_TIMEOUT = 1800.0
@@ -228,10 +229,14 @@ def join(
     rpc_timeout: float,
     generation: int,
     auth: JobAuth | None = None,
+    answer_wait: float = 10.0,
 ) -> Joined:
     """Rendezvous as a member of a static group, exchange names (refusing duplicates) and return the
     world's workers. With ``auth`` every entry is authenticated with the job key, and the names are
     bound to this run (every rank posts a fresh nonce first: JobAuth.run).
+
+    ``answer_wait``: with a key, how long a live worker of the other kind has to answer before the
+    group's ``kind`` entry is refused as stale (impl/_group_kind.py).
 
     Blocks until every worker has joined, for at most ``rpc_timeout`` seconds (0: half an hour). A
     worker whose key differs from another's (or who has none while another has one) still posts its
@@ -251,7 +256,8 @@ def join(
     store = dist.PrefixStore(f"twinrpc/{generation}", root if auth is None else auth.wrap(root))  # type: ignore[attr-defined]
     mine = f"name/{rank}"
     try:
-        mark_kind(store, "static")
+        vouch = None if auth is None else (lambda found: live_dynamic_group(store, answer_wait))
+        mark_kind(store, "static", vouch)
     except AuthenticationError as exc:
         # the others find the mismatch in our nonce instead of waiting for it
         store.set(f"nonce/{rank}", os.urandom(16).hex())
@@ -327,17 +333,23 @@ def join(
 
 
 def _auth_failed(name: str, rank: int, init_method: str, exc: AuthenticationError) -> AuthenticationError:
-    return AuthenticationError(
-        f"init_rpc as '{name}' (rank {rank}) at {init_method!r}: {exc}. {AUTH_KEY_HINT}"
-    )
+    hint = "" if isinstance(exc, StaleKindEntry) else f" {AUTH_KEY_HINT}"  # the keys agree there
+    return AuthenticationError(f"init_rpc as '{name}' (rank {rank}) at {init_method!r}: {exc}.{hint}")
 
 
 def join_dynamic(
-    name: str, rank: int, init_method: str, rpc_timeout: float, generation: int, auth: JobAuth | None = None
+    name: str,
+    rank: int,
+    init_method: str,
+    rpc_timeout: float,
+    generation: int,
+    auth: JobAuth | None = None,
+    answer_wait: float = 10.0,
 ) -> Joined:
     """Join (or start) a dynamic group (LIFE-5): take the membership token, check the name and rank
     are free, list this worker and post a join notice to every member. Returns holding the token,
     which ``init_rpc`` gives back once every member knows this worker (twinrpc._membership).
+    ``answer_wait``: as ``join``'s.
 
     Raises:
         LaunchError: bad launch input, as ``join``; also ``world_size=`` in the init_method's query.
@@ -367,7 +379,8 @@ def join_dynamic(
     root.set_timeout(timeout)
     store = dist.PrefixStore(f"twinrpc/{generation}", root if auth is None else auth.wrap(root))  # type: ignore[attr-defined]
     try:
-        mark_kind(store, "dynamic")
+        vouch = None if auth is None else (lambda found: live_static_group(store, auth, answer_wait))
+        mark_kind(store, "dynamic", vouch)
         group = StoreGroup(store, WorkerInfo(name, rank), timeout, keyed=auth is not None)
         group.lock()
     except AuthenticationError as exc:

@@ -381,6 +381,114 @@ def test_an_emptied_member_list_is_refused_with_a_key() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# The group's kind written back
+# ---------------------------------------------------------------------------------------------------
+#: how long a keyed worker that finds the other kind waits for a live worker of it to answer
+KIND_WAIT = 1.0
+MIXED = "RPC group mixes statically and dynamically initialized members which is not supported. "
+
+
+def _static_join(stores: dict[int, Any], names: list[str]) -> Callable[[int], Any]:
+    auth = JobAuth(KEY)
+    return lambda rank: join(names[rank], rank, len(names), "env://", WAIT, 0, auth, KIND_WAIT)
+
+
+def _dynamic_member(store: Any, rank: int) -> StoreGroup:
+    """A keyed dynamic group's member, joined as ``init_rpc`` joins it (no other member)."""
+    group = StoreGroup(store, WorkerInfo(f"worker{rank}", rank), timedelta(seconds=WAIT), keyed=True)
+    group.lock()
+    assert group.add_me() == []
+    group.confirm(WAIT)
+    group.unlock()
+    return group
+
+
+def _open_dynamic(monkeypatch: pytest.MonkeyPatch, store: Any) -> None:
+    rendezvous = sys.modules["torch.distributed.rendezvous"]  # the name alone is torch's function
+    monkeypatch.setattr(rendezvous, "_rendezvous_helper", lambda *a, **k: iter([(store, 0, 1)]))
+
+
+def test_a_dynamic_kind_recorded_in_an_earlier_run_is_refused_by_a_static_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An earlier run was a dynamic group; written back into this run's store, its 'kind' (and member
+    list) would stop the static group with PyTorch's mixed-group error. No member of it answers the
+    static workers' challenge, so each refuses the entry as stale, naming it."""
+    stores: dict[int, Any] = {}
+    monkeypatch.setattr(_rendezvous, "_open_store", lambda init, rank, *a: (stores[rank], False))
+    earlier = dist.HashStore()
+    keyed = dist.PrefixStore("twinrpc/0", JobAuth(KEY).wrap(earlier))  # type: ignore[attr-defined]
+    _rendezvous.mark_kind(keyed, "dynamic")
+    _dynamic_member(keyed, 0).post_stop()
+    recorded = {k: earlier.get(k) for k in ("twinrpc/0/kind", "twinrpc/0/members")}
+    now = dist.HashStore()
+    for key, value in recorded.items():
+        now.set(key, value)
+    stores.update({0: now, 1: now})
+    start = time.monotonic()
+    got, errors = _in_threads(_static_join(stores, ["worker0", "worker1"]), [0, 1])
+    print({r: str(e) for r, e in errors.items()})
+    assert not got and sorted(errors) == [0, 1], (got, errors)
+    for error in errors.values():
+        assert isinstance(error, AuthenticationError), error
+        assert "entry 'kind' says a dynamic group uses this store" in str(error), error
+        assert "no live worker of one answered" in str(error) and "earlier run" in str(error), error
+    assert KIND_WAIT <= time.monotonic() - start < KIND_WAIT + 10
+
+
+def test_a_static_kind_recorded_in_an_earlier_run_is_refused_by_a_dynamic_joiner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An earlier run was a static group of two; its 'kind' and nonces written back would refuse a
+    dynamic joiner with PyTorch's mixed-group error. The joiner's challenge goes to the ranks of that
+    run, whose inboxes no worker reads now: it refuses the entry as stale and lists itself nowhere."""
+    stores: dict[int, Any] = {}
+    monkeypatch.setattr(_rendezvous, "_open_store", lambda init, rank, *a: (stores[rank], False))
+    earlier = dist.HashStore()
+    stores.update({0: earlier, 1: earlier})
+    got, errors = _in_threads(_static_join(stores, ["worker0", "worker1"]), [0, 1])
+    assert not errors, errors
+    recorded = {k: earlier.get(k) for k in ("twinrpc/0/kind", "twinrpc/0/nonce/0", "twinrpc/0/nonce/1")}
+    now = dist.HashStore()
+    for key, value in recorded.items():
+        now.set(key, value)
+    _open_dynamic(monkeypatch, now)
+    start = time.monotonic()
+    with pytest.raises(AuthenticationError) as refused:
+        _rendezvous.join_dynamic("worker2", 2, "tcp://127.0.0.1:1", WAIT, 0, JobAuth(KEY), KIND_WAIT)
+    print(refused.value)
+    assert "entry 'kind' says a static group uses this store" in str(refused.value)
+    assert "no live worker of one answered" in str(refused.value)
+    assert KIND_WAIT <= time.monotonic() - start < KIND_WAIT + 10
+    assert not now.check(["twinrpc/0/members"]) and not now.check(["twinrpc/0/token"])  # joined nothing
+
+
+def test_a_live_dynamic_group_vouches_for_its_kind_and_a_static_worker_gets_pytorchs_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The genuine mix, with a key: a live member answers the static worker's challenge at once (its
+    watcher reads the inbox), so the static worker raises PyTorch's error, well within the wait."""
+    stores: dict[int, Any] = {}
+    monkeypatch.setattr(_rendezvous, "_open_store", lambda init, rank, *a: (stores[rank], False))
+    now = dist.HashStore()
+    keyed = dist.PrefixStore("twinrpc/0", JobAuth(KEY).wrap(now))  # type: ignore[attr-defined]
+    _rendezvous.mark_kind(keyed, "dynamic")
+    member = _dynamic_member(keyed, 0)
+    watcher = threading.Thread(target=lambda: member.next_notice(), daemon=True)  # answers, then stops
+    watcher.start()
+    stores.update({1: now})
+    start = time.monotonic()
+    got, errors = _in_threads(
+        lambda rank: join("worker1", rank, 2, "env://", WAIT, 0, JobAuth(KEY), 30.0), [1]
+    )
+    member.post_stop()
+    watcher.join(WAIT)
+    assert not got and isinstance(errors[1], RuntimeError) and str(errors[1]) == MIXED, errors
+    assert time.monotonic() - start < 10
+    assert now.check(["twinrpc/0/members"])  # the dynamic group is as it was
+
+
+# ---------------------------------------------------------------------------------------------------
 # Data changed in flight
 # ---------------------------------------------------------------------------------------------------
 class _Relay:
