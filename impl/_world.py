@@ -116,6 +116,8 @@ class GlooWorld(World):
         self._recorder = TraceRecorder.from_env(self.rank, joined.workers)
         self._lock = threading.Lock()
         self._stopped = False
+        #: a thread making a link was still running when the world stopped (see _release)
+        self._still_linking = False
         #: a timer is set to send the riders still waiting (one for all links, see _flush_riders)
         self._rider_timer = False
         #: dead user RRefs' deletes waiting for the timer (see schedule_rref_delete), under
@@ -458,13 +460,17 @@ class GlooWorld(World):
         if self._group is None:
             self._table.release()
             self._store = None
-            if self._auth is not None:
+            if self._auth is not None and not self._still_linking:
+                # (a thread still making a link may still call into the job key's stores: a store
+                # written in Python, released under a C++ call, aborts the process; the garbage
+                # collector frees them once that thread is done)
                 self._auth.release()
 
     def _stop_linking(self, graceful: bool) -> None:
         """No link is made from now on (peers connecting to us fail at once); the links being made
         are finished first, so that stop closes them too."""
         left = self._table.stop(graceful, _THREAD_EXIT_WAIT)
+        self._still_linking = bool(left)
         if left:
             _log.warning(
                 "twinrpc: %s still connecting %.0f s after RPC stopped", ", ".join(left), _THREAD_EXIT_WAIT
