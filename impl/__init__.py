@@ -59,11 +59,6 @@ def connect(
             joined.group.remove()
             joined.group.unlock()
         raise
-    try:
-        world.link_leader(options.rpc_timeout)
-    except BaseException:
-        world.stop()
-        raise
     endpoint = store_endpoint(options.init_method)
     warn_if_keyless_and_reachable(None if endpoint is None else endpoint[0], auth is not None)
     me = next(w for w in joined.workers if w.id == joined.rank)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from twinrpc._departure import Departure
-from twinrpc._errors import AuthenticationError, RPCTimeoutError, WorkerUnavailableError
+from twinrpc._errors import AuthenticationError
 from twinrpc._message import Message
 from twinrpc._serialize import copy_storages
 from twinrpc._worker_info import WorkerInfo
@@ -206,41 +206,6 @@ class GlooWorld(World):
         for peer in peers:
             if peer != self.rank:
                 self._table.reach(peer)
-
-    def link_leader(self, timeout: float) -> None:
-        """Make the links PyTorch's ``init_rpc`` leaves behind: a static group's init ends with one
-        all-gather through its leader (the smallest name) "to initialize channels/transports", so
-        every follower's link to the leader exists when ``init_rpc`` returns, and the leader's to
-        every follower. A program's first calls between a follower and the leader then go out at
-        once, as PyTorch's do, not together once a link is made (two calls arriving together run
-        at once on two threads: two ``rpc.remote`` constructions would draw from the callee's
-        random generator in either order).
-
-        Raises:
-            WorkerUnavailableError: a link could not be made (the peer stopped or died meanwhile).
-            RPCTimeoutError: a link was not made within ``timeout`` seconds.
-        """
-        if self._group is not None or len(self.workers) < 2:
-            return  # a dynamic group's joiner is linked to every member already
-        leader = min(self.workers.values(), key=lambda w: w.name).id
-        peers = [p for p in sorted(self.workers) if p != self.rank] if leader == self.rank else [leader]
-        self.reach(peers)
-        bound = threading.TIMEOUT_MAX if timeout <= 0 else timeout
-        deadline = time.monotonic() + bound
-        for peer in peers:
-            name = self.workers[peer].name
-            try:
-                self._table.link_to(peer, max(0.0, deadline - time.monotonic()))
-            except TimeoutError as exc:
-                raise RPCTimeoutError(
-                    f"init_rpc: no link to {name!r} (rank {peer}) within {timeout:g} s: {exc}"
-                ) from exc
-            except AuthenticationError:
-                raise
-            except Exception as exc:
-                raise WorkerUnavailableError(
-                    f"init_rpc: could not link to {name!r} (rank {peer}): {exc}"
-                ) from exc
 
     def link_to(self, peer: int, timeout: float) -> PeerLink:
         """The link to ``peer``, made now if need be (see LinkTable.link_to)."""

@@ -95,9 +95,9 @@ def test_a_broken_connection_is_reported_in_twinrpc_words_then_gloos(tmp_path: P
 
 
 def _dies_before_any_link(rank: int, init_file: str, shared: dict[str, Any]) -> None:
-    """worker2 exits once init_rpc has returned everywhere, before any link between it and worker1 is
-    made (init makes only the links to the leader, worker0; others are made on first use); worker1
-    then calls it for the first time, and both shut down gracefully: both report what they raised."""
+    """worker2 exits once every worker has joined, before any link to it is made (links are made on
+    first use); worker0 then calls it for the first time, and worker1 shuts down gracefully: both
+    report what they raised."""
     import twinrpc.rpc as rpc
 
     options = rpc.RpcBackendOptions(
@@ -108,29 +108,29 @@ def _dies_before_any_link(rank: int, init_file: str, shared: dict[str, Any]) -> 
         shared["gone"].set()
         os._exit(3)
     shared["gone"].wait(WORLD_TIMEOUT)
-    if rank == 1:
+    if rank == 0:
         first = _call_until_it_fails(rpc, "worker2")
     try:
         rpc.shutdown()
         ended = "shutdown returned"
     except Exception as exc:
         ended = f"{type(exc).__name__}: {exc}"
-    report(shared, rank, lambda: {"first": first, "shutdown": ended} if rank == 1 else {"shutdown": ended})
+    report(shared, rank, lambda: {"first": first, "shutdown": ended} if rank == 0 else {"shutdown": ended})
 
 
 def test_a_worker_that_died_before_any_link_to_it_fails_the_first_call_and_shutdown_naming_it(
     tmp_path: Path,
 ) -> None:
-    """No link from worker1 to worker2 was ever made when it died, so no connection closing tells
-    worker1: its first call to it fails once it has not answered the link's set-up within the
-    liveness bound, and graceful shutdown fails naming it rather than waiting."""
+    """No link to worker2 was ever made when it died, so no connection closing tells anyone: the
+    first call to it fails once it has not answered the link's set-up within the liveness bound,
+    and graceful shutdown (whose leader reaches every follower) fails naming it rather than waiting."""
     ctx = multiprocessing.get_context("spawn")
     with ctx.Manager() as manager:
         shared = {"results": ctx.Queue(), "gone": manager.Event()}
         args = [(rank, str(tmp_path / "init"), shared) for rank in range(3)]
         got = run_world(ctx, _dies_before_any_link, args, shared, WORLD_TIMEOUT, reporting=[0, 1])
     print(got)
-    first = got[1]["first"]
+    first = got[0]["first"]
     assert first.startswith("WorkerUnavailableError: worker 'worker2' (rank 2) is unavailable"), first
     assert "did not answer this worker's connection" in first, first
     for rank in (0, 1):
