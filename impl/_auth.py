@@ -52,6 +52,7 @@ import torch
 from twinrpc._errors import AuthenticationError
 from twinrpc._key_source import auth_key_of as job_key
 
+from ._byte_view import byte_view
 from ._framing import (
     _FLAGS,
     _FLAGS_AT,
@@ -150,8 +151,7 @@ class FrameAuth:
         h.update(_CONTEXT.pack(src, dst, seq))
         mac = self._poly(h.digest())
         for part in parts:
-            data: Any = part.numpy() if isinstance(part, torch.Tensor) else part
-            view = memoryview(data).cast("B")
+            view = byte_view(part) if isinstance(part, torch.Tensor) else memoryview(part).cast("B")
             for at in range(0, len(view), _DATA_CHUNK):
                 mac.update(view[at : at + _DATA_CHUNK])
         return bytes(mac.finalize())

@@ -46,6 +46,7 @@ import torch
 from twinrpc._errors import RPCError
 from twinrpc._message import Kind, Message
 
+from ._byte_view import byte_view
 from ._same_host import SLOT_BYTES, OutRing
 
 HEADER_BYTES = 4096
@@ -247,7 +248,7 @@ def _encode_first(
 def _put_storages(buf: memoryview, pos: int, tensors: list[torch.Tensor], sizes: list[int]) -> int:
     for t, size in zip(tensors, sizes, strict=True):
         if size:
-            buf[pos : pos + size] = t.numpy()  # type: ignore[call-overload]  # a contiguous uint8 buffer
+            buf[pos : pos + size] = byte_view(t)  # a contiguous uint8 buffer (not t.numpy(): see _byte_view)
             pos += size
     return pos
 

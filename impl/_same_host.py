@@ -17,7 +17,8 @@ first eight bytes of the file). Gloo keeps every control frame and stays the onl
   stall the link: a sender whose data does not fit the free room sends it over gloo, as it always
   did. (Copying rather than aliasing past some share of the ring would not help: the read position
   cannot pass the oldest storage still held, whatever is freed after it.) The payload and smaller
-  storages are copied out and their room freed at once (see ``ALIAS_MIN_BYTES``).
+  storages are copied out and their room freed at once (see ``ALIAS_MIN_BYTES``). A tensor received
+  in place cannot grow (``resize_``); ``TWINRPC_SHM_IN_PLACE=0`` copies every storage out instead.
   The mapping lives while any tensor over it does, after the link has ended or the peer has died.
 
 * **Discovery** (``connect``, when a pair's process group is made): each end posts an *offer* in the
@@ -55,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._byte_view import byte_view
 from ._doorbell import Bell, Doorbell, _fence
 from ._doorbell import available as _doorbell_available
 
@@ -92,6 +94,10 @@ _ANSWER_WAIT = timedelta(seconds=30)
 #: ring through memory no cache holds; with 256 KiB storages that cost the distributed-autograd
 #: iteration more CPU than the copies it saved (docs/explanation/benchmarks.md)
 ALIAS_MIN_BYTES = 1 << 20
+#: ``TWINRPC_SHM_IN_PLACE=0``: copy every storage out of the ring. A storage received in place is
+#: shared memory, which torch cannot resize: ``resize_`` past its size (or an ``out=`` that must grow
+#: it) raises "Trying to resize storage that is not resizable", where PyTorch's copy would resize
+ENV_IN_PLACE = "TWINRPC_SHM_IN_PLACE"
 _OFFER = struct.Struct("<64sIiQi")  # host identity, pid, fd, file size, doorbell fd (-1: none)
 _NO_OFFER = b"-"
 
@@ -320,7 +326,7 @@ class OutRing:
                 # one memcpy on this thread: torch's copy_ splits a large copy over its intra-op
                 # threads, which on a small busy machine makes it slower
                 # (docs/explanation/benchmarks.md)
-                view[off : off + n] = t.numpy()  # type: ignore[call-overload]  # a contiguous uint8 buffer
+                view[off : off + n] = byte_view(t)  # a contiguous uint8 buffer (not t.numpy(): see _byte_view)
             i += 1
         return positions
 
@@ -390,7 +396,7 @@ class InRing:
         off = self._where(pos, n)
         end = self._next
         releases = self._releases
-        if in_place and n >= ALIAS_MIN_BYTES:
+        if in_place and n >= ALIAS_MIN_BYTES and os.environ.get(ENV_IN_PLACE) != "0":
             arr = np.frombuffer(self._view[off : off + n], dtype=np.uint8)
             key = id(arr)
             _IN_PLACE[key] = weakref.ref(arr)
@@ -398,7 +404,7 @@ class InRing:
             return torch.from_numpy(arr)
         out = new_buffer(n)
         if n:
-            np.copyto(out.numpy(), np.frombuffer(self._view[off : off + n], dtype=np.uint8))  # see place
+            byte_view(out)[:] = self._view[off : off + n]  # one memcpy: see place
         releases.free(start, end)
         return out
 
