@@ -145,6 +145,16 @@ class PeerLink:
         rings = self.pair.rings
         return rings.out is not None, rings.inbound is not None
 
+    @property
+    def parks_when_idle(self) -> bool:
+        """Whether an idle link holds no thread: its receiver hands the same-host doorbell to the
+        process's watcher (``_receiver.LINGER``); else it keeps one receiver while it lasts."""
+        return self.receiver.parks
+
+    def receiver_threads(self) -> int:
+        """Threads receiving for this link now (0 while it is parked or once receiving has ended)."""
+        return self.receiver.receiving()
+
     # -- life --------------------------------------------------------------------------------------
     def start(
         self,

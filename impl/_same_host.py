@@ -402,12 +402,33 @@ class InRing:
         releases.free(start, end)
         return out
 
-    def wait_header(self, slot: int) -> None:
-        """Return once the peer has written header ``slot`` (counting from 0), sleeping on the doorbell
-        meanwhile; raises as ``Doorbell.wait`` does. One thread at a time, slots in order."""
+    def wait_header(self, slot: int, until: float | None = None) -> bool:
+        """Return True once the peer has written header ``slot`` (counting from 0), sleeping on the
+        doorbell meanwhile; False: not written by ``until`` (monotonic; None: no bound). Raises as
+        ``Doorbell.wait`` does. One thread at a time, slots in order."""
         assert self.door is not None
         written = self._words.written
-        self.door.wait(lambda: int(written[0]) > slot, self._words.asleep, self._words.hung_up)
+        return self.door.wait(lambda: int(written[0]) > slot, self._words.asleep, self._words.hung_up, until)
+
+    def has_news(self, slot: int) -> bool:
+        """Whether a parked link needs a receiver now: header ``slot`` is written, the peer hung up,
+        or the link was stopped here."""
+        door = self.door
+        return (
+            int(self._words.written[0]) > slot or bool(self._words.hung_up[0]) or door is None or door.stopped
+        )
+
+    def arm(self, slot: int) -> bool:
+        """Before the link's doorbell is parked (``_door_watch``): have the peer ring it for header
+        ``slot``; False: ``has_news`` already (see ``Doorbell.arm``)."""
+        assert self.door is not None
+        written = self._words.written
+        return self.door.arm(lambda: int(written[0]) > slot, self._words.asleep, self._words.hung_up)
+
+    def disarm(self) -> None:
+        """The link's doorbell is back from the watcher (see ``Doorbell.disarm``)."""
+        if self.door is not None:
+            self.door.disarm(self._words.asleep)
 
     def take_header(self, slot: int, out: memoryview) -> None:
         """Copy header ``slot`` (written: ``wait_header``) into ``out`` and free its slot for the writer.
