@@ -166,11 +166,8 @@ class Doorbell:
                     "its connection to this worker closed without a close frame (it abandoned the link)"
                 )
             timeout_ms = _SAFETY_MS
-            if until is not None:
-                left = until - time.monotonic()
-                if left <= 0:
-                    return False
-                timeout_ms = min(_SAFETY_MS, int(left * 1000) + 1)
+            if until is not None:  # past it, one look (the peer's end included) without sleeping
+                timeout_ms = max(0, min(_SAFETY_MS, int((until - time.monotonic()) * 1000) + 1))
             asleep[0] = 1
             _fence()
             if ready():
@@ -188,6 +185,8 @@ class Doorbell:
                     return True  # what it wrote before it went is still read, in order
                 if not self._stopped:
                     raise _peer_gone(self._peer_pid)
+            if until is not None and time.monotonic() >= until:
+                return ready()
 
     def arm(self, ready: Callable[[], bool], asleep: Any, hung_up: Any) -> bool:
         """Before the doorbell is handed to a watcher (``_door_watch``) rather than waited on: reset

@@ -78,10 +78,15 @@ RECEIVERS = 2
 #: to do for LINGER since its last message (heartbeats aside) *parks*: its doorbell goes to the
 #: process's watcher (impl/_door_watch.py) and the receiver leaves, so an idle link holds no thread.
 LINGER = 1.0
-#: links on one host with a receiver (not parked) beyond which a link's last receiver parks as soon
-#: as it has nothing to do, not LINGER later: after a burst of calls to many peers, the process soon
-#: holds no more receivers than this bound allows (see docs/explanation/gloo-world.md)
+#: links on one host with a receiver (not parked) beyond which a link parks PARK_SOON after its last
+#: message, not LINGER: after a burst of calls to many peers, the process soon holds few receivers
+#: (see docs/explanation/gloo-world.md)
 PARK_CAP = 8
+#: seconds without a message after which a link parks while more than PARK_CAP links are awake. Not
+#: at once: a link busy with messages every few milliseconds stays awake, rather than paying the
+#: watcher's wake-up (a thread hop and four epoll changes) for each; a link that waits longer for its
+#: next message pays that wake-up once per wait, a small part of it
+PARK_SOON = 0.02
 
 
 class _ThreadRole(threading.local):
@@ -481,9 +486,12 @@ class Receiver:
                 finally:
                     self._waited(slot)
                 if error is _IDLE:
-                    parked = self._park(slot)
-                    if parked is None:
+                    idled = self._idle(slot)
+                    if idled is _RETIRED:
+                        return _RETIRED
+                    if idled is None:
                         continue
+                    parked = idled
             if parked is not None:
                 door = parked.door
                 assert door is not None
@@ -499,32 +507,39 @@ class Receiver:
                 return self._decode(slot)
 
     def _idle_at(self, slot: int) -> float | None:
-        """Under _rx_lock, for the door's holder about to wait for ``slot``: when the link may park
-        if nothing comes (see LINGER), None: it may not (another receiver is in the loop, or nobody
-        could start one again)."""
-        if (
-            self._run_elsewhere is None
-            or self._receivers != 1
-            or self._at_door
-            or self._busy
-            or self._turn != slot
-        ):
+        """Under _rx_lock, for the door's holder about to wait for ``slot``: when to look whether the
+        link may park (see LINGER and _idle); None: never (nobody could start a receiver again)."""
+        if self._run_elsewhere is None:
             return None
-        if DOOR_WATCH.awake > PARK_CAP:
-            return float("-inf")  # park as soon as nothing is there
-        return self._active_at + LINGER
+        if self._may_idle(slot):
+            return self._idle_since()
+        return time.monotonic() + LINGER  # another receiver is busy: look again later
 
-    def _park(self, slot: int) -> InRing | None:
-        """The door's holder found nothing by its idle bound: unless another receiver has joined
-        meanwhile (or something is there after all), leave the loop with the link parked, its
-        doorbell armed for ``slot`` (the caller hands it to the watcher). The watcher counts as a
-        receiver waiting for a header (``Liveness.header_waiters``), so a silent peer is judged as
-        before. Returns the ring whose doorbell is armed; None: carry on receiving (the slot is
-        claimed again)."""
+    def _may_idle(self, slot: int) -> bool:
+        """Under _rx_lock: no frame is in flight (the holder of the door waits for ``slot``, the next
+        to dispatch) and any other receiver only queues for the door."""
+        return self._receivers == 1 + self._at_door and not self._busy and self._turn == slot
+
+    def _idle_since(self) -> float:
+        """When the link has been idle long enough to park (see LINGER and PARK_SOON)."""
+        return self._active_at + (PARK_SOON if DOOR_WATCH.awake > PARK_CAP else LINGER)
+
+    def _idle(self, slot: int) -> InRing | _Retired | None:
+        """The door's holder found nothing by its idle bound: if the link has been idle long enough
+        (_idle_since), leave the loop to a receiver queued for the door (_RETIRED), else, unless
+        something is there after all, leave it with the link parked, its doorbell armed for ``slot``
+        (the caller hands it to the watcher, and gets the ring). The watcher counts as a receiver
+        waiting for a header (``Liveness.header_waiters``), so a silent peer is judged as before.
+        None: carry on receiving. Either way the slot is unclaimed."""
         ring = self._rings.inbound
         with self._rx_lock:
             self._claimed = slot
-            if ring is None or self._ended or self._receivers != 1 or self._at_door or not ring.arm(slot):
+            if self._ended or not self._may_idle(slot) or time.monotonic() < self._idle_since():
+                return None
+            if self._at_door:
+                self._receivers -= 1
+                return _RETIRED
+            if ring is None or not ring.arm(slot):
                 return None
             self._receivers -= 1
             self._parked = True
