@@ -143,7 +143,8 @@ class PeerLink:
         """Whether our data goes to the peer through shared memory, and whether the peer's comes to
         us that way (see ``_same_host``)."""
         rings = self.pair.rings
-        return rings.out is not None, rings.inbound is not None
+        out, inbound = rings.out, rings.inbound
+        return out is not None and out.capacity > 0, inbound is not None and inbound.capacity > 0
 
     @property
     def parks_when_idle(self) -> bool:

@@ -5,8 +5,9 @@
 A world of five ``spawn`` processes: worker 0 calls every peer, and every peer calls worker 0. After
 the idle bound worker 0 holds no receiving thread for any of its four links, and its process no more
 threads than it had after ``init_rpc`` besides gloo's event loop and the watcher (with the same-host
-path off, ``TWINRPC_SHM=0``, or its doorbell off, each link keeps its one receiver instead). Calls
-then go both ways again, each running longer than the idle bound (so the caller's link parks while it
+path off, ``TWINRPC_SHM=0``, or its doorbell off, each link keeps its one receiver instead). Links
+beyond the process's budget of ring bytes, whose data goes over gloo, park too. Calls then go both
+ways again, each running longer than the idle bound (so the caller's link parks while it
 waits for the reply, which wakes it); the links park again, and after ``shutdown()`` nothing of them,
 and no watcher, is left. A second world, without heartbeats, kills a worker with SIGKILL while its links
 are parked: the end of its process wakes the watcher, and the peer's link to it fails as a sleeping
@@ -22,6 +23,7 @@ import signal
 import time
 from typing import Any
 
+import pytest
 from _launch import free_port
 from _spawn_world import held_after_rpc, held_before_rpc, report, run_world
 from twinrpc.impl._pool import IDLE_EXIT
@@ -60,10 +62,13 @@ def _look(world: Any, threads_at_init: int) -> dict[str, Any]:
         time.sleep(0.02)
 
 
-def _idle_program(rank: int, port: int, barrier: Any) -> dict[str, Any]:
+def _idle_program(rank: int, port: int, barrier: Any, budget: int | None) -> dict[str, Any]:
     import twinrpc.rpc as rpc
     from twinrpc._current import current_agent
 
+    if budget is not None:  # rings of 1 MiB, and room for only that many
+        os.environ["TWINRPC_SHM_RING_BYTES"] = str(1 << 20)
+        os.environ["TWINRPC_SHM_MAX_BYTES"] = str(budget << 20)
     before = held_before_rpc(barrier, WORLD_TIMEOUT)
     options = rpc.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=WORLD, rpc_backend_options=options)
@@ -74,6 +79,7 @@ def _idle_program(rank: int, port: int, barrier: Any) -> dict[str, Any]:
     barrier.wait(WORLD_TIMEOUT)  # every call answered: from now on the links idle
     time.sleep(IDLE)
     out["idle"] = _look(world, threads_at_init)
+    out["data_rings"] = sorted(peer for peer, link in world.links.items() if link.same_host[0])
     barrier.wait(WORLD_TIMEOUT)
     futures = [rpc.rpc_async(f"worker{p}", _slow_add, args=(p, 1)) for p in peers]
     out["again"] = [f.wait() for f in futures]
@@ -86,17 +92,20 @@ def _idle_program(rank: int, port: int, barrier: Any) -> dict[str, Any]:
     return out
 
 
-def _idle_child(rank: int, port: int, barrier: Any, shared: dict[str, Any]) -> None:
-    report(shared, rank, _idle_program, rank, port, barrier)
+def _idle_child(rank: int, port: int, barrier: Any, budget: int | None, shared: dict[str, Any]) -> None:
+    report(shared, rank, _idle_program, rank, port, barrier, budget)
 
 
-def test_idle_same_host_links_hold_no_thread_and_wake_for_calls_both_ways() -> None:
+@pytest.mark.parametrize("budget", [None, 2], ids=["rings", "two-rings-of-budget"])
+def test_idle_same_host_links_hold_no_thread_and_wake_for_calls_both_ways(budget: int | None) -> None:
+    """``budget``: rings worker 0 has room for (None: the default, room for all four); the links
+    beyond it send their data over gloo, and their header frames still through the doorbell."""
     ctx = multiprocessing.get_context("spawn")
     with ctx.Manager() as manager:
         shared = {"results": ctx.Queue()}
         barrier = manager.Barrier(WORLD)
         port = free_port()
-        args = [(rank, port, barrier, shared) for rank in range(WORLD)]
+        args = [(rank, port, barrier, budget, shared) for rank in range(WORLD)]
         got = run_world(ctx, _idle_child, args, shared, WORLD_TIMEOUT)
     for rank, found in sorted(got.items()):
         print(rank, found)
@@ -109,6 +118,8 @@ def test_idle_same_host_links_hold_no_thread_and_wake_for_calls_both_ways() -> N
         assert found["threads_left"] == {}, found
         assert found["descriptors_left"] == {}, found
     assert got[0]["idle"]["parking"] == ([1, 2, 3, 4] if _doorbell_on() else []), got[0]
+    if os.environ.get("TWINRPC_SHM", "1") != "0":
+        assert len(got[0]["data_rings"]) == (4 if budget is None else budget), got[0]
 
 
 def _killed_program(rank: int, port: int, barrier: Any, done: Any) -> dict[str, Any]:
