@@ -159,6 +159,29 @@ def bad_peer_world(
     return {"error": error, "other": other, "bad": bad}
 
 
+def run_barrier_world(
+    child: Callable[..., None],
+    size: int,
+    timeout: float,
+    *extra: Any,
+    reporting: list[int] | None = None,
+) -> dict[int, Any]:
+    """:func:`run_world` of ``size`` ``spawn`` processes over a TCPStore on a free port, each
+    running ``child(rank, port, barrier, event, *extra, shared)``: ``barrier`` is a manager's
+    Barrier of all of them, ``event`` a manager's Event they share."""
+    import multiprocessing
+
+    from _launch import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager:
+        shared = {"results": ctx.Queue()}
+        barrier, event = manager.Barrier(size), manager.Event()
+        port = free_port()
+        args = [(rank, port, barrier, event, *extra, shared) for rank in range(size)]
+        return run_world(ctx, child, args, shared, timeout, reporting=reporting)
+
+
 def process_threads() -> collections.Counter[str]:
     """This process's threads, by their kernel name (gloo names its own: gloo_tcp_loop, ...)."""
     out: collections.Counter[str] = collections.Counter()

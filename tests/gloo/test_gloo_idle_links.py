@@ -16,7 +16,6 @@ receiver's would; the other link keeps working.
 
 from __future__ import annotations
 
-import multiprocessing
 import operator
 import os
 import signal
@@ -24,8 +23,7 @@ import time
 from typing import Any
 
 import pytest
-from _launch import free_port
-from _spawn_world import held_after_rpc, held_before_rpc, report, run_world
+from _spawn_world import held_after_rpc, held_before_rpc, report, run_barrier_world
 from twinrpc.impl._pool import IDLE_EXIT
 from twinrpc.impl._receiver import LINGER
 
@@ -92,7 +90,9 @@ def _idle_program(rank: int, port: int, barrier: Any, budget: int | None) -> dic
     return out
 
 
-def _idle_child(rank: int, port: int, barrier: Any, budget: int | None, shared: dict[str, Any]) -> None:
+def _idle_child(
+    rank: int, port: int, barrier: Any, _event: Any, budget: int | None, shared: dict[str, Any]
+) -> None:
     report(shared, rank, _idle_program, rank, port, barrier, budget)
 
 
@@ -100,13 +100,7 @@ def _idle_child(rank: int, port: int, barrier: Any, budget: int | None, shared: 
 def test_idle_same_host_links_hold_no_thread_and_wake_for_calls_both_ways(budget: int | None) -> None:
     """``budget``: rings worker 0 has room for (None: the default, room for all four); the links
     beyond it send their data over gloo, and their header frames still through the doorbell."""
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Manager() as manager:
-        shared = {"results": ctx.Queue()}
-        barrier = manager.Barrier(WORLD)
-        port = free_port()
-        args = [(rank, port, barrier, budget, shared) for rank in range(WORLD)]
-        got = run_world(ctx, _idle_child, args, shared, WORLD_TIMEOUT)
+    got = run_barrier_world(_idle_child, WORLD, WORLD_TIMEOUT, budget)
     for rank, found in sorted(got.items()):
         print(rank, found)
         peers = [p for p in range(WORLD) if p != rank] if rank == 0 else [0]
@@ -165,13 +159,7 @@ def _killed_child(rank: int, port: int, barrier: Any, done: Any, shared: dict[st
 
 
 def test_a_peer_killed_while_its_link_is_parked_fails_that_link_and_no_other() -> None:
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Manager() as manager:
-        shared = {"results": ctx.Queue()}
-        barrier, done = manager.Barrier(3), manager.Event()
-        port = free_port()
-        args = [(rank, port, barrier, done, shared) for rank in range(3)]
-        got = run_world(ctx, _killed_child, args, shared, WORLD_TIMEOUT, reporting=[0, 1])
+    got = run_barrier_world(_killed_child, 3, WORLD_TIMEOUT, reporting=[0, 1])
     found = got[0]
     print(found)
     assert found["call_to_killed"].startswith("WorkerUnavailableError"), found

@@ -12,13 +12,11 @@ open one before counting.)
 
 from __future__ import annotations
 
-import multiprocessing
 import operator
 from typing import Any
 
 import pytest
-from _launch import free_port
-from _spawn_world import held_after_rpc, held_before_rpc, report, run_world
+from _spawn_world import held_after_rpc, held_before_rpc, report, run_barrier_world
 
 WORLD = 4
 WORLD_TIMEOUT = 180.0
@@ -53,19 +51,13 @@ def _links_program(rank: int, port: int, keyed: bool, barrier: Any) -> dict[str,
     }
 
 
-def _child(rank: int, port: int, keyed: bool, barrier: Any, shared: dict[str, Any]) -> None:
+def _child(rank: int, port: int, barrier: Any, _event: Any, keyed: bool, shared: dict[str, Any]) -> None:
     report(shared, rank, _links_program, rank, port, keyed, barrier)
 
 
 @pytest.mark.parametrize("keyed", [False, True], ids=["no-key", "job-key"])
 def test_links_are_made_on_first_use_and_nothing_of_them_outlives_shutdown(keyed: bool) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Manager() as manager:
-        shared = {"results": ctx.Queue()}
-        barrier = manager.Barrier(WORLD)
-        port = free_port()
-        args = [(rank, port, keyed, barrier, shared) for rank in range(WORLD)]
-        got = run_world(ctx, _child, args, shared, WORLD_TIMEOUT)
+    got = run_barrier_world(_child, WORLD, WORLD_TIMEOUT, keyed)
     for rank, found in sorted(got.items()):
         print(rank, found)
         neighbours = sorted({(rank + 1) % WORLD, (rank - 1) % WORLD})
