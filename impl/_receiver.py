@@ -193,7 +193,7 @@ class Receiver:
         self._handed_off_at = float("-inf")
         #: when the link last had a message (not a heartbeat) or a hand-off (monotonic; see LINGER)
         self._active_at = float("-inf")
-        #: the link's doorbell is with the watcher (no receiver; see LINGER and _park)
+        #: the link's doorbell is with the watcher (no receiver; see LINGER and _idle)
         self._parked = False
         #: counted in DOOR_WATCH.awake (a doorbell link receiving, not parked, not ended)
         self._awake = False
