@@ -17,8 +17,8 @@ also watches the peer's *pidfd*, which becomes readable when the peer's process 
 connection does. A writer whose slots are all taken waits the same way, on the pidfd with a short
 timeout, until the reader frees one.
 
-One doorbell serves one link direction; its ``wait`` takes a predicate, so a single poll thread could
-serve the doorbells of many links (each fd in one poll set) without changing the protocol.
+One doorbell serves one link direction. An idle link's doorbell is watched, with every other idle
+link's, by one thread of the process (``_door_watch``), under the same protocol (``arm``).
 """
 
 from __future__ import annotations
@@ -135,9 +135,20 @@ class Doorbell:
         except OSError:
             pass
 
-    def wait(self, ready: Callable[[], bool], asleep: Any, hung_up: Any) -> None:
-        """Return once ``ready()``; sleep on the doorbell meanwhile, with ``asleep[0]`` (a word of the
-        ring the writer reads) set while sleeping.
+    @property
+    def stopped(self) -> bool:
+        """Whether the link was stopped here (``stop``)."""
+        return self._stopped
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """The descriptors a sleeper waits on: the doorbell, and the peer's pidfd once watched."""
+        return (self.fd,) if self._pidfd is None else (self.fd, self._pidfd)
+
+    def wait(self, ready: Callable[[], bool], asleep: Any, hung_up: Any, until: float | None = None) -> bool:
+        """Return True once ``ready()``; sleep on the doorbell meanwhile, with ``asleep[0]`` (a word of
+        the ring the writer reads) set while sleeping. False: still not ready at ``until`` (monotonic;
+        None: wait as long as it takes).
 
         Raises:
             LinkBroken: the peer's process ended, or the peer abandoned the link (``hung_up[0]``, a
@@ -147,19 +158,22 @@ class Doorbell:
         fd, pidfd = self.fd, self._pidfd
         while True:
             if ready():
-                return
+                return True
             if self._stopped:
                 raise RuntimeError("the link was closed while waiting for the peer's next header")
             if hung_up[0]:
                 raise LinkBroken(
                     "its connection to this worker closed without a close frame (it abandoned the link)"
                 )
+            timeout_ms = _SAFETY_MS
+            if until is not None:  # past it, one look (the peer's end included) without sleeping
+                timeout_ms = max(0, min(_SAFETY_MS, int((until - time.monotonic()) * 1000) + 1))
             asleep[0] = 1
             _fence()
             if ready():
                 asleep[0] = 0
-                return
-            events = self._poll.poll(_SAFETY_MS)
+                return True
+            events = self._poll.poll(timeout_ms)
             asleep[0] = 0
             try:
                 os.read(fd, 8)  # reset the counter (nothing there after a time-out: EAGAIN)
@@ -168,9 +182,37 @@ class Doorbell:
             if pidfd is not None and any(e[0] == pidfd for e in events):
                 _fence()
                 if ready():
-                    return  # what it wrote before it went is still read, in order
+                    return True  # what it wrote before it went is still read, in order
                 if not self._stopped:
                     raise _peer_gone(self._peer_pid)
+            if until is not None and time.monotonic() >= until:
+                return ready()
+
+    def arm(self, ready: Callable[[], bool], asleep: Any, hung_up: Any) -> bool:
+        """Before the doorbell is handed to a watcher (``_door_watch``) rather than waited on: reset
+        its counter and set ``asleep[0]``, so that the peer rings it for its next header. False (and
+        ``asleep[0]`` cleared): there is something to do already (``ready()``, stopped, hung up),
+        which the caller must not leave to the watcher. As in ``wait``, the flag is set before the
+        last look, so either the writer rings or the look finds its header."""
+        try:
+            os.read(self.fd, 8)
+        except BlockingIOError:
+            pass
+        asleep[0] = 1
+        _fence()
+        if ready() or self._stopped or hung_up[0]:
+            asleep[0] = 0
+            return False
+        return True
+
+    def disarm(self, asleep: Any) -> None:
+        """The doorbell is back from the watcher: the peer need not ring for every header any more
+        (a receiver looks at the ring before it sleeps again)."""
+        asleep[0] = 0
+        try:
+            os.read(self.fd, 8)
+        except BlockingIOError:
+            pass
 
 
 class Bell:

@@ -143,7 +143,18 @@ class PeerLink:
         """Whether our data goes to the peer through shared memory, and whether the peer's comes to
         us that way (see ``_same_host``)."""
         rings = self.pair.rings
-        return rings.out is not None, rings.inbound is not None
+        out, inbound = rings.out, rings.inbound
+        return out is not None and out.capacity > 0, inbound is not None and inbound.capacity > 0
+
+    @property
+    def parks_when_idle(self) -> bool:
+        """Whether an idle link holds no thread: its receiver hands the same-host doorbell to the
+        process's watcher (``_receiver.LINGER``); else it keeps one receiver while it lasts."""
+        return self.receiver.parks
+
+    def receiver_threads(self) -> int:
+        """Threads receiving for this link now (0 while it is parked or once receiving has ended)."""
+        return self.receiver.receiving()
 
     # -- life --------------------------------------------------------------------------------------
     def start(

@@ -17,6 +17,7 @@ import threading
 import time
 from _thread import allocate_lock
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from twinrpc._message import Kind, Message
 
 from . import _framing
 from ._auth import AuthenticationError, FrameAuth, sent_apart
+from ._door_watch import DOOR_WATCH
 from ._framing import (
     FrameError,
     FrameTooLarge,
@@ -39,6 +41,7 @@ from ._liveness import MIN_FRAME_RATE, Liveness
 from ._pair import DATA_TAG, LARGE_TAG, READY_TAG, TAG, Pair
 from ._recv_buffers import RECV_BUFFERS
 from ._riders import Riders
+from ._same_host import InRing
 
 _log = logging.getLogger("twinrpc.impl")
 #: data frames up to this size land in a receive posted ahead of time (the staging buffer), so the
@@ -71,7 +74,19 @@ RECEIVERS = 2
 #: thread (its receive Work has no future, and a receive waited on with a timeout closes the pair),
 #: so a receiver, once waiting in gloo, leaves only with a frame: an idle link's next frame (at the
 #: latest its peer's heartbeat) retires its second receiver.
+#: On one host (header frames through the peer's ring), a link whose last receiver has had nothing
+#: to do for LINGER since its last message (heartbeats aside) *parks*: its doorbell goes to the
+#: process's watcher (impl/_door_watch.py) and the receiver leaves, so an idle link holds no thread.
 LINGER = 1.0
+#: links on one host with a receiver (not parked) beyond which a link parks PARK_SOON after its last
+#: message, not LINGER: after a burst of calls to many peers, the process soon holds few receivers
+#: (see docs/explanation/gloo-world.md)
+PARK_CAP = 8
+#: seconds without a message after which a link parks while more than PARK_CAP links are awake. Not
+#: at once: a link busy with messages every few milliseconds stays awake, rather than paying the
+#: watcher's wake-up (a thread hop and four epoll changes) for each; a link that waits longer for its
+#: next message pays that wake-up once per wait, a small part of it
+PARK_SOON = 0.02
 
 
 class _ThreadRole(threading.local):
@@ -86,11 +101,18 @@ THREAD_ROLE = _ThreadRole()
 
 
 class _Retired:
-    """What _next_header returns to a receiver that leaves the loop while another serves it (see
-    LINGER)."""
+    """What _next_header returns to a receiver that leaves the loop while another serves it, or
+    that parked the link (see LINGER)."""
 
 
 _RETIRED = _Retired()
+
+
+class _Idle:
+    """What _take_slot returns when no header came by the time the link may park (see LINGER)."""
+
+
+_IDLE = _Idle()
 
 
 class Receiver:
@@ -169,6 +191,12 @@ class Receiver:
         self._ended = False
         #: when a receiver last handed its role off (monotonic; see LINGER)
         self._handed_off_at = float("-inf")
+        #: when the link last had a message (not a heartbeat) or a hand-off (monotonic; see LINGER)
+        self._active_at = float("-inf")
+        #: the link's doorbell is with the watcher (no receiver; see LINGER and _idle)
+        self._parked = False
+        #: counted in DOOR_WATCH.awake (a doorbell link receiving, not parked, not ended)
+        self._awake = False
         # -- credit, read by the sender: header receives each side has posted again ---------------
         #: header frames we have taken from our ring and posted a receive again for (under
         #: _post_lock); every header we send carries it as ``ack``
@@ -199,6 +227,10 @@ class Receiver:
         self._run_elsewhere = run_elsewhere
         self._defer_callbacks = defer_callbacks
         self._receivers = 1
+        self._active_at = time.monotonic()
+        if self._headers_in_ring:
+            self._awake = True
+            DOOR_WATCH.counted_awake(1)
         self._thread.start()
 
     def hand_off(self) -> bool:
@@ -218,7 +250,7 @@ class Receiver:
         THREAD_ROLE.link = None
         THREAD_ROLE.no_blocking_send = False
         CALLBACK_ROLE.defer = None
-        self._handed_off_at = time.monotonic()
+        self._handed_off_at = self._active_at = time.monotonic()
         with self._rx_lock:
             self._receivers -= 1
             self._turn += 1
@@ -241,6 +273,17 @@ class Receiver:
     def join(self, timeout: float) -> bool:
         """Wait until receiving has ended (whichever thread receives by then)."""
         return self._receive_done.wait(timeout)
+
+    @property
+    def parks(self) -> bool:
+        """Whether the link parks when idle (see LINGER): its header frames come through the peer's
+        same-host ring, so the process's doorbell watcher can wait for them."""
+        return self._headers_in_ring
+
+    def receiving(self) -> int:
+        """Threads in the receive loop now (0: receiving ended, or the link is parked)."""
+        with self._rx_lock:
+            return self._receivers
 
     def done(self) -> bool:
         """Whether receiving has ended (every receiver thread has left the loop)."""
@@ -425,6 +468,7 @@ class Receiver:
                     self._at_door += 1
             if turn is not None:
                 return self._decode(turn)
+            parked: InRing | None = None
             with self._door_lock:
                 with self._rx_lock:
                     self._at_door -= 1
@@ -436,17 +480,103 @@ class Receiver:
                     slot = self._claimed
                     self._claimed += 1
                     self._waiting(slot)
+                    idle_at = self._idle_at(slot)
                 try:
-                    error = self._take_slot(slot)
+                    error = self._take_slot(slot, idle_at)
                 finally:
                     self._waited(slot)
+                if error is _IDLE:
+                    idled = self._idle(slot)
+                    if idled is _RETIRED:
+                        return _RETIRED
+                    if idled is None:
+                        continue
+                    parked = idled
+            if parked is not None:
+                door = parked.door
+                assert door is not None
+                DOOR_WATCH.park(door, door.fds, partial(parked.has_news, slot), self._unpark)
+                return _RETIRED
             if error is not None:
+                assert not isinstance(error, _Idle)
                 raise error
             arrived = self._arrived(slot)
             if arrived is None:
                 return None
             if arrived:
                 return self._decode(slot)
+
+    def _idle_at(self, slot: int) -> float | None:
+        """Under _rx_lock, for the door's holder about to wait for ``slot``: when to look whether the
+        link may park (see LINGER and _idle); None: never (nobody could start a receiver again)."""
+        if self._run_elsewhere is None:
+            return None
+        if self._may_idle(slot):
+            return self._idle_since()
+        return time.monotonic() + LINGER  # another receiver is busy: look again later
+
+    def _may_idle(self, slot: int) -> bool:
+        """Under _rx_lock: no frame is in flight (the holder of the door waits for ``slot``, the next
+        to dispatch) and any other receiver only queues for the door."""
+        return self._receivers == 1 + self._at_door and not self._busy and self._turn == slot
+
+    def _idle_since(self) -> float:
+        """When the link has been idle long enough to park (see LINGER and PARK_SOON)."""
+        return self._active_at + (PARK_SOON if DOOR_WATCH.awake > PARK_CAP else LINGER)
+
+    def _idle(self, slot: int) -> InRing | _Retired | None:
+        """The door's holder found nothing by its idle bound: if the link has been idle long enough
+        (_idle_since), leave the loop to a receiver queued for the door (_RETIRED), else, unless
+        something is there after all, leave it with the link parked, its doorbell armed for ``slot``
+        (the caller hands it to the watcher, and gets the ring). The watcher counts as a receiver
+        waiting for a header (``Liveness.header_waiters``), so a silent peer is judged as before.
+        None: carry on receiving. Either way the slot is unclaimed."""
+        ring = self._rings.inbound
+        with self._rx_lock:
+            self._claimed = slot
+            if self._ended or not self._may_idle(slot) or time.monotonic() < self._idle_since():
+                return None
+            if self._at_door:
+                self._receivers -= 1
+                return _RETIRED
+            if ring is None or not ring.arm(slot):
+                return None
+            self._receivers -= 1
+            self._parked = True
+            live = self._live
+            if not live.header_waiters:
+                live.header_since = time.monotonic()
+            live.header_waiters += 1
+            if self._awake:
+                self._awake = False
+                DOOR_WATCH.counted_awake(-1)
+        return ring
+
+    def _unpark(self) -> None:
+        """On the watcher's thread: the parked link's doorbell rang, the peer's process ended or the
+        link was stopped here. Start a receiver again (it takes what the peer wrote, or fails the
+        link as a sleeping receiver would), or, if the link was stopped here, end receiving."""
+        ring = self._rings.inbound
+        with self._rx_lock:
+            if not self._parked:
+                return
+            self._parked = False
+            self._live.header_waiters -= 1
+            gone = ring is None or ring.door is None or ring.door.stopped
+            if gone:
+                self._ended = True
+                done = self._receivers <= 0
+            else:
+                self._receivers += 1
+                self._awake = True
+                DOOR_WATCH.counted_awake(1)
+        if gone:
+            if done:
+                self._receive_done.set()
+            return
+        assert ring is not None and self._run_elsewhere is not None
+        ring.disarm()
+        self._run_elsewhere(self._receive_more)
 
     def _ready_turn(self) -> int | None:
         """Under _rx_lock: become the dispatcher of slot _turn if its frame is here already."""
@@ -496,14 +626,16 @@ class Receiver:
         gate.acquire()  # woken when no receiver waits for the next slot (or at the end)
         return False
 
-    def _take_slot(self, slot: int) -> BaseException | None:
+    def _take_slot(self, slot: int, idle_at: float | None = None) -> BaseException | _Idle | None:
         """Wait for header ``slot`` in the peer's ring and copy it into its buffer; the error that ends
-        receiving instead (a fresh one: a traceback through here would keep the ring mapped)."""
+        receiving instead (a fresh one: a traceback through here would keep the ring mapped), or
+        _IDLE: nothing came by ``idle_at`` (monotonic; None: no bound)."""
         ring = self._rings.inbound
         if ring is None:  # released: the link has ended
             return RuntimeError("the link has ended")
         try:
-            ring.wait_header(slot)
+            if not ring.wait_header(slot, idle_at):
+                return _IDLE
             ring.take_header(slot, self._ring[slot % RING][1])
             return None
         except ValueError as exc:
@@ -581,7 +713,7 @@ class Receiver:
                 self._leave(ended=True)
                 return
             with self._rx_lock:
-                rejoin = self._receivers < RECEIVERS and not self._ended
+                rejoin = self._receivers < RECEIVERS and not self._ended and not self._parked
                 if rejoin:
                     self._receivers += 1
             if not rejoin:
@@ -597,6 +729,9 @@ class Receiver:
             if self._ended:
                 gates, self._spares = self._spares, []
             done = self._ended and self._receivers <= 0
+            if done and self._awake:
+                self._awake = False
+                DOOR_WATCH.counted_awake(-1)
         for gate in gates:
             gate.release()
         if done:
@@ -654,6 +789,8 @@ class Receiver:
             records: list[Record] = [header] if header.kind is not Kind.HEARTBEAT else []
             if header.more:
                 records += [r for r in header.more if r.kind is not Kind.HEARTBEAT]
+            if records:
+                self._active_at = time.monotonic()
             try:
                 for record in records:
                     check_announced(record, state.peer_name, self._max_message_bytes)

@@ -32,8 +32,9 @@ first eight bytes of the file). Gloo keeps every control frame and stays the onl
   The sender closes its own descriptor as soon as the peer has answered; each mapping (and the
   descriptor Python's ``mmap`` keeps with it) goes when the link ends.
 * **Bounded memory.** A ring holds ``TWINRPC_SHM_RING_BYTES`` (default 128 MiB, touched only as it is
-  used), and a process's rings together at most ``TWINRPC_SHM_MAX_BYTES`` (default 1 GiB); a link
-  that would exceed it stays on gloo. A message that does not fit in the ring's free space right now
+  used), and a process's rings together at most ``TWINRPC_SHM_MAX_BYTES`` (default 1 GiB); the data of
+  a link that would exceed it stays on gloo, and its ring holds only the header slots (264 KiB, see
+  ``_CONTROL_BYTES``), so its header frames still take the doorbell (``_doorbell``). A message that does not fit in the ring's free space right now
   goes over gloo as before: a sender never waits for ring space, so no new way to block appears.
 """
 
@@ -275,6 +276,8 @@ class OutRing:
         """Where pieces of these sizes would go now: their positions, the head after them, and the
         restart at the ring's start they make (None: none); None if they do not fit."""
         cap = self.capacity
+        if not cap:  # header slots only
+            return None
         head = self._head
         free_from = int(self._read[0])
         restart = None
@@ -338,7 +341,7 @@ class InRing:
     def __init__(self, offer: bytes) -> None:
         _host, pid, fd, size, _door = _OFFER.unpack(offer)
         capacity = int(size) - _CONTROL_BYTES
-        if capacity < _MIN_RING_BYTES:
+        if 0 < capacity < _MIN_RING_BYTES or capacity < 0:
             raise OSError(f"a ring of {capacity} B is too small")
         fd_here = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
         try:
@@ -370,6 +373,8 @@ class InRing:
         expected = self._next
         step = _aligned(n)
         cap = self.capacity
+        if not cap:
+            raise ValueError(f"{n} B at ring position {pos} in a ring of header slots only")
         off = expected % cap
         lap = expected + (cap - off if off else 0)  # where the sender starts over (OutRing._plan)
         if pos == expected and off + step <= cap:
@@ -408,12 +413,33 @@ class InRing:
         releases.free(start, end)
         return out
 
-    def wait_header(self, slot: int) -> None:
-        """Return once the peer has written header ``slot`` (counting from 0), sleeping on the doorbell
-        meanwhile; raises as ``Doorbell.wait`` does. One thread at a time, slots in order."""
+    def wait_header(self, slot: int, until: float | None = None) -> bool:
+        """Return True once the peer has written header ``slot`` (counting from 0), sleeping on the
+        doorbell meanwhile; False: not written by ``until`` (monotonic; None: no bound). Raises as
+        ``Doorbell.wait`` does. One thread at a time, slots in order."""
         assert self.door is not None
         written = self._words.written
-        self.door.wait(lambda: int(written[0]) > slot, self._words.asleep, self._words.hung_up)
+        return self.door.wait(lambda: int(written[0]) > slot, self._words.asleep, self._words.hung_up, until)
+
+    def has_news(self, slot: int) -> bool:
+        """Whether a parked link needs a receiver now: header ``slot`` is written, the peer hung up,
+        or the link was stopped here."""
+        door = self.door
+        return (
+            int(self._words.written[0]) > slot or bool(self._words.hung_up[0]) or door is None or door.stopped
+        )
+
+    def arm(self, slot: int) -> bool:
+        """Before the link's doorbell is parked (``_door_watch``): have the peer ring it for header
+        ``slot``; False: ``has_news`` already (see ``Doorbell.arm``)."""
+        assert self.door is not None
+        written = self._words.written
+        return self.door.arm(lambda: int(written[0]) > slot, self._words.asleep, self._words.hung_up)
+
+    def disarm(self) -> None:
+        """The link's doorbell is back from the watcher (see ``Doorbell.disarm``)."""
+        if self.door is not None:
+            self.door.disarm(self._words.asleep)
 
     def take_header(self, slot: int, out: memoryview) -> None:
         """Copy header ``slot`` (written: ``wait_header``) into ``out`` and free its slot for the writer.
@@ -604,6 +630,11 @@ def connect(store: Any, me: int, peer: int) -> Rings:
             except OSError as exc:
                 BUDGET.give_back(size)
                 _log.debug("twinrpc: no shared-memory ring to rank %d: %s", peer, exc)
+        elif doorbell_enabled():  # beyond the budget: the header frames still take a ring of slots
+            try:
+                out = OutRing(0)
+            except OSError as exc:
+                _log.debug("twinrpc: no header ring to rank %d: %s", peer, exc)
         if doorbell_enabled():
             try:
                 door = Doorbell()
@@ -630,7 +661,7 @@ def connect(store: Any, me: int, peer: int) -> Rings:
         store.set(f"shm-ok/{me}", answer)
         store.wait([f"shm-ok/{peer}"], _ANSWER_WAIT)
         peer_answer = store.get(f"shm-ok/{peer}")
-        if out is not None and peer_answer[:1] != b"1":
+        if out is not None and (peer_answer[:1] != b"1" or (bell is None and not out.capacity)):
             rings.out = None
             out.release()
         elif out is not None and bell is not None:
@@ -638,6 +669,8 @@ def connect(store: Any, me: int, peer: int) -> Rings:
         if rings.inbound is not None and door is not None and peer_answer[1:2] == b"1":
             door.watch(rings.inbound.pid)
             rings.inbound.door = door  # the peer's header frames come through its ring
+        elif rings.inbound is not None and not rings.inbound.capacity:
+            rings.inbound = None  # header slots only, and the peer's header frames go over gloo
     except (RuntimeError, OSError) as exc:  # the store did not answer in time: stay on gloo
         _log.debug("twinrpc: same-host discovery with rank %d failed: %s", peer, exc)
         if rings.out is not None:

@@ -17,6 +17,7 @@ from twinrpc._worker_info import WorkerInfo
 from twinrpc._world import GroupMembership, TimerHandle, World, WorldEvents
 
 from ._auth import FrameAuth
+from ._door_watch import DOOR_WATCH
 from ._dynamic_group import StoreGroup
 from ._link import THREAD_ROLE, PeerLink, PeerShutDown, PeerSilent, link_broken, make_pair_group
 from ._link_table import LinkTable, PairAsks, PolledWaits
@@ -179,6 +180,7 @@ class GlooWorld(World):
         if heartbeat_interval > 0 and len(self.workers) > 1:
             self._next_tick = time.monotonic() + heartbeat_interval
             self._timer.call_later(heartbeat_interval, self._heartbeat_tick)
+        DOOR_WATCH.hold()  # idle same-host links park their doorbells there (let go in _stop_threads)
         atexit.register(self._close_at_exit)
 
     def _connect(self, pair_store: Any, peer: int) -> tuple[PairGroup, FrameAuth | None]:
@@ -477,6 +479,8 @@ class GlooWorld(World):
         if not self._timer.join(max(0.0, deadline - time.monotonic())):
             left.append(f"twinrpc-timer-{self.rank}")
         left += self._pool.join(max(0.0, deadline - time.monotonic()))
+        if not DOOR_WATCH.let_go(max(0.0, deadline - time.monotonic())):
+            left.append("twinrpc-doorwatch")
         if left:
             _log.warning(
                 "twinrpc: %s still running %.0f s after RPC stopped (a request that has not returned); a process "

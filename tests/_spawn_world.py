@@ -8,6 +8,7 @@ sends a frame it should not: the others must see that link fail, and only that l
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import operator
 import os
@@ -156,3 +157,85 @@ def bad_peer_world(
     shared["done"].set()
     rpc.shutdown(graceful=False)
     return {"error": error, "other": other, "bad": bad}
+
+
+def run_barrier_world(
+    child: Callable[..., None],
+    size: int,
+    timeout: float,
+    *extra: Any,
+    reporting: list[int] | None = None,
+) -> dict[int, Any]:
+    """:func:`run_world` of ``size`` ``spawn`` processes over a TCPStore on a free port, each
+    running ``child(rank, port, barrier, event, *extra, shared)``: ``barrier`` is a manager's
+    Barrier of all of them, ``event`` a manager's Event they share."""
+    import multiprocessing
+
+    from _launch import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager:
+        shared = {"results": ctx.Queue()}
+        barrier, event = manager.Barrier(size), manager.Event()
+        port = free_port()
+        args = [(rank, port, barrier, event, *extra, shared) for rank in range(size)]
+        return run_world(ctx, child, args, shared, timeout, reporting=reporting)
+
+
+def process_threads() -> collections.Counter[str]:
+    """This process's threads, by their kernel name (gloo names its own: gloo_tcp_loop, ...)."""
+    out: collections.Counter[str] = collections.Counter()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm", encoding="ascii", errors="replace") as f:
+                out[f.read().strip()] += 1
+        except OSError:
+            continue  # exited meanwhile
+    return out
+
+
+def process_descriptors() -> collections.Counter[str]:
+    """This process's open descriptors, by kind ('socket', 'pipe', 'anon_inode', or the file)."""
+    out: collections.Counter[str] = collections.Counter()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[os.readlink(f"/proc/self/fd/{fd}").split(":")[0]] += 1
+        except OSError:
+            continue  # the listing's own descriptor
+    return out
+
+
+def held_before_rpc(
+    barrier: Any, timeout: float
+) -> tuple[collections.Counter[str], collections.Counter[str]]:
+    """In a child, before ``init_rpc``: start what a process opens once and keeps (torch's lazily
+    started threads, the ``barrier``'s connection to its manager, libuv's once-per-process signal
+    pipe, which the first store server opens), turn garbage collection off (what holds a thread or a
+    descriptor past shutdown must not be let go by a collection), and count threads and descriptors
+    (see held_after_rpc). Waits on ``barrier`` once."""
+    import gc
+
+    import torch
+
+    torch.set_num_threads(1)
+    torch.add(torch.ones(1), 1)
+    barrier.wait(timeout)
+    torch.distributed.TCPStore("127.0.0.1", 0, 1, True)  # type: ignore[attr-defined]
+    gc.disable()
+    return process_threads(), process_descriptors()
+
+
+def held_after_rpc(
+    before: tuple[collections.Counter[str], collections.Counter[str]],
+) -> dict[str, dict[str, int]]:
+    """After ``shutdown()``: the threads and descriptors held beyond ``before`` (held_before_rpc), as
+    ``threads_left`` and ``descriptors_left``. A joined thread's kernel task goes a moment after
+    join() returns: that moment is allowed, no more."""
+    threads, descriptors = before
+    settle = time.monotonic() + 2.0
+    while (process_threads() - threads or process_descriptors() - descriptors) and time.monotonic() < settle:
+        time.sleep(0.05)
+    return {
+        "threads_left": dict(process_threads() - threads),
+        "descriptors_left": dict(process_descriptors() - descriptors),
+    }
