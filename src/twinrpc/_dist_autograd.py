@@ -220,6 +220,15 @@ class DistAutogradContext:
         with self.lock:
             return set(self.known_workers)
 
+    def forget_passes(self) -> None:
+        """Drop this context's references to its backward passes once it is released (no request
+        finds it any more). Each pass refers to its context, so without this a released context
+        and its graph are a reference cycle that only a full garbage collection frees; a pass still
+        running keeps what it needs through its own reference."""
+        with self.lock:
+            self.current_pass = None
+            self.gradient_requests.clear()
+
     def __repr__(self) -> str:
         return f"<DistAutogradContext {self.context_id} on rank {self.container.rank}>"
 
@@ -415,6 +424,7 @@ class DistAutogradContainer:
             ctx = self._contexts.pop(context_id, None)
         if ctx is None:
             raise context_not_found(context_id)
+        ctx.forget_passes()
         if self.observer is not None:
             self.observer.autograd_event(self.rank, "context-released", context_id, "released here")
         self._propagate_cleanup(ctx, exclude=-1)
@@ -476,6 +486,7 @@ class DistAutogradContainer:
         with self._lock:
             ctx = self._contexts.pop(context_id, None)
         if ctx is not None:
+            ctx.forget_passes()
             if self.observer is not None:
                 self.observer.autograd_event(self.rank, "context-released", context_id, why)
             self._propagate_cleanup(ctx, exclude=src, departed=departed)
@@ -506,6 +517,7 @@ class DistAutogradContainer:
                 for key in [k for k in self.replies if k[0] == peer]:
                     del self.replies[key]
         for ctx in doomed:
+            ctx.forget_passes()
             if self.observer is not None:
                 self.observer.autograd_event(
                     self.rank, "context-released", ctx.context_id, f"rank {peer} died"
@@ -514,8 +526,11 @@ class DistAutogradContainer:
 
     def clear(self) -> None:
         with self._lock:
+            released = list(self._contexts.values())
             self._contexts.clear()
             self.replies.clear()
+        for ctx in released:
+            ctx.forget_passes()
 
     # -- recording (agent hooks) ---------------------------------------------------------------
     def dumps_request(
