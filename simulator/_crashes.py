@@ -2,9 +2,10 @@
 
 :class:`Crashes` owns which workers crashed and when. A crash stops the worker's tasks (its reaper,
 replaceable: a program run kills only the process that owned the worker's agent), and each peer
-detects it ``network.failure_detection`` seconds later, as a gloo peer sees the connection close. A
-worker that shuts down RPC announces it to each peer after the network's delay, behind what it sent
-that peer before (gloo's close frame). Every such news reaches the observer's world through one
+linked to it detects it ``network.failure_detection`` seconds later, as a gloo peer sees the connection close. A
+worker that shuts down RPC announces it to each peer it has a link to after the network's delay,
+behind what it sent that peer before (gloo's close frame). Only links carry this news: a peer with
+no link learns of a crash or a shutdown when it tries to make one (simulator/_network/_link_setup.py). Every such news reaches the observer's world through one
 path, :meth:`Crashes.peer_unavailable`, which the fault engine also takes for a peer declared dead
 after heartbeat silence.
 """
@@ -22,6 +23,7 @@ import greenlet
 from twinrpc._departure import Departure
 
 from ._model._network import NetworkModel
+from ._network._link_setup import linked
 
 if TYPE_CHECKING:
     from ._kernel._scheduler import Scheduler
@@ -84,7 +86,8 @@ class Crashes:
         self.trace.record(sched.now, rank, "crash", f"worker {rank} crashed")
         self.stop_monitors(f"worker {rank} crashed at t={sched.now:.6f}")
         for other in self.workers:
-            if other.rank != rank:
+            # only a link carries the news (a peer with none learns it when it tries to make one)
+            if other.rank != rank and (other.world is None or linked(other.world, rank)):
                 sched.call_later(
                     self.network.failure_detection, functools.partial(self.detect, other.rank, rank)
                 )
@@ -152,6 +155,7 @@ class Crashes:
             and other.world is not None
             and not other.world.stopped
             and other.rank not in crashed
+            and linked(world, other.rank)  # a close frame goes over a link; the others read the store
         ]
 
         def announce(target: SimWorld) -> None:
