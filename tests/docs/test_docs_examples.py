@@ -430,9 +430,9 @@ def test_ps_race_is_found_shrunk_replayed_and_drawn_and_the_pinned_bug_still_fai
     explore = _simulator("explore", "--nproc-per-node", "3", "--expect", "fail", "--out", str(found), PS_RACE)
     out = explore.stdout
     assert explore.returncode == 1, out + explore.stderr
-    assert "twinrpc.simulator.explore: run 17 failed; shrunk in 25 more runs to seed 0 and 1 fault" in out
-    assert "  error: RuntimeError raised by worker 1 at t=0.001619 s" in out and RACE in out
-    assert "  minimal faults: FaultPlan(faults=[delay the 1st message by 0.0001s])" in out
+    assert "twinrpc.simulator.explore: run 17 failed; shrunk in 28 more runs to seed 0 and 1 fault" in out
+    assert "  error: RuntimeError raised by worker 1 at t=0.002873 s" in out and RACE in out
+    assert "  minimal faults: FaultPlan(faults=[delay the 1st message by 0.001s])" in out
     assert (
         f"  replay: python -m twinrpc.simulator run --nproc-per-node 3 --seed 0 --faults {found}/faults.json "
         f"{PS_RACE}" in out
