@@ -378,15 +378,15 @@ def test_calibrate_network_on_gloo_writes_a_model(tmp_path: Path) -> None:
 def test_read_a_trace_prints_saves_compares_and_checks_determinism() -> None:
     out = _run("docs/examples/read_a_trace.py").splitlines()
     shown = {  # the lines the how-to shows
-        "     5  0.001000000  worker0     send                   CALL#0 0->1 (125 B)  [4, 0]",
-        "    13  0.001129205  worker0     deliver                RESPONSE#0 1->0 (99 B)  "
-        "<- sent by worker1 at 0.001068422 (+60.783 us)  [7, 7]",
+        "     5  0.001000000  worker0     link                   rank 0 sets up its link to rank 1  [4, 0]",
+        "    13  0.001453516  worker1     deliver                CALL#0 0->1 (125 B)  "
+        "<- sent by worker0 at 0.001400000 (+53.516 us)  [6, 8]",
         "traces diverge at event #0, t=0.000000000, worker 1:",
         "    #3      0.000000000 w1 init worker1 generation 0",
     }
     assert shown <= set(out), out
     assert (
-        out[16].startswith("saved and loaded: 55 events")
+        out[16].startswith("saved and loaded: 60 events")
         and out[-1] == "check_determinism: seed 7 twice, the same trace"
     )
 
