@@ -405,8 +405,8 @@ def test_ps_race_runs_once_and_passes_with_seed_0() -> None:
     run = _simulator("run", "--nproc-per-node", "3", PS_RACE)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.splitlines() == [
-        "[rank2]:Trainer 2: 5 batches, last loss 1.5012",
         "[rank1]:Trainer 1: 5 batches, last loss 1.4940",
+        "[rank2]:Trainer 2: 5 batches, last loss 1.5012",
     ]
 
 
