@@ -31,6 +31,7 @@ from ._kernel._compute import ComputeMeter
 from ._kernel._current import CURRENT_SIMULATION
 from ._kernel._scheduler import Scheduler, Task
 from ._kernel._virtual_time import simulated_time
+from ._liveness import silence_bound
 from ._model._compute import ComputeModel
 from ._model._network import NetworkModel
 from ._model._plan import (
@@ -46,6 +47,7 @@ from ._model._plan import (
     Pause,
 )
 from ._model._swarm import Swarm
+from ._network._link_setup import LinkSetup
 from ._network._links import Links
 from ._network._process_group import serve_process_groups
 from ._observers import RunObservers
@@ -207,6 +209,15 @@ class Simulation:
             self.crashes.world_started,
             self.crashes.announce_departure,
             self.observers.protocol_observers,
+            LinkSetup(
+                self.sched,
+                self.trace,
+                self.network,
+                self.workers,
+                self.crashed,
+                lambda rank: silence_bound(self.parts, rank),
+                self.crashes.peer_unavailable,
+            ),
         )
         self.workers.extend(SimWorker(self.worker_parts, r) for r in range(n))
         if self.compute is not None:

@@ -326,9 +326,9 @@ def test_slow_network_backend_runs_the_conformance_suite():
 
 def test_explore_lost_update_finds_shrinks_replays_and_exports():
     out = _run("docs/examples/explore_lost_update.py")
-    assert "twinrpc.simulator.explore: run 2 failed; shrunk in 8 more runs to seed 8033 and 0 faults" in out
+    assert "twinrpc.simulator.explore: run 7 failed; shrunk in 7 more runs to seed 1117 and 0 faults" in out
     assert (
-        "replay: python -m twinrpc.simulator replay docs/examples/explore_lost_update.py:checked --world-size 3 --seed 8033"
+        "replay: python -m twinrpc.simulator replay docs/examples/explore_lost_update.py:checked --world-size 3 --seed 1117"
         in out
     )
     assert "replayed: lost an update: the counter is 5, expected 6" in out
@@ -378,15 +378,15 @@ def test_calibrate_network_on_gloo_writes_a_model(tmp_path: Path) -> None:
 def test_read_a_trace_prints_saves_compares_and_checks_determinism() -> None:
     out = _run("docs/examples/read_a_trace.py").splitlines()
     shown = {  # the lines the how-to shows
-        "     5  0.001000000  worker0     send                   CALL#0 0->1 (125 B)  [4, 0]",
-        "    13  0.001129205  worker0     deliver                RESPONSE#0 1->0 (99 B)  "
-        "<- sent by worker1 at 0.001068422 (+60.783 us)  [7, 7]",
+        "     5  0.001000000  worker0     link                   rank 0 sets up its link to rank 1  [4, 0]",
+        "    13  0.001453516  worker1     deliver                CALL#0 0->1 (125 B)  "
+        "<- sent by worker0 at 0.001400000 (+53.516 us)  [6, 8]",
         "traces diverge at event #0, t=0.000000000, worker 1:",
         "    #3      0.000000000 w1 init worker1 generation 0",
     }
     assert shown <= set(out), out
     assert (
-        out[16].startswith("saved and loaded: 55 events")
+        out[16].startswith("saved and loaded: 60 events")
         and out[-1] == "check_determinism: seed 7 twice, the same trace"
     )
 
@@ -405,8 +405,8 @@ def test_ps_race_runs_once_and_passes_with_seed_0() -> None:
     run = _simulator("run", "--nproc-per-node", "3", PS_RACE)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.splitlines() == [
-        "[rank2]:Trainer 2: 5 batches, last loss 1.5012",
         "[rank1]:Trainer 1: 5 batches, last loss 1.4940",
+        "[rank2]:Trainer 2: 5 batches, last loss 1.5012",
     ]
 
 
@@ -430,9 +430,9 @@ def test_ps_race_is_found_shrunk_replayed_and_drawn_and_the_pinned_bug_still_fai
     explore = _simulator("explore", "--nproc-per-node", "3", "--expect", "fail", "--out", str(found), PS_RACE)
     out = explore.stdout
     assert explore.returncode == 1, out + explore.stderr
-    assert "twinrpc.simulator.explore: run 17 failed; shrunk in 25 more runs to seed 0 and 1 fault" in out
-    assert "  error: RuntimeError raised by worker 1 at t=0.001619 s" in out and RACE in out
-    assert "  minimal faults: FaultPlan(faults=[delay the 1st message by 0.0001s])" in out
+    assert "twinrpc.simulator.explore: run 17 failed; shrunk in 28 more runs to seed 0 and 1 fault" in out
+    assert "  error: RuntimeError raised by worker 1 at t=0.002873 s" in out and RACE in out
+    assert "  minimal faults: FaultPlan(faults=[delay the 1st message by 0.001s])" in out
     assert (
         f"  replay: python -m twinrpc.simulator run --nproc-per-node 3 --seed 0 --faults {found}/faults.json "
         f"{PS_RACE}" in out
