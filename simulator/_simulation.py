@@ -217,6 +217,7 @@ class Simulation:
                 self.crashed,
                 lambda rank: silence_bound(self.parts, rank),
                 self.crashes.peer_unavailable,
+                self._link_made,
             ),
         )
         self.workers.extend(SimWorker(self.worker_parts, r) for r in range(n))
@@ -242,6 +243,11 @@ class Simulation:
         #: under ``python -m twinrpc.simulator run``); None: each worker is one process
         self.process_of: Callable[[Task], Hashable | None] | None = None
         self._used = False
+
+    def _link_made(self, rank: int, peer: int) -> None:
+        """``rank`` and ``peer`` are linked now: a silence between them is judged from now on."""
+        if self.links.faults is not None:
+            self.links.faults.liveness.link_made(rank, peer)
 
     @property
     def now(self) -> float:

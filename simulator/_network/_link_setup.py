@@ -56,6 +56,7 @@ class LinkSetup:
         crashed: rank -> time of its crash, shared with the simulation's crashes.
         bound: rank -> its liveness bound in seconds (0: none) and the words for where it comes from.
         unavailable: tells a world that a peer departed (``Crashes.peer_unavailable``).
+        made: two ranks are linked now (their heartbeats start: ``Liveness.link_made``).
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class LinkSetup:
         crashed: dict[int, float],
         bound: Callable[[int], tuple[float, str]],
         unavailable: Callable[[SimWorld, int, int, Departure, str], None],
+        made: Callable[[int, int], None],
     ) -> None:
         self.sched = sched
         self.trace = trace
@@ -75,6 +77,7 @@ class LinkSetup:
         self.crashed = crashed
         self.bound = bound
         self.unavailable = unavailable
+        self.made = made
 
     def cost(self) -> float:
         """Virtual seconds a set-up takes when the peer answers."""
@@ -114,6 +117,7 @@ class LinkSetup:
             world.links.add(peer)
             target.links.add(world.rank)
             self.trace.record(self.sched.now, world.rank, "link-up", f"rank {world.rank} <-> rank {peer}")
+            self.made(world.rank, peer)
             _flush(target, world.rank)  # both sides started: one link, for both
         _flush(world, peer)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from twinrpc.simulator import NetworkModel, Simulation, now, sleep
+from twinrpc.simulator import FaultPlan, NetworkModel, Pause, Simulation, now, sleep
 from twinrpc.simulator._network._link_setup import LINK_SETUP_ROUND_TRIPS
 
 import twinrpc.rpc as rpc
@@ -86,3 +86,57 @@ def test_a_worker_that_crashed_before_any_link_to_it_is_reported_silent_after_th
     crash = next(e for e in sim.trace.events() if e.event == "crash")
     failed = [e for e in sim.trace.events() if e.event == "peer-failed" and e.detail == "rank 2"]
     assert failed and all(e.time >= crash.time + 1.0 for e in failed)
+
+
+def _one_linked_peer_then_crash(rank: int, sim: Simulation) -> None:
+    """worker0 calls worker2 (their link is made); worker1 never talks to it; worker2 then crashes."""
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3)
+    if rank == 0:
+        assert rpc.rpc_sync("worker2", abs, args=(-1,)) == 1
+    sleep(0.01)
+    if rank == 2:
+        sim.crash(2)
+    sleep(QUIET)
+    rpc.shutdown(graceful=False)
+
+
+def test_only_a_peer_linked_to_a_crashed_worker_learns_the_crash() -> None:
+    network = NetworkModel(latency=100e-6, jitter=0.0, failure_detection=0.05)
+    sim = Simulation(3, seed=0, network=network)
+    sim.run(_one_linked_peer_then_crash, sim, check=False)
+    crash = next(e for e in sim.trace.events() if e.event == "crash")
+    failed = [(e.worker, e.time) for e in sim.trace.events() if e.event == "peer-failed"]
+    assert failed == [(0, pytest.approx(crash.time + 0.05))]
+
+
+def _paused_peer(rank: int, late_call: float) -> Any:
+    """worker0 calls worker2 before the plan pauses it (their link is made); worker1 calls it only at
+    ``late_call``, long after its heartbeat bound (0.1 s x 3) passed."""
+    options = rpc.TensorPipeRpcBackendOptions(heartbeat_interval=0.1, heartbeat_misses=3)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=options)
+    if rank == 0:
+        assert rpc.rpc_sync("worker2", abs, args=(-1,)) == 1
+    out: Any = None
+    if rank == 1:
+        sleep(late_call - now())
+        try:
+            rpc.rpc_sync("worker2", abs, args=(-1,), timeout=0)
+        except rpc.WorkerUnavailableError:
+            out = now()
+    sleep(3.0 - now())
+    rpc.shutdown(graceful=False)
+    return out
+
+
+def test_heartbeats_run_over_links_only() -> None:
+    # worker2 is paused from t=0.05 for 10 s: worker0, linked to it, declares it dead after its bound;
+    # worker1 has no link to it and judges nothing until its own late call makes one, which then
+    # fails at once (the silence already lasted its bound) instead of waiting out the pause.
+    plan = FaultPlan([Pause(2, 10.0, at=0.05)])
+    network = NetworkModel(latency=100e-6, jitter=0.0)
+    result = Simulation(3, seed=0, network=network, faults=plan).run(_paused_peer, 1.0, check=False)
+    trace = result.trace
+    declared = [(e.worker, e.time) for e in trace.events() if "declares worker 2 dead" in e.detail]
+    link_up = next(e.time for e in trace.events() if e.event == "link-up" and e.detail == "rank 1 <-> rank 2")
+    assert declared == [(0, pytest.approx(0.35)), (1, pytest.approx(link_up))]
+    assert result.values()[1] == pytest.approx(link_up)
