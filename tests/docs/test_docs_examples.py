@@ -201,7 +201,7 @@ def test_ddp_with_rpc_gradients_in_contexts_equal_local_ddp(world: str) -> None:
         "trainer 1: {'fc gradients equal local DDP': True",
     ]
     if world == "sim":  # the same seed gives the same run (docs/howto/ddp-with-rpc.md shows it)
-        assert lines[0].endswith("'last loss': 2.5089}") and lines[1].endswith("'last loss': 2.3481}")
+        assert lines[0].endswith("'last loss': 2.3497}") and lines[1].endswith("'last loss': 3.5184}")
 
 
 @pytest.mark.parametrize("world", ["sim", "gloo"])
@@ -239,14 +239,14 @@ def test_parameter_server_on_gloo(tmp_path: Path) -> None:
 
 def test_lost_update_is_found_replayed_and_fixed():
     out = _run("docs/examples/lost_update.py")
-    assert "seeds 0..99: 9 lose an update, first: [4, 15, 24, 26, 45]" in out
-    assert "seed 4: counter 5 instead of 6" in out
+    assert "seeds 0..99: 8 lose an update, first: [2, 6, 13, 22, 26]" in out
+    assert "seed 2: counter 5 instead of 6" in out
     assert "fixed: counter 6 on every seed 0..99" in out
 
 
 def test_shrink_fault_plan_finds_a_one_fault_plan():
     out = _run("docs/examples/shrink_fault_plan.py")
-    assert "smallest failing plan: FaultPlan(faults=[delay the 1st message by 1e-05s])" in out
+    assert "smallest failing plan: FaultPlan(faults=[delay the 1st message by 0.0001s])" in out
 
 
 def test_fault_plan():
