@@ -453,11 +453,11 @@ def test_ps_race_is_found_shrunk_replayed_and_drawn_and_the_pinned_bug_still_fai
     _check_the_step_lands_between_forward_and_backward(trace)
     html = tmp_path / "race.html"
     export = _simulator("trace", "export", "--format", "html", str(trace), "-o", str(html))
-    assert export.returncode == 0 and "430 events" in html.read_text(encoding="utf-8")
+    assert export.returncode == 0 and "441 events" in html.read_text(encoding="utf-8")
     # the tutorial's figure, made the same way (headless Chromium; exit status 1 on a console error)
     png = tmp_path / "race.png"
-    out = _run("docs/examples/trace_screenshot.py", str(html), str(png), "--window", "145", "245",
-               "--select", "34", "--hide", "rref")  # fmt: skip
+    out = _run("docs/examples/trace_screenshot.py", str(html), str(png), "--window", "240", "330",
+               "--select", "44", "--hide", "rref")  # fmt: skip
     assert f"wrote {png}" in out and png.read_bytes().startswith(b"\x89PNG")
     # 6. The exported test pins the bug: the unfixed program still fails the known way.
     test = found / "test_ps_race_regression.py"
@@ -467,7 +467,7 @@ def test_ps_race_is_found_shrunk_replayed_and_drawn_and_the_pinned_bug_still_fai
 
 def _check_the_step_lands_between_forward_and_backward(path: Path) -> None:
     """What the tutorial reads in the diagram: on the server, trainer 1's forward (CALL#3), trainer 2's
-    optimizer step (CALL#9), trainer 1's backward (GRADIENT#8), which the server answers with an error;
+    optimizer step (CALL#17), trainer 1's backward (GRADIENT#8), which the server answers with an error;
     and nothing orders the step after that backward or before that forward (vector clocks)."""
     from twinrpc.simulator import Trace
 
@@ -475,14 +475,14 @@ def _check_the_step_lands_between_forward_and_backward(path: Path) -> None:
     server = [
         (i, ev.detail) for i, ev in enumerate(events) if ev.worker == 0 and ev.event in ("deliver", "send")
     ]
-    lines = [f"#{i} {detail}" for i, detail in server if 154 <= i <= 223]
-    forward = lines.index("#176 CALL#3 1->0 (847 B)")
-    step = lines.index("#217 CALL#9 2->0 (265 B)")
-    backward = lines.index("#221 GRADIENT#8 1->0 (204 B)")
+    lines = [f"#{i} {detail}" for i, detail in server if 247 <= i <= 310]
+    forward = lines.index("#261 CALL#3 1->0 (847 B)")
+    step = lines.index("#282 CALL#17 2->0 (265 B)")
+    backward = lines.index("#308 GRADIENT#8 1->0 (204 B)")
     # (the exception's size depends on the paths in its traceback: not checked)
-    assert forward < step < backward and lines[-1].startswith("#223 EXCEPTION#8 0->1 ("), lines
-    step_sent, backward_sent = events[206].clock, events[212].clock
-    assert events[206].detail == "CALL#9 2->0 (265 B)" and events[212].detail == "GRADIENT#8 1->0 (204 B)"
+    assert forward < step < backward and lines[-1].startswith("#310 EXCEPTION#8 0->1 ("), lines
+    step_sent, backward_sent = events[258].clock, events[297].clock
+    assert events[258].detail == "CALL#17 2->0 (265 B)" and events[297].detail == "GRADIENT#8 1->0 (204 B)"
     assert step_sent is not None and backward_sent is not None
     pairs = list(zip(step_sent, backward_sent, strict=True))
     assert any(a > b for a, b in pairs) and any(a < b for a, b in pairs), pairs  # concurrent
