@@ -182,6 +182,7 @@ def _bulk(rank: int) -> float:
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
     elapsed = 0.0
     if rank == 0:
+        rpc.rpc_sync("worker1", abs, args=(1,))  # makes the link (links are made on first use)
         start = now()
         rpc.rpc_sync("worker1", torch.clone, args=(torch.zeros(1_000_000, dtype=torch.uint8),))
         elapsed = now() - start

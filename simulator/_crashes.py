@@ -2,11 +2,13 @@
 
 :class:`Crashes` owns which workers crashed and when. A crash stops the worker's tasks (its reaper,
 replaceable: a program run kills only the process that owned the worker's agent), and each peer
-detects it ``network.failure_detection`` seconds later, as a gloo peer sees the connection close. A
-worker that shuts down RPC announces it to each peer after the network's delay, behind what it sent
-that peer before (gloo's close frame). Every such news reaches the observer's world through one
-path, :meth:`Crashes.peer_unavailable`, which the fault engine also takes for a peer declared dead
-after heartbeat silence.
+linked to it detects it ``network.failure_detection`` seconds later, as a gloo peer sees the
+connection close. A worker that shuts down RPC announces it to each peer it has a link to after the
+network's delay, behind what it sent that peer before (gloo's close frame). Only links carry this
+news, and only to peers running RPC (the registry :attr:`Crashes.live`): a peer with no link learns
+of a crash or a shutdown when it tries to make one (simulator/_network/_link_setup.py). Every such
+news reaches the observer's world through one path, :meth:`Crashes.peer_unavailable`, which the
+fault engine also takes for a peer declared dead after heartbeat silence.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import greenlet
 from twinrpc._departure import Departure
 
 from ._model._network import NetworkModel
+from ._network._link_setup import linked
 
 if TYPE_CHECKING:
     from ._kernel._scheduler import Scheduler
@@ -89,11 +92,12 @@ class Crashes:
         self.trace.record(sched.now, rank, "fault", f"crash worker {rank}")
         self.trace.record(sched.now, rank, "crash", f"worker {rank} crashed")
         self.stop_monitors(f"worker {rank} crashed at t={sched.now:.6f}")
-        for other in self.workers:
-            if other.rank != rank:
-                sched.call_later(
-                    self.network.failure_detection, functools.partial(self.detect, other.rank, rank)
-                )
+        # only a link carries the news, and only to a peer running RPC (one with no link learns it
+        # when it tries to make one: simulator/_network/_link_setup.py)
+        live = self.live
+        for other in sorted(live):
+            if linked(live[other], rank):
+                sched.call_later(self.network.failure_detection, functools.partial(self.detect, other, rank))
         current = sched.current_task()
         if current is None:
             self.reaper(rank)
@@ -169,14 +173,18 @@ class Crashes:
         )
 
     def _send_departure(self, item: tuple[SimWorld, Departure, float, int]) -> None:
-        """The departure's news can first arrive now: one event for each peer still running RPC
-        that already was at the departure (``world_started`` serials up to ``started``), at the
-        departure's time plus its delay, in rank order; one of them in the heap at a time, and those
-        to peers that stop meanwhile dropped unrun (Scheduler.schedule_spread_at)."""
+        """The departure's news can first arrive now: one event for each peer linked to the departed
+        worker (a close frame goes over a link; the others read the store when they try to make one)
+        and still running RPC that already was at the departure (``world_started`` serials up to
+        ``started``), at the departure's time plus its delay, in rank order; one of them in the heap
+        at a time, and those to peers that stop meanwhile dropped unrun
+        (Scheduler.schedule_spread_at)."""
         world, departure, since, started = item
         rank, sched = world.rank, self.sched
         live = self.live
-        targets = [live[r] for r in sorted(live) if r != rank and live[r].serial <= started]
+        # a static group's world knows its links; a dynamic group's member is linked to every member
+        peers = sorted(world.links) if world.membership is None else sorted(live)
+        targets = [live[r] for r in peers if r != rank and r in live and live[r].serial <= started]
         if not targets:
             return
 

@@ -7,7 +7,9 @@ it, does the same its own threshold later. The simulator models exactly that in 
 worker paused, or a link held or partitioned, for longer than the listening worker's bound
 (:func:`silence_bound`: the options it passed to ``init_rpc``, the default options while it has no
 agent, or ``NetworkModel.heartbeat_timeout`` for everyone when that is set) makes the listening side
-declare the silent one dead. A bound is read when a silence starts, when the listener calls
+declare the silent one dead. Heartbeats run over links only, as in the gloo world: a worker with
+no link to the silent one (links are made on first use, simulator/_network/_link_setup.py) judges
+nothing until one is made (:meth:`Liveness.link_made`). A bound is read when a silence starts, when the listener calls
 ``init_rpc`` (:meth:`Liveness.bound_changed`) and again when it expires.
 
 The fault engine (``simulator/_faults/_engine.py``) says which links are silent (a pause, a hold, a
@@ -25,6 +27,8 @@ from typing import TYPE_CHECKING
 
 from twinrpc._departure import Departure
 from twinrpc.rpc.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_MISSES
+
+from ._network._link_setup import linked
 
 if TYPE_CHECKING:
     from ._parts import RunParts
@@ -136,6 +140,13 @@ class Liveness:
             or (dead, observer) in self.distrusted
         ):
             return
+        world = parts.workers[observer].world
+        if world is None or world.stopped or not linked(world, dead):
+            # heartbeats run over links only: judged again if a link is made (link_made)
+            entry = self.silent.get((dead, observer))
+            if entry is not None:
+                entry.bound = None
+            return
         self.distrusted.add((dead, observer))
         bound, limit = silence_bound(parts, observer)
         self.record(
@@ -156,6 +167,14 @@ class Liveness:
         # the dead one finds the connection lost as soon as the closure can reach it, heartbeats or not.
         self._closures[(observer, dead)] = parts.sched.now
         self.notice_closure(observer, dead)
+
+    def link_made(self, rank: int, peer: int) -> None:
+        """``rank`` and ``peer`` are linked now: heartbeats run over the link from now on, so a
+        silence between them is judged (at once if it already lasted a bound)."""
+        for pair in ((rank, peer), (peer, rank)):
+            entry = self.silent.get(pair)
+            if entry is not None:
+                self.watch(pair, entry)
 
     def notice_closure(self, observer: int, dead: int) -> None:
         """Let ``dead`` notice that ``observer`` closed their connection, unless it cannot yet: it is

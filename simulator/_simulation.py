@@ -31,6 +31,7 @@ from ._kernel._compute import ComputeMeter
 from ._kernel._current import CURRENT_SIMULATION
 from ._kernel._scheduler import Scheduler, Task
 from ._kernel._virtual_time import simulated_time
+from ._liveness import silence_bound
 from ._model._compute import ComputeModel
 from ._model._network import NetworkModel
 from ._model._plan import (
@@ -46,6 +47,7 @@ from ._model._plan import (
     Pause,
 )
 from ._model._swarm import Swarm
+from ._network._link_setup import LinkSetup
 from ._network._links import Links
 from ._network._process_group import serve_process_groups
 from ._observers import RunObservers
@@ -210,6 +212,16 @@ class Simulation:
             self.crashes.world_started,
             self.crashes.announce_departure,
             self.observers.protocol_observers,
+            LinkSetup(
+                self.sched,
+                self.trace,
+                self.network,
+                self.workers,
+                self.crashed,
+                lambda rank: silence_bound(self.parts, rank),
+                self.crashes.peer_unavailable,
+                self._link_made,
+            ),
         )
         self.workers.extend(SimWorker(self.worker_parts, r) for r in range(n))
         if self.compute is not None:
@@ -234,6 +246,11 @@ class Simulation:
         #: under ``python -m twinrpc.simulator run``); None: each worker is one process
         self.process_of: Callable[[Task], Hashable | None] | None = None
         self._used = False
+
+    def _link_made(self, rank: int, peer: int) -> None:
+        """``rank`` and ``peer`` are linked now: a silence between them is judged from now on."""
+        if self.links.faults is not None:
+            self.links.faults.liveness.link_made(rank, peer)
 
     @property
     def now(self) -> float:

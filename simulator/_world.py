@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import contextvars
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -36,6 +36,7 @@ from ._kernel._current import CURRENT_SIMULATION
 if TYPE_CHECKING:
     from ._kernel._blocker import SimBlocker
     from ._kernel._scheduler import Scheduler
+    from ._network._link_setup import LinkSetup
     from ._traces._trace import Trace
 
 _log = logging.getLogger("twinrpc.simulator")
@@ -84,6 +85,8 @@ class WorkerParts:
     announce_departure: Callable[[SimWorld, Departure], None]
     #: what the agents of a group of a generation report to (``RunObservers.protocol_observers``)
     protocol_observers: Callable[[int], ProtocolObservers]
+    #: makes a link on first use (simulator/_network/_link_setup.py)
+    link_setup: LinkSetup
 
 
 class SimWorker:
@@ -153,6 +156,10 @@ class SimWorld(World):
         self._pool_queue: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
         #: this worker's handle on its dynamic group (LIFE-5); None in a static group
         self.membership: GroupMembership | None = None
+        #: peers this world has a link to (a static group's links are made on first use)
+        self.links: set[int] = set()
+        #: peers whose link is being made, with the messages waiting for it, in order
+        self.connecting: dict[int, list[Message]] = {}
         #: this world's place among the simulation's worlds: who hears of which departure
         self.serial = parts.world_started(self)
 
@@ -177,7 +184,33 @@ class SimWorld(World):
             return
         if msg.tensors:
             msg.tensors = copy_storages(msg.tensors)
+        dst = msg.dst
+        if dst in self.connecting or not (
+            dst in self.links or self.membership is not None or dst == self.rank
+        ):
+            self._parts.link_setup.send(self, msg)  # made on first use (simulator/_network/_link_setup.py)
+            return
         self._send(self, msg)
+
+    def send_waiting(self, peer: int) -> None:
+        """The link to ``peer`` is made: send what waited for it, in order."""
+        for msg in self.connecting.pop(peer, []):
+            if self.stopped or self.worker.crashed:
+                return
+            dead = self.dead_peers.get(peer)
+            if dead is not None:
+                self.fail_send(msg, *dead)
+            else:
+                self._send(self, msg)
+
+    def reach(self, peers: Iterable[int]) -> None:
+        """Make the links to ``peers`` now (``World.reach``): a peer that crashed before any link to it
+        was made is then reported, as in the gloo world."""
+        if self.membership is not None or self.stopped:
+            return
+        for peer in peers:
+            if peer != self.rank and peer not in self.links:
+                self._parts.link_setup.reach(self, peer)
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         self.worker.spawn(getattr(fn, "__name__", "task"), fn, *args)

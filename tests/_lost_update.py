@@ -1,6 +1,6 @@
 """The lost update the explore tests plant, shared by ``test_sim_explore.py`` and
 ``test_sim_pytest_plugin.py``: two trainers each read a server's counter and write back value + 1,
-three times; trainer 2 starts 0.8 ms after trainer 1, so only a delayed message (or an unlucky seed)
+three times; trainer 2 starts 1.1 ms after trainer 1 (whose first call also makes its link), so only a delayed message (or an unlucky seed)
 makes one trainer's read land between the other's read and write. ``ATOMIC = True`` is the fix.
 """
 
@@ -28,7 +28,7 @@ def increment():
 def program(rank):
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3)
     if rank == 2:
-        sleep(0.8e-3)
+        sleep(1.1e-3)
     if rank:
         for _ in range(3):
             if ATOMIC:

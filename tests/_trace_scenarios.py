@@ -59,6 +59,7 @@ def wall_clock_backoff(rank: int) -> None:
     before each of two calls, so the calls leave at different virtual times from run to run."""
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
     if rank == 0:
+        rpc.rpc_sync("worker1", add1, args=(torch.ones(1),))  # makes the link before any backoff
         for _ in range(2):
             sleep((time.perf_counter_ns() % 1_000_000) * 1e-9)
             rpc.rpc_sync("worker1", add1, args=(torch.ones(1),))

@@ -66,7 +66,7 @@ def order_program(rank: int) -> None:
 
 def arrival_order(plan: FaultPlan) -> list[int]:
     arrivals.clear()
-    Simulation(world_size=2, seed=0, faults=plan).run(order_program).values()
+    Simulation(world_size=2, seed=2, faults=plan).run(order_program).values()
     return list(arrivals)
 
 

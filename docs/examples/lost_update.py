@@ -19,7 +19,8 @@ import twinrpc.rpc as rpc
 
 STEPS = 3
 COMPUTE = 60e-6  # virtual seconds a trainer computes between its read and its write
-START_OFFSET = 0.81e-3  # trainer 2 starts later: the trainers overlap only when the network is slow
+#: trainer 2 starts later (trainer 1 first makes its link): they overlap only on a slow network
+START_OFFSET = 1.21e-3
 
 # -- the parameter server (its state lives on worker 0; each simulated worker has its own Server) --
 _servers: dict[int, Server] = {}

@@ -3,7 +3,7 @@
 The race tutorial's figure was made with::
 
     python docs/examples/trace_screenshot.py race.html docs/tutorials/ps-race-diagram.png \\
-        --window 145 245 --select 34 --hide rref
+        --window 240 330 --select 44 --hide rref
 
 It uses Debian's ``chromium`` (``$TWINRPC_CHROMIUM``, default ``/usr/bin/chromium``) through Playwright
 (the test extra), with a fresh profile and nothing that reaches for the network. Exit status 1 when

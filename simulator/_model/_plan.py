@@ -303,7 +303,8 @@ class Hold:
 
     While held, ``dst`` hears nothing from ``src``: held longer than ``dst``'s heartbeat bound (its
     ``heartbeat_interval * heartbeat_misses``, or the network model's ``heartbeat_timeout`` when
-    set), ``dst`` declares ``src`` dead, as the gloo world's heartbeats do.
+    set), ``dst`` declares ``src`` dead if they are linked, as the gloo world's heartbeats do (over
+    links only).
     """
 
     src: int
@@ -347,8 +348,8 @@ class Partition:
         oneway: cut only ``a -> b`` (``b`` still reaches ``a``).
         mode: ``"hold"`` (default) queues the messages and delivers them when the partition heals,
             as TCP does when a partition heals before the connection times out; ``"drop"`` loses
-            them (see :class:`Drop` for what a loss means). Either way a side that hears nothing
-            for longer than its heartbeat bound declares the other dead.
+            them (see :class:`Drop` for what a loss means). Either way a side linked to the other
+            that hears nothing for longer than its heartbeat bound declares the other dead.
     """
 
     a: tuple[int, ...]
@@ -435,7 +436,7 @@ class Pause:
     very slow process). None of its tasks runs, its timers fire late, messages to it queue and are
     received when it resumes. Paused longer than a peer's heartbeat bound (the peer's
     ``heartbeat_interval * heartbeat_misses``, or the network model's ``heartbeat_timeout`` when
-    set), that peer declares it dead (as the gloo world's heartbeats do) and closes their
+    set), a peer linked to it declares it dead (as the gloo world's heartbeats do) and closes their
     connection, which the paused worker finds lost as soon as it resumes."""
 
     worker: int

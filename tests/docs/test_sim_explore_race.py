@@ -75,7 +75,7 @@ def test_exploration_finds_the_inplace_race_within_200_runs_and_shrinks_it(
 
 def test_faults_alone_find_the_race_under_one_seed(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(Failure) as info:
-        explore(run_worker, 3, runs=200, seeds=st.just(0), max_shrink_runs=60)
+        explore(run_worker, 3, runs=200, seeds=st.just(0), max_shrink_runs=100)
     failure = info.value
     print(failure)
     _check_race(failure)

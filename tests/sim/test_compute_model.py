@@ -29,6 +29,7 @@ def _round_trips(world_size: int, compute: ComputeModel | None) -> list[float]:
         rpc.init_rpc(f"w{rank}", rank=rank, world_size=world_size)
         elapsed = 0.0
         if rank > 0:
+            rpc.rpc_sync("w0", abs, args=(1,))  # makes the link (links are made on first use)
             t0 = now()
             rpc.rpc_sync("w0", _product, args=(rank,))
             elapsed = now() - t0

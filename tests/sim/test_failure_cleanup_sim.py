@@ -44,6 +44,7 @@ def _forwarded_by_the_dead_checked(rank: int) -> Any:
         rpc.rpc_async("worker0", _make, timeout=0)  # crashed by the plan when this call leaves
         sleep(100.0)
     elif rank == 1:
+        rpc.rpc_sync("worker2", abs, args=(1,))  # the link worker 2's call comes over (made on first use)
         sleep(2.0)
         result = _fetch(_KEPT.pop())
     else:

@@ -219,12 +219,14 @@ def test_a_crash_fails_the_leader_s_shutdown_only_after_the_healthy_trainer_s_la
 
 
 def _reinit_within_the_departure_news(rank: int) -> Any:
-    """Both workers leave generation 0 without a graceful shutdown (rank 1 first, rank 0 at t=0.5)
-    and init_rpc again; generation 1 starts 1 ms after rank 0's departure, well before its news
-    (0.1 s of latency) lands. Then rank 1 calls rank 0."""
+    """Both workers leave generation 0 without a graceful shutdown (rank 1 first, once its call
+    has made the pair's link, rank 0 at t=1.5) and init_rpc again; generation 1 starts 1 ms after
+    rank 0's departure, well before its news (0.1 s of latency) lands. Then rank 1 calls rank 0."""
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
-    if rank == 0:
-        sleep(0.5)
+    if rank == 1:  # links are made on first use: this call makes the one the news goes over
+        rpc.rpc_sync("worker0", operator.add, args=(0, 0))
+    else:
+        sleep(1.5)
     rpc.shutdown(graceful=False)
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
     result = None

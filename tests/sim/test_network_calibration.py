@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 import pytest
-from twinrpc.simulator import NetworkModel, Simulation, now
+from twinrpc.simulator import NetworkModel, Simulation, now, sleep
 from twinrpc.simulator.calibration import (
     SPREAD_PER_JITTER,
     CalibrationError,
@@ -108,7 +108,7 @@ def test_measured_byte_counts_are_the_simulators() -> None:
 
 
 def test_a_busy_worker_handles_one_message_at_a_time() -> None:
-    """N callers call one server at t=0: its N receives are booked first, then each reply's send."""
+    """N callers call one server at once: its N receives are booked first, then each reply's send."""
     n, latency, cost = 6, 100e-6, 10e-6
     model = NetworkModel(latency=latency, jitter=0.0, bandwidth=1e18, message_cost=cost)
 
@@ -116,6 +116,8 @@ def test_a_busy_worker_handles_one_message_at_a_time() -> None:
         rpc.init_rpc(f"w{rank}", rank=rank, world_size=n + 1)
         elapsed = 0.0
         if rank > 0:
+            rpc.rpc_sync("w0", abs, args=(-rank,))  # makes the link (links are made on first use)
+            sleep(0.01 - now())  # then every caller calls at once
             t0 = now()
             rpc.rpc_sync("w0", abs, args=(-rank,))
             elapsed = now() - t0

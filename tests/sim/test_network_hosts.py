@@ -34,7 +34,7 @@ TWO_KINDS = NetworkModel(
 
 def _round_trips(model: NetworkModel, world_size: int, nbytes: int = 0) -> list[float]:
     """Worker 0's rpc_sync round trip to each other worker (virtual seconds), with a float32 tensor of
-    ``nbytes`` (0: a small integer)."""
+    ``nbytes`` (0: a small integer), over a link made by a first call (links are made on first use)."""
     import torch
 
     def program(rank: int) -> list[float]:
@@ -43,6 +43,7 @@ def _round_trips(model: NetworkModel, world_size: int, nbytes: int = 0) -> list[
         if rank == 0:
             arg: Any = 1 if nbytes == 0 else torch.ones(nbytes // 4)
             for peer in range(1, world_size):
+                rpc.rpc_sync(f"w{peer}", abs, args=(1,))  # makes the link
                 t0 = now()
                 rpc.rpc_sync(f"w{peer}", torch.clone if nbytes else abs, args=(arg,))
                 out.append(now() - t0)
@@ -123,8 +124,11 @@ def test_a_departure_reaches_each_peer_over_its_own_kind_of_link() -> None:
 
     def program(rank: int) -> None:
         rpc.init_rpc(f"w{rank}", rank=rank, world_size=3)
-        if rank != 0:
-            sleep(0.01)
+        if rank == 0:  # a departure is announced over links, made on first use
+            for peer in (1, 2):
+                rpc.rpc_sync(f"w{peer}", abs, args=(1,))
+        else:
+            sleep(0.1)
         rpc.shutdown(graceful=False)
 
     def heard(model: NetworkModel) -> dict[int, float]:

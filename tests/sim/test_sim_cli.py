@@ -716,6 +716,7 @@ def test_a_compute_file_makes_computation_take_virtual_time(
         rank = int(os.environ["RANK"])
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
         if rank == 0:
+            rpc.rpc_sync("worker1", abs, args=(1,))  # makes the link (links are made on first use)
             a = torch.rand(64, 64)
             t0 = time.monotonic()
             for _ in range(10):

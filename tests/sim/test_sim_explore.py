@@ -1,7 +1,7 @@
 """``twinrpc.simulator.explore``: find a failure over seeds and fault plans, shrink it, replay it, export it.
 
 The planted bug is a lost update: two trainers each read a server's counter and write back value + 1,
-three times. Trainer 2 starts 0.8 ms after trainer 1, so with the default network trainer 1 is done
+three times. Trainer 2 starts 1.1 ms after trainer 1 (whose first call also makes its link), so with the default network trainer 1 is done
 before trainer 2 reads and no update is lost; a delayed message lets trainer 2's read land between one
 of trainer 1's reads and its write. The fix reads and writes in one RPC on the server.
 """

@@ -1,7 +1,7 @@
 """``python -m twinrpc.simulator explore``: an unchanged torchrun-style program over seeds and fault plans.
 
 The planted bug is the lost update, written for ``torch.distributed.rpc`` with ``RANK`` from the
-environment: two trainers read a server's counter and write back value + 1; trainer 2 starts 0.8 ms
+environment: two trainers read a server's counter and write back value + 1; trainer 2 starts 1.2 ms
 later, so only a fault (or an unlucky seed) makes a read land between the other trainer's read and
 write. The commands run in this interpreter (``main([...])``, output through capsys); the exported
 regression test runs in a fresh one.
@@ -47,7 +47,7 @@ def main():
     rank = int(os.environ["RANK"])
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     if rank == 2:
-        time.sleep(0.8e-3)
+        time.sleep(1.2e-3)
     if rank:
         for _ in range(3):
             if ATOMIC:

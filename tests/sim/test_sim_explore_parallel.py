@@ -28,7 +28,7 @@ from twinrpc.simulator._exploration._parallel import (
 
 ROOT = Path(__file__).resolve().parents[2]
 PS_RACE = ROOT / "docs" / "examples" / "ps_race.py"
-RACE_FOUND = "twinrpc.simulator.explore: run 17 failed; shrunk in 25 more runs to seed 0 and 1 fault"
+RACE_FOUND = "twinrpc.simulator.explore: run 17 failed; shrunk in 28 more runs to seed 0 and 1 fault"
 
 
 class UnluckySeeds:

@@ -141,6 +141,7 @@ def test_crashes_and_lost_messages_are_marked(page: Page, tmp_path: Path) -> Non
     def program(rank: int) -> None:
         scenarios.rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
         if rank == 0:
+            scenarios.rpc.rpc_sync("worker1", scenarios.add1, args=(scenarios.torch.ones(1),))  # the link
             sim.crash(1, at=sim.now + 20e-6)
             fut = scenarios.rpc.rpc_async("worker1", scenarios.add1, args=(scenarios.torch.ones(1),))
             with pytest.raises(RuntimeError):

@@ -1,9 +1,9 @@
 """Regression test exported by twinrpc.simulator (explore, then shrink).
 
-Found by run 17, shrunk in 25 more runs to seed 0 and 1 fault:
-FaultPlan(faults=[delay the 1st message by 0.0001s])
+Found by run 17, shrunk in 28 more runs to seed 0 and 1 fault:
+FaultPlan(faults=[delay the 1st message by 0.001s])
 
-It failed with builtins.RuntimeError: one of the variables needed for gradient computation has been modified by an inplace operation: [torch.FloatTensor [8, 4]], which is output 0 of AsStrided, is at version 2; expected version 1 instead.
+It failed with builtins.RuntimeError: one of the variables needed for gradient computation has been modified by an inplace operation: [torch.FloatTensor [8, 4]], which is output 0 of AsStrided, is at version 4; expected version 3 instead.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 PROGRAM = Path(__file__).parent / "../ps_race.py"
 PROGRAM_ARGS = ["--fixed"]  # edited: ps_race.py keeps both versions, --fixed turns the fix on
 RUN_ARGS = ["--nproc-per-node", "3", "--seed", "0"]
-FAULTS = {"faults": [{"type": "delay", "extra": 0.0001}]}
+FAULTS = {"faults": [{"type": "delay", "extra": 0.001}]}
 NETWORK = None
 COMPUTE = None
 PATTERN = "one\\ of\\ the\\ variables\\ needed\\ for\\ gradient\\ computation\\ has\\ been\\ modified\\ by\\ an\\ inplace\\ operation:\\ \\[torch\\.FloatTensor\\ \\[\\d[\\d.eE+-]*,\\ \\d[\\d.eE+-]*\\]\\],\\ which\\ is\\ output\\ \\d[\\d.eE+-]*\\ of\\ AsStrided,\\ is\\ at\\ version\\ \\d[\\d.eE+-]*;\\ expected\\ version\\ \\d[\\d.eE+-]*\\ instead\\.\\ Hint:\\ enable\\ anomaly\\ detection\\ to\\ find\\ the\\ operation\\ that\\ failed\\ to\\ compute\\ its\\ gradient,\\ with\\ torc"
