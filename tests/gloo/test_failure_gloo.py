@@ -279,6 +279,9 @@ def _stopped_mid_transfer_program(rank: int, world_size: int, init_file: str, sh
         lambda: "big-caller" in _frames_of("Sender.send") or "big" in outcome, "send"
     )
     result["was_in_send"] = "big" not in outcome
+    # on one host the 64 MiB may go through the same-host ring, which never blocks: the caller then
+    # waits for its reply instead, and only the copy's moment finds it in Sender.send
+    result["ring_out"] = links[1].same_host[0]
     caller.join(BOUND)
     result["caller_returned"] = not caller.is_alive()
     result["big"] = outcome.get("big")
@@ -305,7 +308,8 @@ def _stopped_mid_transfer_program(rank: int, world_size: int, init_file: str, sh
 def test_a_peer_stopped_mid_transfer_fails_the_blocked_sender_and_receiver_within_the_heartbeat_bound(
     tmp_path: Path,
 ) -> None:
-    """A thread blocked inside a 64 MiB gloo send to a SIGSTOPped peer, and a receiver blocked in the
+    """A thread blocked inside a 64 MiB gloo send to a SIGSTOPped peer (or, on one host, waiting for
+    the reply to what it put in the same-host ring), and a receiver blocked in the
     payload receive of a message whose sender stopped after its header: both are woken with the
     peer's WorkerUnavailableError (heartbeat) within the bound, other peers keep working, shutdown
     returns and no thread is left blocked in gloo."""
@@ -317,7 +321,7 @@ def test_a_peer_stopped_mid_transfer_fails_the_blocked_sender_and_receiver_withi
         f"64 MiB caller: in the gloo send {r['in_send_after']:.3f} s after starting; returned "
         f"{r['big_since_stop']:.3f} s after the stop (heartbeat limit {limit:.1f} s)"
     )
-    assert r["was_in_send"] and r["caller_returned"], r
+    assert (r["was_in_send"] or r["ring_out"]) and r["caller_returned"], r
     for what in ("big", "pending", "later", "pending2"):
         name, message, elapsed = r[what]
         print(f"{what}: {name} after {elapsed:.3f} s: {message[:200]}")
