@@ -1,6 +1,8 @@
-"""RemoteModule (RMOD-1..RMOD-8), after PyTorch's remote_module_test.py: construction and remote devices,
+"""RemoteModule (RMOD-1..RMOD-9), after PyTorch's remote_module_test.py: construction and remote devices,
 forward and forward_async, remote parameters and the module RRef, training with distributed autograd and
-DistributedOptimizer, train/eval, sending an instance over RPC, and the nn.Module methods it refuses."""
+DistributedOptimizer (which also holds distributed autograd and the optimizer to local training: DAG-9,
+OPT-5), train/eval, sending an instance over RPC, the nn.Module methods it refuses, CPU-only devices and
+TorchScript modules."""
 
 from __future__ import annotations
 
@@ -226,7 +228,7 @@ def _train_remotely(ctx: Any) -> dict[str, Any]:
     }
 
 
-@pytest.mark.spec("RMOD-4")
+@pytest.mark.spec("RMOD-4", "DAG-9", "OPT-5")
 def test_training_a_remote_module_with_distributed_optimizer_equals_local_training(world: Any) -> None:
     got = world.run_on(0, _train_remotely)
     remote_part, local = _SeededLinear(5), nn.Linear(2, 1)
