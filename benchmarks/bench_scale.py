@@ -163,6 +163,21 @@ def worker(system: str, variant: str, calls: int, settle: float, folder: Path) -
     (folder / f"{rank}.json").write_text(json.dumps(out))
 
 
+def first_failure(stderr: str) -> str:
+    """Why a torchrun job failed, from its output: the first worker's exception, or the first worker
+    killed by a signal (torchrun ends the others with SIGTERM once one fails, and with SIGKILL those
+    that do not exit in time; the kernel's OOM killer sends SIGKILL too)."""
+    import re
+
+    error = re.search(r"^(?!torch\.distributed\.elastic)[\w.]*(?:Error|Exception): .*$", stderr, re.M)
+    if error:
+        return error.group(0)[:500]
+    killed = re.search(r"exitcode\s*: (-\d+) \(pid: \d+\)", stderr)
+    if killed:
+        return f"a worker ended by signal {-int(killed.group(1))}"
+    return "no worker error found in its output"
+
+
 def launch(system: str, size: int, variant: str, calls: int, settle: float) -> dict[str, Any]:
     """One torchrun job of ``size`` workers of ``system``; the job's figures (see the module doc)."""
     with tempfile.TemporaryDirectory(prefix="bench_scale-") as tmp:
@@ -189,8 +204,8 @@ def launch(system: str, size: int, variant: str, calls: int, settle: float) -> d
         wall = time.perf_counter() - t0
         if done.returncode != 0:
             raise RuntimeError(
-                f"torchrun exited with {done.returncode} (a worker killed by signal 9 usually ran out "
-                f"of memory)\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+                f"torchrun exited with {done.returncode}: {first_failure(done.stderr)}"
+                f"\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
             )
         workers = [json.loads((Path(tmp) / f"{r}.json").read_text()) for r in range(size)]
 

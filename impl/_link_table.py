@@ -31,16 +31,20 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from twinrpc._errors import AuthenticationError
 from twinrpc._message import Message
 
 from ._link import PeerLink, PeerShutDown, PeerSilent
-from ._stores import WrappedStore, next_entry
+from ._stores import WrappedStore
 
 _log = logging.getLogger("twinrpc.impl")
 
 #: polling for the peer's answer: first and longest pause between two looks at the store
 _POLL_FIRST = 0.001
 _POLL_MAX = 0.1
+#: the watcher's longest pause between two looks at its inbox: what an ask to an idle worker may
+#: wait before it is read, and 10 small store requests a second per idle process
+_WATCH_MAX = 0.1
 
 
 def pair_key(a: int, b: int) -> str:
@@ -89,19 +93,19 @@ class LinkStopped(RuntimeError):
 class PairAsks:
     """One worker's use of the store's link keys (see the module docstring). ``store``: the run's
     store (MACed under the run key with a job key). Thread safety: ``ask``, ``here`` and
-    ``wait_for`` on any thread; ``next_ask`` on the watcher only (it has a connection of its own)."""
+    ``wait_for`` on any thread; ``next_ask`` on the watcher only.
+
+    Every use shares the process's one connection to the store: none blocks in it, and no worker
+    opens a second one. A TCPStore server (PyTorch's libuv one, e.g. torchrun's) looks up the
+    host name of each connection it accepts on its only thread (a reverse DNS query); a query the
+    resolver gets no answer to stalls every client of the store for the resolver's timeout (5 s by
+    default), so each connection a worker opens is one more chance of stalling the whole job's
+    ``init_rpc`` (docs/explanation/gloo-world.md)."""
 
     def __init__(self, store: Any, rank: int) -> None:
         self._store = store
         self._rank = rank
         self._next = 1
-        #: the watcher's own connection: a TCPStore client serves one request at a time, so a wait
-        #: for the next inbox entry on the shared one would block every other use of the store
-        #: (a store that cannot be cloned, e.g. an in-process HashStore, has no such connection)
-        try:
-            self._watch: Any = store.clone()
-        except RuntimeError:
-            self._watch = store
 
     def ask(self, peer: int) -> None:
         """Ask ``peer`` to connect to this worker (its watcher reads it)."""
@@ -146,19 +150,30 @@ class PairAsks:
         n = int(self._store.add(f"ask/{self._rank}/count", 1))
         self._store.set(f"ask/{self._rank}/{n}", "stop")
 
-    def next_ask(self) -> int | None:
-        """Block until the next inbox entry: the rank that asks, or None for ``stop``. An entry that is
-        not of this run (with a job key) is logged and skipped."""
+    def next_ask(self, stopping: threading.Event) -> int | None:
+        """Wait for the next inbox entry: the rank that asks, or None for ``stop`` or once
+        ``stopping`` is set. Looks at the store without blocking in it (see the class): every
+        millisecond after an entry, backing off to ``_WATCH_MAX`` while none comes. An entry that
+        is not of this run (with a job key) is logged and skipped."""
+        pause = _POLL_FIRST
         while True:
-            entry, self._next = next_entry(self._watch, f"ask/{self._rank}", self._next)
+            key = f"ask/{self._rank}/{self._next}"
+            if not self._store.check([key]):
+                if stopping.wait(pause):
+                    return None
+                pause = min(pause * 2, _WATCH_MAX)
+                continue
+            self._next += 1
+            pause = _POLL_FIRST
+            try:
+                entry = self._store.get(key).decode()
+            except AuthenticationError as exc:
+                _log.error("twinrpc: %s; skipped", exc)
+                continue
             if not entry.startswith("vouch "):
                 return None if entry == "stop" else int(entry)
             # a dynamic group's worker found this group's 'kind' entry: a live worker says so
-            self._watch.set(f"vouched/{entry.removeprefix('vouch ')}/{self._rank}", "static")
-
-    def close(self) -> None:
-        """Drop the watcher's connection (its socket closes now, not at a garbage collection)."""
-        self._watch = None
+            self._store.set(f"vouched/{entry.removeprefix('vouch ')}/{self._rank}", "static")
 
 
 def post_ask(store: Any, peer: int, entry: str) -> None:
@@ -325,7 +340,7 @@ class LinkTable:
         assert asks is not None
         while True:
             try:
-                peer = asks.next_ask()
+                peer = asks.next_ask(self.stopping)
             except Exception as exc:  # the store is gone (its host process left)
                 _log.debug("twinrpc: rank %d stops answering link asks: %s", self._rank, exc)
                 return
@@ -355,8 +370,6 @@ class LinkTable:
             threads.append(self._watcher)
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        if self._asks is not None:
-            self._asks.close()
         return [t.name for t in threads if t.is_alive()]
 
 

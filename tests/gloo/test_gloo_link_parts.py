@@ -5,14 +5,18 @@ this worker depends on it, riders keep their order, and no part reaches into ano
 from __future__ import annotations
 
 import pathlib
+import threading
 
 import pytest
+import torch.distributed as dist
 import twinrpc.impl
 from _private_reaches import private_reaches
 from twinrpc.impl._framing import MAX_RIDER_BYTES
 from twinrpc.impl._link_state import LinkState
+from twinrpc.impl._link_table import PairAsks, post_ask
 from twinrpc.impl._liveness import Liveness, PeerSilent
 from twinrpc.impl._riders import Riders
+from twinrpc.impl._stores import WrappedStore
 
 from twinrpc._message import Kind, Message
 
@@ -118,3 +122,29 @@ def test_a_rider_is_refused_once_the_link_is_closing_or_the_riders_are_full() ->
     assert not riders.defer(_cleanup(2, MAX_RIDER_BYTES // 2), _never)  # over MAX_RIDER_BYTES together
     state.closing = True
     assert not riders.defer(_cleanup(3), _never)
+
+
+class _OneConnection(WrappedStore):
+    """A store that refuses to open a second connection (as a TCPStore client's ``clone`` would)."""
+
+    def clone(self) -> WrappedStore:
+        raise AssertionError("the link watcher opened a second connection to the store")
+
+
+def test_the_link_watcher_reads_its_inbox_over_the_process_s_one_store_connection() -> None:
+    """Each connection a TCPStore server accepts costs it a blocking reverse DNS lookup on its only
+    thread (impl/_link_table.PairAsks), so the watcher shares the process's connection and never
+    blocks in it: it reads asks in order, answers vouches, and ends on ``stop`` or when stopping."""
+    store = _OneConnection(dist.HashStore())
+    asks = PairAsks(store, 0)
+    post_ask(store, 0, "3")
+    post_ask(store, 0, "vouch abc")
+    post_ask(store, 0, "2")
+    stopping = threading.Event()
+    assert asks.next_ask(stopping) == 3
+    assert asks.next_ask(stopping) == 2
+    assert store.get("vouched/abc/0") == b"static"
+    asks.leave(graceful=True)
+    assert asks.next_ask(stopping) is None
+    stopping.set()
+    assert PairAsks(store, 1).next_ask(stopping) is None
