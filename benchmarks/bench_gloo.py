@@ -92,8 +92,8 @@ def _timed_calls(n: int, call: Any) -> list[float]:
     return out
 
 
-def _throughput(rpc: Any, n: int, a: Any, b: Any) -> float:
-    """Calls per second with WINDOW calls in flight (a sliding window, not batches)."""
+def _throughput(rpc: Any, n: int, a: Any, b: Any, func: Any = tiny_udf) -> float:
+    """Calls per second of ``func(a, b)`` with WINDOW calls in flight (a sliding window, not batches)."""
     slots = threading.Semaphore(WINDOW)
     done = threading.Semaphore(0)
 
@@ -104,7 +104,7 @@ def _throughput(rpc: Any, n: int, a: Any, b: Any) -> float:
     t0 = time.perf_counter()
     for _ in range(n):
         slots.acquire()
-        rpc.rpc_async("worker1", tiny_udf, args=(a, b)).add_done_callback(release)
+        rpc.rpc_async("worker1", func, args=(a, b)).add_done_callback(release)
     for _ in range(n):
         done.acquire()
     return n / (time.perf_counter() - t0)
@@ -153,8 +153,12 @@ def _rpc_measure(rpc: Any, what: str, n: int, size: int) -> Any:
         return _timed_calls(n, lambda: rpc.rpc_sync("worker1", torch.add, args=(a, b)))
     if what == "udf":
         return _timed_calls(n, lambda: rpc.rpc_sync("worker1", tiny_udf, args=(a, b)))
+    if what == "udf plain":
+        return _timed_calls(n, lambda: rpc.rpc_sync("worker1", tiny_udf, args=(1, 1)))
     if what == "throughput":
         return _throughput(rpc, n, a, b)
+    if what == "throughput builtin":
+        return _throughput(rpc, n, a, b, torch.add)
     if what == "frames":
         return _messages_per_frame(rpc, n, a, b)
     if what == "shm":
@@ -338,10 +342,12 @@ def make_plan(
         plan.append(("builtin", "builtin", calls, 0))
     if "udf" in wanted:
         plan.append(("udf", "udf", calls, 0))
+        plan.append(("udf plain", "udf plain", calls, 0))
     if "remote" in wanted:
         plan.append(("remote", "remote", calls // 2, 0))
     if "throughput" in wanted:
         plan.append(("throughput", "throughput", calls * 4, 0))
+        plan.append(("throughput builtin", "throughput builtin", calls * 4, 0))
         plan.append(("frames", "frames", calls * 2, 0))
     if "bw" in wanted:
         for size in sizes:
@@ -451,16 +457,22 @@ def _frames_summary(samples: dict[tuple[str, str], list[Any]]) -> dict[str, floa
 _FIGURES = {
     "builtin": ("rpc_sync of a builtin (torch.add), tiny tensors: latency", "us", False),
     "udf": ("rpc_sync of a tiny UDF: latency", "us", False),
+    "udf plain": ("rpc_sync of a tiny UDF on two ints (no tensors): latency", "us", False),
     "remote": ("remote() + to_here(): latency", "us", False),
-    "throughput": (f"rpc_async with {WINDOW} calls in flight", "calls/s", True),
+    "throughput": (f"rpc_async of a tiny UDF with {WINDOW} calls in flight", "calls/s", True),
+    "throughput builtin": (
+        f"rpc_async of a builtin (torch.add) with {WINDOW} calls in flight",
+        "calls/s",
+        True,
+    ),
 }
 
 
 def round_value(what: str, size: int, result: Any) -> float:
     """One round's figure: a latency's median (us), a rate, or a round trip's GB/s (2 x size / median)."""
-    if what in ("builtin", "udf", "remote"):
+    if what in ("builtin", "udf", "udf plain", "remote"):
         return float(statistics.median(result)) * 1e6
-    if what == "throughput":
+    if what in ("throughput", "throughput builtin"):
         return float(result)
     if what == "bw":
         return 2 * size / statistics.median(result) / 1e9
@@ -516,10 +528,12 @@ def _measures(system: str, what: str) -> bool:
 
 
 _TARGETS = {
-    "builtin": ("<=", 1.5),
-    "udf": ("<=", 1.0),
-    "remote": ("<=", 1.5),
-    "throughput": (">=", 1.0),
+    "builtin": ("<=", 1.0),
+    "udf": ("<=", 0.8),
+    "udf plain": ("<=", 0.8),
+    "remote": ("<=", 1.0),
+    "throughput": (">=", 1.2),
+    "throughput builtin": (">=", 0.8),
     "bw 16 MiB": (">=", 2.0),
     "bw 64 MiB": (">=", 2.0),
 }
@@ -561,19 +575,20 @@ def _report(
 
     for name, what, _n, size in plan:
         got = {s: samples.get((name, s)) for s in systems}
-        if what in ("builtin", "udf", "remote"):
+        if what in ("builtin", "udf", "udf plain", "remote"):
             label = {
                 "builtin": "rpc_sync torch.add",
                 "udf": "rpc_sync tiny UDF",
+                "udf plain": "rpc_sync UDF, ints",
                 "remote": "remote()+to_here()",
             }[what]
             med = {s: statistics.median(v) * 1e6 if v else None for s, v in got.items()}
             p99 = {s: _pct(v, 0.99) * 1e6 if v else None for s, v in got.items()}
             line(f"{label} median", "us", med, what)
             line(f"{label} p99", "us", p99, "")
-        elif what == "throughput":
+        elif what in ("throughput", "throughput builtin"):
             med = {s: statistics.median(v) if v else None for s, v in got.items()}
-            line(f"rpc_async {WINDOW} in flight", "calls/s", med, what)
+            line(f"{WINDOW} in flight, {'UDF' if what == 'throughput' else 'add'}", "calls/s", med, what)
         elif what == "frames":
             for i, way in enumerate(("requests", "replies")):
                 per = {s: statistics.median(x[i] for x in v) if v else None for s, v in got.items()}

@@ -11,7 +11,9 @@ receiver again or ends receiving. What the peer wrote meanwhile stays in its rin
 receiver; the doorbell's protocol (the reader's *asleep* flag, set before it looks once more) is the
 same as for a receiver sleeping in ``poll``, and an eventfd that was rung before it was added is still
 readable, so no wake-up is lost. Like a sleeping receiver, the watcher also looks at each parked link
-every ``_SAFETY_S`` by itself (the belt to the protocol's braces).
+every ``_SAFETY_S`` by itself (the belt to the protocol's braces). A caller blocking on a reply from
+a parked link's peer takes its doorbell back (``take_back``) and sleeps on it itself
+(``Receiver.receive_until``).
 
 gloo offers nothing like this (a receive's ``Work`` cannot be waited on together with others), so
 links between hosts, and same-host links whose header frames go over gloo, keep their receiver.
@@ -92,16 +94,27 @@ class DoorWatch:
 
     def park(
         self, door: Any, fds: tuple[int, ...], check: Callable[[], bool], wake: Callable[[], None]
-    ) -> None:
+    ) -> object:
         """Watch ``fds`` (the doorbell's eventfd and the peer's pidfd) until one is readable, or
         ``check()`` holds when the watcher looks by itself; then forget them and call ``wake()`` on
-        the watcher's thread (it must not block)."""
+        the watcher's thread (it must not block). Returns the handle ``take_back`` takes."""
         parked = _Parked(door, fds, check, wake)
         with self._lock:
             self._start()
             for fd in fds:
                 self._by_fd[fd] = parked
                 self._epoll.register(fd, select.EPOLLIN)
+        return parked
+
+    def take_back(self, handle: object) -> bool:
+        """Stop watching a doorbell parked with ``park`` without calling its ``wake``: a thread takes
+        its link over (a caller receiving its own reply, ``Receiver.receive_until``). False: the
+        doorbell had rung already, and its ``wake`` is called (or running) on the watcher's thread."""
+        with self._lock:
+            if not isinstance(handle, _Parked) or self._by_fd.get(handle.fds[0]) is not handle:
+                return False
+            self._take(handle)
+            return True
 
     # -- the thread --------------------------------------------------------------------------------
     def _start(self) -> None:

@@ -135,6 +135,15 @@ class Doorbell:
         except OSError:
             pass
 
+    def nudge(self) -> None:
+        """Wake the thread sleeping on the doorbell (if any) so that it looks at its ``ready()`` again
+        (a caller waiting for its reply whose future was completed elsewhere, see
+        ``Receiver.receive_until``); a later sleeper wakes once for nothing."""
+        try:
+            os.write(self.fd, _ONE)
+        except OSError:
+            pass
+
     @property
     def stopped(self) -> bool:
         """Whether the link was stopped here (``stop``)."""
@@ -173,8 +182,10 @@ class Doorbell:
             if ready():
                 asleep[0] = 0
                 return True
-            events = self._poll.poll(timeout_ms)
-            asleep[0] = 0
+            try:
+                events = self._poll.poll(timeout_ms)
+            finally:  # a KeyboardInterrupt in the poll included: the writer must stop ringing
+                asleep[0] = 0
             try:
                 os.read(fd, 8)  # reset the counter (nothing there after a time-out: EAGAIN)
             except BlockingIOError:

@@ -103,6 +103,9 @@ class PeerLink:
         #: Let a deferrable message ride in the next header frame; False: send it as usual
         #: (Sender.defer).
         self.defer = self.sender.defer
+        #: How a thread blocking on a reply from the peer receives it itself (Receiver.receive_until);
+        #: None where the peer's header frames do not take the same-host doorbell.
+        self.reply_receiver = self.receiver.receive_until if self.receiver.parks else None
 
     # -- what the world reads and sets -------------------------------------------------------------
     @property

@@ -7,6 +7,11 @@ a pair are matched in the order they were posted. The receiver keeps ``RING`` he
 sends complete without waiting for this process, and one staging receive for data frames up to
 ``STAGED_BYTES``. It posts them again off the critical path (see Receiver._repost), and tells the
 sender (through ``consumed`` and ``peer_acked``) how many header receives each side has posted again.
+
+On one host the peer's header frames come through its ring instead, and one thread of the link at a
+time sleeps on the link's doorbell (the *door*); an idle link parks the doorbell with the process's
+watcher. A thread blocking on a reply from the peer joins the loop as that thread until its future
+is done (``Receiver.receive_until``): the reply then wakes only the thread that wants it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 
 import torch
 
-from twinrpc._future import CALLBACK_ROLE
+from twinrpc._future import CALLBACK_ROLE, Future, add_waiter
 from twinrpc._message import Kind, Message
 
 from . import _framing
@@ -36,6 +41,7 @@ from ._framing import (
     check_announced,
     new_header_tensor,
 )
+from ._interrupt_shield import InterruptShield
 from ._link_state import LinkState
 from ._liveness import MIN_FRAME_RATE, Liveness
 from ._pair import DATA_TAG, LARGE_TAG, READY_TAG, TAG, Pair
@@ -95,6 +101,9 @@ class _ThreadRole(threading.local):
     no_blocking_send = False
     #: the link Receiver this thread receives for (None: not a receiver); see Receiver.hand_off
     link: Any = None
+    #: this thread is a caller receiving its own reply (Receiver.receive_until): it never hands
+    #: its role off (it returns to its caller once its future is done)
+    guest = False
 
 
 THREAD_ROLE = _ThreadRole()
@@ -211,6 +220,22 @@ class Receiver:
         #: messages of the frame being dispatched still to come after the current one (written and
         #: read by the dispatching thread): it must not hand its role off before they are dispatched
         self._frame_left = 0
+        # -- a caller receiving its own reply (see receive_until), under _rx_lock -----------------
+        #: the thread (``threading.get_ident``) receiving now as a caller; None: none
+        self._guest: int | None = None
+        #: the future that caller waits for (it leaves once that is done)
+        self._guest_fut: Future[Any] | None = None
+        #: its Ctrl-C shield (main thread only, see impl/_interrupt_shield.py)
+        self._shield: InterruptShield | None = None
+        #: a caller waits for the door: the receiver sleeping there leaves the loop (see _idle)
+        self._knock = False
+        #: when the link last dispatched a message other than a reply (monotonic): a caller does not
+        #: push aside the receiver of a link that serves requests (see receive_until)
+        self._request_at = float("-inf")
+        #: the watcher's handle of the parked doorbell, and which parking it is (a wake-up of an
+        #: earlier one, taken back by a caller meanwhile, is ignored: see _unpark)
+        self._park_handle: object = None
+        self._park_gen = 0
         self._thread = threading.Thread(
             target=self._receive_loop, name=f"twinrpc-recv-{state.peer}", daemon=True
         )
@@ -245,6 +270,7 @@ class Receiver:
             or self._run_elsewhere is None
             or self._riders.delivering
             or self._frame_left
+            or THREAD_ROLE.guest
         ):
             return False
         THREAD_ROLE.link = None
@@ -269,6 +295,139 @@ class Receiver:
         if start:
             self._run_elsewhere(self._receive_more)
         return True
+
+    def receive_until(self, fut: Future[Any]) -> None:
+        """Called by a thread about to block on ``fut``, which a reply from this peer completes: let
+        it receive that reply itself, so that one wake-up (this thread's, by the peer's doorbell)
+        brings it, not two (a receiver's, then this thread's). Returns once ``fut`` is done, or at
+        once where that cannot be done (the caller then waits for ``fut`` as usual).
+
+        The caller joins the receive loop as a receiver that never hands its role off: it takes the
+        doorbell back from the watcher if the link is parked, or, if a receiver sleeps at the door
+        of a link that serves no requests lately (see LINGER), knocks (that receiver wakes and
+        leaves the loop, see _idle); it then sleeps on the doorbell and dispatches, in order,
+        whatever arrives until its reply has (requests go to the pool as from any receiver). It
+        leaves at a frame's end once ``fut`` is done (completed by itself, or elsewhere: a time-out,
+        the link's failure; its completion then nudges the doorbell), handing the link to the
+        receivers still in the loop, or parking it. On the main thread, Ctrl-C cuts short only its
+        waits; one that comes while it dispatches is delivered once it has left
+        (impl/_interrupt_shield.py). Only same-host links whose headers take the doorbell; not on a
+        receiver, the timer or a callback runner."""
+        role = THREAD_ROLE
+        if role.link is not None or role.no_blocking_send or CALLBACK_ROLE.on_block is not None:
+            return
+        if not self._headers_in_ring or self._run_elsewhere is None:
+            return
+        # first: from here on a Ctrl-C is held back until the link is left in order
+        shield = InterruptShield.install()
+        try:
+            if not self._join_as_guest(fut, shield):
+                return
+            defer = CALLBACK_ROLE.defer
+            role.link, role.no_blocking_send, role.guest = self, True, True
+            CALLBACK_ROLE.defer = self._defer_callbacks
+            ended = True
+            try:
+                ended = self._receive_messages() is not _RETIRED
+            except Exception as exc:  # a fault of ours: as in _receive_more
+                if not self._state.closing:
+                    _log.exception("twinrpc: receiving from %s failed", self._state.peer_name)
+                    self._fail(exc)
+            except BaseException:  # Ctrl-C while it waited: nothing was taken, the link goes on
+                ended = False
+                raise
+            finally:
+                role.link, role.no_blocking_send, role.guest = None, False, False
+                CALLBACK_ROLE.defer = defer
+                self._guest_leaves(ended)
+        finally:
+            if shield is not None:
+                shield.lift()  # delivers a Ctrl-C held back meanwhile
+
+    def _join_as_guest(self, fut: Future[Any], shield: InterruptShield | None) -> bool:
+        """Join the receive loop as the caller waiting for ``fut`` (see receive_until); False: not now."""
+        ring = self._rings.inbound
+        if ring is None or ring.door is None:
+            return False
+        with self._rx_lock:
+            if self._ended or self._guest is not None:
+                return False
+            if (
+                not self._parked
+                and (self._door_lock.locked() or self._at_door)
+                and time.monotonic() - self._request_at < LINGER
+            ):
+                return False  # a receiver waits, and the link serves requests: leave it be
+            if not add_waiter(fut, self._wake_guest):
+                return False  # done already
+            if self._parked:
+                DOOR_WATCH.take_back(self._park_handle)  # if it rang already, its _unpark is ignored
+                self._parked = False
+                self._park_handle = None
+                self._park_gen += 1
+                self._live.header_waiters -= 1
+                self._awake = True
+                DOOR_WATCH.counted_awake(1)
+                ring.disarm()
+            self._guest = threading.get_ident()
+            self._guest_fut = fut
+            self._shield = shield
+            self._receivers += 1
+        return True
+
+    def _wake_guest(self, _fut: Future[Any]) -> None:
+        """The future of the caller receiving its reply was completed: if that was another thread,
+        wake the caller on the doorbell (see receive_until)."""
+        guest = self._guest
+        ring = self._rings.inbound
+        if (
+            guest is not None
+            and guest != threading.get_ident()
+            and ring is not None
+            and ring.door is not None
+        ):
+            ring.door.nudge()
+
+    def _guest_leaves(self, ended: bool) -> None:
+        """The caller receiving its reply leaves the loop (at a frame's end, or while it waited): the
+        receivers still in it serve the link; else it is parked (or, with something already in the
+        ring, a receiver started). ``ended``: receiving has ended for good."""
+        start = False
+        gate = None
+        with self._rx_lock:
+            self._guest = self._guest_fut = self._shield = None
+            self._knock = False
+            if ended:
+                self._ended = True
+            if self._ended:
+                self._receivers -= 1
+                gates, self._spares = self._spares, []
+                done = self._receivers <= 0
+                if done and self._awake:
+                    self._awake = False
+                    DOOR_WATCH.counted_awake(-1)
+            else:
+                gates, done = [], False
+                self._receivers -= 1
+                ring = self._rings.inbound
+                if self._receivers == 0:
+                    slot = self._claimed
+                    if ring is not None and ring.door is not None and ring.arm(slot):
+                        self._park(ring, slot)
+                    else:
+                        self._receivers += 1
+                        start = True
+                elif self._spares and self._receivers == len(self._spares) and not self._busy:
+                    gate = self._spares.pop()  # nobody else dispatches: a spare does
+        for g in gates:
+            g.release()
+        if done:
+            self._receive_done.set()
+        if gate is not None:
+            gate.release()
+        if start:
+            assert self._run_elsewhere is not None
+            self._run_elsewhere(self._receive_more)
 
     def join(self, timeout: float) -> bool:
         """Wait until receiving has ended (whichever thread receives by then)."""
@@ -456,6 +615,8 @@ class Receiver:
         """_next_header for header frames that come through the peer's ring: the thread holding the
         door lock claims the next slot, sleeps on the doorbell until the peer has written it, copies
         it into a header buffer of ours and frees it; dispatching is shared as over gloo."""
+        if THREAD_ROLE.guest:
+            return self._next_header_as_guest()
         while True:
             with self._rx_lock:
                 if self._ended:
@@ -468,7 +629,6 @@ class Receiver:
                     self._at_door += 1
             if turn is not None:
                 return self._decode(turn)
-            parked: InRing | None = None
             with self._door_lock:
                 with self._rx_lock:
                     self._at_door -= 1
@@ -482,21 +642,13 @@ class Receiver:
                     self._waiting(slot)
                     idle_at = self._idle_at(slot)
                 try:
-                    error = self._take_slot(slot, idle_at)
+                    error = self._take_slot(slot, idle_at, self._knocked)
                 finally:
                     self._waited(slot)
                 if error is _IDLE:
-                    idled = self._idle(slot)
-                    if idled is _RETIRED:
-                        return _RETIRED
-                    if idled is None:
+                    if self._idle(slot) is None:
                         continue
-                    parked = idled
-            if parked is not None:
-                door = parked.door
-                assert door is not None
-                DOOR_WATCH.park(door, door.fds, partial(parked.has_news, slot), self._unpark)
-                return _RETIRED
+                    return _RETIRED
             if error is not None:
                 assert not isinstance(error, _Idle)
                 raise error
@@ -505,6 +657,75 @@ class Receiver:
                 return None
             if arrived:
                 return self._decode(slot)
+
+    def _next_header_as_guest(self) -> Header | _Retired | None:
+        """_next_header_from_slots for a caller receiving its own reply (see receive_until): _RETIRED
+        once its future is done or a Ctrl-C was held back (it is called at a frame's end); it never
+        idles, parks or waits as a spare (a frame that arrives before its turn is left to the
+        dispatcher, and the caller leaves)."""
+        fut = self._guest_fut
+        shield = self._shield
+        assert fut is not None
+        while True:
+            with self._rx_lock:
+                if self._ended:
+                    return None
+                if fut.done() or (shield is not None and shield.caught is not None):
+                    return _RETIRED
+                turn = self._ready_turn()
+                if turn is None:
+                    self._at_door += 1
+                    self._knock = True  # a receiver at the door (or about to be) leaves it (_idle)
+                    knock = self._door_lock.locked()
+            if turn is not None:
+                return self._decode(turn)
+            if knock:
+                door = self._rings.inbound.door if self._rings.inbound is not None else None
+                if door is not None:
+                    door.nudge()
+            # not cut short by Ctrl-C (held back, see the shield): a knocked receiver leaves at once
+            self._door_lock.acquire()
+            try:
+                with self._rx_lock:
+                    self._at_door -= 1
+                    self._knock = False
+                    if self._ended:
+                        return None
+                    if fut.done():
+                        continue
+                    slot = self._claimed
+                    self._claimed += 1
+                    self._waiting(slot)
+                try:
+                    error = self._take_slot(slot, None, fut.done, shield)
+                except BaseException:  # Ctrl-C in the wait: nothing taken
+                    with self._rx_lock:
+                        self._claimed = slot
+                    raise
+                finally:
+                    self._waited(slot)
+                if error is _IDLE:
+                    with self._rx_lock:
+                        self._claimed = slot
+                    continue
+            finally:
+                self._door_lock.release()
+            if error is not None:
+                assert not isinstance(error, _Idle)
+                raise error
+            with self._rx_lock:
+                if self._ended:
+                    return None
+                if not self._busy and self._turn == slot:
+                    self._busy = True
+                    mine = True
+                else:
+                    self._ready.add(slot)  # early: the dispatcher takes it when its turn comes
+                    mine = False
+            self._live.heard = time.monotonic()
+            if mine:
+                return self._decode(slot)
+            return _RETIRED
 
     def _idle_at(self, slot: int) -> float | None:
         """Under _rx_lock, for the door's holder about to wait for ``slot``: when to look whether the
@@ -524,16 +745,23 @@ class Receiver:
         """When the link has been idle long enough to park (see LINGER and PARK_SOON)."""
         return self._active_at + (PARK_SOON if DOOR_WATCH.awake > PARK_CAP else LINGER)
 
-    def _idle(self, slot: int) -> InRing | _Retired | None:
-        """The door's holder found nothing by its idle bound: if the link has been idle long enough
-        (_idle_since), leave the loop to a receiver queued for the door (_RETIRED), else, unless
-        something is there after all, leave it with the link parked, its doorbell armed for ``slot``
-        (the caller hands it to the watcher, and gets the ring). The watcher counts as a receiver
+    def _knocked(self) -> bool:
+        """Whether a caller waits for the door (see receive_until): its holder wakes and leaves."""
+        return self._knock
+
+    def _idle(self, slot: int) -> _Retired | None:
+        """The door's holder found nothing by its idle bound (or a caller knocked, see
+        receive_until): leave the loop (_RETIRED) to the caller that knocked or to a receiver queued
+        for the door if the link has been idle long enough (_idle_since), else, unless something
+        is there after all, leave it with the link parked (_park). The watcher counts as a receiver
         waiting for a header (``Liveness.header_waiters``), so a silent peer is judged as before.
         None: carry on receiving. Either way the slot is unclaimed."""
         ring = self._rings.inbound
         with self._rx_lock:
             self._claimed = slot
+            if self._knock and not self._ended:
+                self._receivers -= 1
+                return _RETIRED
             if self._ended or not self._may_idle(slot) or time.monotonic() < self._idle_since():
                 return None
             if self._at_door:
@@ -542,25 +770,40 @@ class Receiver:
             if ring is None or not ring.arm(slot):
                 return None
             self._receivers -= 1
-            self._parked = True
-            live = self._live
-            if not live.header_waiters:
-                live.header_since = time.monotonic()
-            live.header_waiters += 1
-            if self._awake:
-                self._awake = False
-                DOOR_WATCH.counted_awake(-1)
-        return ring
+            self._park(ring, slot)
+        return _RETIRED
 
-    def _unpark(self) -> None:
+    def _park(self, ring: InRing, slot: int) -> None:
+        """Under _rx_lock, with no receiver left and the doorbell armed for ``slot`` (``InRing.arm``):
+        hand the doorbell to the process's watcher (impl/_door_watch.py), which calls _unpark when it
+        rings. Under the lock, so that a caller taking the link back (receive_until) finds it with the
+        watcher already."""
+        self._parked = True
+        self._park_gen += 1
+        live = self._live
+        if not live.header_waiters:
+            live.header_since = time.monotonic()
+        live.header_waiters += 1
+        if self._awake:
+            self._awake = False
+            DOOR_WATCH.counted_awake(-1)
+        door = ring.door
+        assert door is not None
+        self._park_handle = DOOR_WATCH.park(
+            door, door.fds, partial(ring.has_news, slot), partial(self._unpark, self._park_gen)
+        )
+
+    def _unpark(self, parking: int) -> None:
         """On the watcher's thread: the parked link's doorbell rang, the peer's process ended or the
         link was stopped here. Start a receiver again (it takes what the peer wrote, or fails the
-        link as a sleeping receiver would), or, if the link was stopped here, end receiving."""
+        link as a sleeping receiver would), or, if the link was stopped here, end receiving. Nothing
+        if a caller took the link back meanwhile (``parking`` is not the latest)."""
         ring = self._rings.inbound
         with self._rx_lock:
-            if not self._parked:
+            if not self._parked or parking != self._park_gen:
                 return
             self._parked = False
+            self._park_handle = None
             self._live.header_waiters -= 1
             gone = ring is None or ring.door is None or ring.door.stopped
             if gone:
@@ -570,12 +813,14 @@ class Receiver:
                 self._receivers += 1
                 self._awake = True
                 DOOR_WATCH.counted_awake(1)
+                # under the lock: a caller that joins next may sleep on the doorbell at once
+                assert ring is not None
+                ring.disarm()
         if gone:
             if done:
                 self._receive_done.set()
             return
-        assert ring is not None and self._run_elsewhere is not None
-        ring.disarm()
+        assert self._run_elsewhere is not None
         self._run_elsewhere(self._receive_more)
 
     def _ready_turn(self) -> int | None:
@@ -626,15 +871,29 @@ class Receiver:
         gate.acquire()  # woken when no receiver waits for the next slot (or at the end)
         return False
 
-    def _take_slot(self, slot: int, idle_at: float | None = None) -> BaseException | _Idle | None:
+    def _take_slot(
+        self,
+        slot: int,
+        idle_at: float | None = None,
+        stop: Callable[[], bool] | None = None,
+        shield: InterruptShield | None = None,
+    ) -> BaseException | _Idle | None:
         """Wait for header ``slot`` in the peer's ring and copy it into its buffer; the error that ends
         receiving instead (a fresh one: a traceback through here would keep the ring mapped), or
-        _IDLE: nothing came by ``idle_at`` (monotonic; None: no bound)."""
+        _IDLE: nothing came by ``idle_at`` (monotonic; None: no bound) or ``stop()`` held first.
+        ``shield``: a caller's Ctrl-C may cut the wait short (nothing is taken yet), not the take."""
         ring = self._rings.inbound
         if ring is None:  # released: the link has ended
             return RuntimeError("the link has ended")
         try:
-            if not ring.wait_header(slot, idle_at):
+            if shield is not None:
+                shield.open = True
+            try:
+                written = ring.wait_header(slot, idle_at, stop)
+            finally:
+                if shield is not None:
+                    shield.open = False
+            if not written:
                 return _IDLE
             ring.take_header(slot, self._ring[slot % RING][1])
             return None
@@ -790,7 +1049,11 @@ class Receiver:
             if header.more:
                 records += [r for r in header.more if r.kind is not Kind.HEARTBEAT]
             if records:
-                self._active_at = time.monotonic()
+                now = self._active_at = time.monotonic()
+                for record in records:
+                    if record.kind is not Kind.RESPONSE and record.kind is not Kind.EXCEPTION:
+                        self._request_at = now  # see receive_until
+                        break
             try:
                 for record in records:
                     check_announced(record, state.peer_name, self._max_message_bytes)

@@ -329,7 +329,9 @@ class OutRing:
                 # one memcpy on this thread: torch's copy_ splits a large copy over its intra-op
                 # threads, which on a small busy machine makes it slower
                 # (docs/explanation/benchmarks.md)
-                view[off : off + n] = byte_view(t)  # a contiguous uint8 buffer (not t.numpy(): see _byte_view)
+                view[off : off + n] = byte_view(
+                    t
+                )  # a contiguous uint8 buffer (not t.numpy(): see _byte_view)
             i += 1
         return positions
 
@@ -413,13 +415,22 @@ class InRing:
         releases.free(start, end)
         return out
 
-    def wait_header(self, slot: int, until: float | None = None) -> bool:
+    def wait_header(
+        self, slot: int, until: float | None = None, stop: Callable[[], bool] | None = None
+    ) -> bool:
         """Return True once the peer has written header ``slot`` (counting from 0), sleeping on the
-        doorbell meanwhile; False: not written by ``until`` (monotonic; None: no bound). Raises as
-        ``Doorbell.wait`` does. One thread at a time, slots in order."""
+        doorbell meanwhile; False: not written by ``until`` (monotonic; None: no bound), or ``stop()``
+        held first (looked at whenever the sleeper wakes: ``Doorbell.nudge`` wakes it for that).
+        Raises as ``Doorbell.wait`` does. One thread at a time, slots in order."""
         assert self.door is not None
         written = self._words.written
-        return self.door.wait(lambda: int(written[0]) > slot, self._words.asleep, self._words.hung_up, until)
+
+        def ready() -> bool:
+            return int(written[0]) > slot or (stop is not None and stop())
+
+        if not self.door.wait(ready, self._words.asleep, self._words.hung_up, until):
+            return False
+        return int(written[0]) > slot
 
     def has_news(self, slot: int) -> bool:
         """Whether a parked link needs a receiver now: header ``slot`` is written, the peer hung up,

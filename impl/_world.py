@@ -359,6 +359,12 @@ class GlooWorld(World):
         else:
             self._pool.submit(fn, *args)
 
+    def reply_receiver(self, peer: int) -> Callable[[Any], None] | None:
+        """A same-host link's caller receives its reply itself (Receiver.receive_until); None before
+        the link exists (its first message makes it) or between hosts."""
+        link = self._table.links.get(peer)
+        return None if link is None else link.reply_receiver
+
     def call_later(self, delay: float, fn: Callable[[], Any]) -> TimerHandle:
         return self._timer.call_later(delay, fn)
 

@@ -34,7 +34,7 @@ from ._errors import (
     serialization_error,
     unpickle_error,
 )
-from ._future import Future, add_internal_callback, then_internal
+from ._future import Future, add_internal_callback, receive_while_waiting, then_internal
 from ._message import CONTROL_KINDS, REQUEST_KINDS, Kind, Message
 from ._rref import (
     GloballyUniqueId,
@@ -243,6 +243,9 @@ class RpcAgent:
     ) -> Future[Any]:
         """Send an encoded request: its pending entry, deadline and message (see :meth:`request`)."""
         fut: Future[Any] = Future()
+        receive = self.world.reply_receiver(dst)
+        if receive is not None:
+            receive_while_waiting(fut, receive)
         pending = _Pending(fut, dst, kind)
         timeout = self.rpc_timeout if timeout is None or timeout < 0 else float(timeout)
         msg_id = next(self._ids)  # atomic: itertools.count under the GIL

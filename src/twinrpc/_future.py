@@ -89,7 +89,7 @@ class Future(torch.futures.Future[T]):
     module docstring). Callbacks may block.
     """
 
-    __slots__ = ("_callbacks", "_exception", "_label", "_lock", "_result", "_waiters")
+    __slots__ = ("_callbacks", "_exception", "_label", "_lock", "_receive", "_result", "_waiters")
 
     def __init__(self, *, devices: list[Any] | None = None) -> None:
         # torch's C++ future underneath stays pending and unused: every method is overridden here
@@ -105,6 +105,9 @@ class Future(torch.futures.Future[T]):
         #: see ``label``: a string, or a function that makes it (an RPC's future gets one: the text
         #: is read only by deadlock reports and reprs, and making it costs as much as the RPC's pickling)
         self._label: str | Callable[[], str] | None = None
+        #: see ``receive_while_waiting``: how a thread blocking on this future may bring its
+        #: completion itself (None: it waits on a lock)
+        self._receive: Callable[[Future[T]], None] | None = None
 
     @property
     def label(self) -> str | None:
@@ -127,7 +130,14 @@ class Future(torch.futures.Future[T]):
         """Block until complete; return the result or raise the exception (again on every call)."""
         if self._result is _PENDING and self._exception is None:  # not done()
             blocker = CURRENT_BLOCKER.get()
-            (THREAD_BLOCKER if blocker is None else blocker).wait_done(self)
+            if blocker is None:
+                receive = self._receive
+                if receive is not None:
+                    receive(self)  # returns once done, or at once if it cannot receive now
+                if self._result is _PENDING and self._exception is None:
+                    THREAD_BLOCKER.wait_done(self)
+            else:
+                blocker.wait_done(self)
         if self._exception is not None:
             raise self._exception
         return self._result  # type: ignore[no-any-return]
@@ -270,6 +280,14 @@ def add_waiter(fut: Future[Any], wake: Callable[[Future[Any]], None]) -> bool:
     """Register ``wake`` to run at once when ``fut`` completes; False (nothing registered) if it
     already has. How a world's blocker parks a task on a future."""
     return fut._add_callback_if_pending(wake)
+
+
+def receive_while_waiting(fut: Future[Any], receive: Callable[[Future[Any]], None]) -> None:
+    """A thread of the real world that blocks on ``fut.wait()`` first calls ``receive(fut)``, which
+    brings the completion itself (the gloo world's caller receiving its own reply,
+    ``Receiver.receive_until`` in impl/_receiver.py) and returns once ``fut`` is done, or returns at
+    once if it cannot; the thread then waits as usual. Not under a world's blocker (the simulator's)."""
+    fut._receive = receive
 
 
 def wait_bounded(

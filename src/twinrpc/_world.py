@@ -295,6 +295,13 @@ class World(abc.ABC):
         exist from the start has nothing to make."""
         del peers
 
+    def reply_receiver(self, peer: int) -> Callable[[Any], None] | None:
+        """How a thread that blocks on the future of a request to ``peer`` may receive the reply
+        itself (see ``twinrpc._future.receive_while_waiting``); None: it waits to be woken. The gloo
+        world's same-host links have one (``Receiver.receive_until``); the simulator's tasks wait."""
+        del peer
+        return None
+
     def schedule_rref_delete(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` (sending a dead user RRef's delete) on a task soon. Called from
         ``UserState.__del__``, which may run inside any allocation holding any lock, so it must only
