@@ -439,6 +439,22 @@ def test_leaving_a_context_releases_it_on_every_worker_it_reached(world: Any) ->
     assert after == [False, False]
 
 
+def _backward_through_a_released_context(ctx: Any) -> Any:
+    da, rpc = ctx.dist_autograd, ctx.rpc
+    a = torch.rand(3, requires_grad=True)
+    with da.context():
+        received = rpc.rpc_sync(ctx.name(1), torch.add, args=(a, 1))
+    with da.context() as cid:
+        return outcome(lambda: da.backward(cid, [received.sum()]))
+
+
+@pytest.mark.spec("DAG-10")
+def test_a_backward_reaching_a_released_contexts_recv_function_raises(world: Any) -> None:
+    kinds, msg = world.run_on(0, _backward_through_a_released_context)
+    assert "RuntimeError" in kinds
+    assert "Autograd context no longer valid!" in msg
+
+
 # -- RREF-10 ---------------------------------------------------------------------------------------
 def _rref_backward(ctx: Any) -> dict[str, Any]:
     da, rpc = ctx.dist_autograd, ctx.rpc

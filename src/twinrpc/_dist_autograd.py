@@ -15,6 +15,7 @@ import contextvars
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -119,13 +120,18 @@ class _RecvRpc(torch.autograd.Function):
     """The grad_fn of one received tensor. Its edge to a dummy leaf only makes the output require grad;
     the FAST engine never lets gradients flow past it: it collects them per message instead.
 
+    The node refers to its :class:`RecvRpcBackward` weakly (``entry`` is a ``weakref.ref``), as
+    PyTorch's recv function refers to its context: the context owns the entry, and the entry its
+    nodes. A strong reference back made each received tensor's graph a cycle that only the cyclic
+    garbage collector frees; once the context is released, :func:`recv_entry` raises as PyTorch does.
+
     A pass that sets the node's ``taken`` to :data:`TAKING` gets there the gradient the node is handed
     (after tensor hooks and pre-hooks, undefined as None): a hook of its own would cost a registration
     and a removal per node and pass, on the critical path of every distributed backward."""
 
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, box: list[torch.Tensor], entry: Any, slot: int) -> Any:
-        ctx.entry = entry
+        ctx.entry = weakref.ref(entry)
         ctx.slot = slot
         ctx.taken = None
         ctx.set_materialize_grads(False)  # an undefined gradient stays None: zeros of the slot's layout go
@@ -142,13 +148,28 @@ RECV_NODE_TYPE: Any = _RecvRpc._backward_cls
 _ANCHOR = torch.zeros((), requires_grad=True)
 
 
+def recv_entry(node: Any) -> RecvRpcBackward:
+    """The recv function a recv node belongs to.
+
+    Raises:
+        RuntimeError: its autograd context was released (PyTorch's message).
+    """
+    entry: RecvRpcBackward | None = node.entry()
+    if entry is None:
+        raise RuntimeError(
+            "Autograd context no longer valid! This usually means the autograd context was cleaned up "
+            "by a different thread due to an error before RecvRcpBackward had a chance to run"
+        )
+    return entry
+
+
 class RecvRpcBackward:
     """A recv function: the tensors of one message from ``peer`` that require grad (DAG-4).
 
     A backward pass sends exactly one gradient message for it, with one gradient per tensor.
     """
 
-    __slots__ = ("autograd_message_id", "meta", "nodes", "peer", "what")
+    __slots__ = ("__weakref__", "autograd_message_id", "meta", "nodes", "peer", "what")
 
     next_functions: tuple[tuple[Any, int], ...] = ()
 

@@ -44,6 +44,7 @@ from ._dist_autograd import (
     SendRpcBackward,
     context_not_found,
     handoff,
+    recv_entry,
 )
 from ._fork import on_fork_survivor
 from ._future import Future, add_internal_callback
@@ -198,7 +199,7 @@ class GraphPass:
         self.recv_grads: dict[RecvRpcBackward, list[torch.Tensor | None]] = {}
         for node in owner:
             if type(node) is RECV_NODE_TYPE:
-                entry = node.entry
+                entry = recv_entry(node)
                 self.recv_expected[entry] = self.recv_expected.get(entry, 0) + 1
 
     # -- feeding ---------------------------------------------------------------------------------
@@ -385,7 +386,7 @@ class GraphPass:
 
     # -- recv: one gradient message per recv function --------------------------------------------
     def _recv_slot_done(self, node: Any, g: torch.Tensor | None) -> None:
-        entry: RecvRpcBackward = node.entry
+        entry = recv_entry(node)
         slots = self.recv_grads.get(entry)
         if slots is None:
             slots = self.recv_grads[entry] = [None] * len(entry.nodes)
