@@ -123,7 +123,16 @@ def test_the_committed_results_of_each_comparison_carry_every_figure_with_a_targ
     assert doc["figures"] and all(f["ratio"] > 0 for f in doc["figures"])
     keys = {f["key"] for f in doc["figures"] if f["target"]}
     expected = {
-        "bench_gloo": {"builtin", "udf", "remote", "throughput", "bw 16 MiB", "bw 64 MiB"},
+        "bench_gloo": {
+            "builtin",
+            "udf",
+            "udf plain",
+            "remote",
+            "throughput",
+            "throughput builtin",
+            "bw 16 MiB",
+            "bw 64 MiB",
+        },
         "bench_dist_autograd": {"step", "iteration"},
         "bench_two_hosts": {"bw 16 MiB", "bw 64 MiB"},
         # one figure per job count measured above 1
