@@ -217,6 +217,9 @@ def bench(session: nox.Session) -> None:
         "benchmarks/bench_scale.py",
         "--tensorpipe-up-to",
         "16",
+        # three alternating launches per size: one launch's times swing by tens of percent
+        "--repeat",
+        "3",
         "--json",
         f"{results}/bench_scale.json",
     )

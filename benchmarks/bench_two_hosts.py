@@ -7,9 +7,10 @@ off, as between hosts. Rank 0 of each pair runs in namespace A, rank 1 in B. Mea
 rounds as ``bench_gloo.py`` does: the round-trip latency of ``rpc_sync`` with a builtin and with a tiny
 UDF, and identity round trips of 16 and 64 MiB (a UDF returning its tensor argument; GB/s = 2 x size /
 round-trip time), for twinrpc and for raw gloo (``torch.distributed`` send/recv ping-pong with an
-explicit source and reused buffers: the floor under twinrpc's transport). TensorPipe runs too, for
-reference. Each figure is twinrpc's ratio to the raw gloo floor (the median over rounds of the ratio
-within a round).
+explicit source and reused buffers: the floor under twinrpc's transport). twinrpc runs twice, without
+and with a job key (``auth_key``: every frame and every storage sent over gloo authenticated,
+impl/_auth.py), and TensorPipe runs too, for reference. Each figure is a twinrpc world's ratio to the raw
+gloo floor (the median over rounds of the ratio within a round).
 
 A veth pair is not a wire: it has no bandwidth limit or propagation delay of its own, so these figures
 measure what twinrpc adds to gloo's TCP path between hosts (copies, framing, Python), not a network.
@@ -41,7 +42,9 @@ TARGETS = {
     "bw 16 MiB": (">=", 0.9),
     "bw 64 MiB": (">=", 0.9),
 }
-SYSTEMS = ("twinrpc", "gloo", "tensorpipe")
+SYSTEMS = ("twinrpc", "twinrpc-keyed", "gloo", "tensorpipe")
+#: the figures of the world with a job key carry this after their key and label
+KEYED = (" keyed", " with a job key")
 
 
 def _measures(system: str, what: str) -> bool:
@@ -90,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         unit = "GB/s" if what == "bw" else "us (median)"
         print(f"  {name:<10} {unit:<12} " + ", ".join(cells))
     found = figures(per_round, plan, "twinrpc", "gloo", TARGETS)
-    print("figures (ratio = median over rounds of twinrpc / raw gloo within the round):")
+    for f in figures(per_round, plan, "twinrpc-keyed", "gloo", TARGETS):
+        f["key"] += KEYED[0]
+        f["label"] += KEYED[1]
+        found.append(f)
+    print("figures (ratio = median over rounds of a twinrpc world / raw gloo within the round):")
     for f in found:
         print("  " + _results.describe(f))
     if args.json:

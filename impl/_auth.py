@@ -28,6 +28,12 @@ writes to the store is believed, nor anything recorded in an earlier run and wri
   checks a header's tag before decoding it and the data tag before unpickling the payload or handing
   a storage on, so a frame that fails is dropped unused, and the link to its sender fails with
   :class:`AuthenticationError`.
+* **Large data hashed while it moves.** A message with a data frame over the receiver's go-ahead size
+  is sealed *tag after* (``_framing.FLAG_TAG_AFTER``, which the header's tag covers): its data tag
+  (the same Poly1305 under the same one-time key) follows its data in a frame of its own, and its large
+  frames travel in pieces, so the sender hashes each piece while gloo sends it and the receiver each
+  piece while the next arrives; the receiver still checks the tag before anything of the message is
+  used.
 * **Not covered:** storages that travel through the same-host ring (shared memory only processes of
   the same user can map, which can read the job key anyway); and secrecy (frames are authenticated,
   not encrypted).
@@ -61,6 +67,7 @@ from ._framing import (
     FLAG_INLINE_TENSORS,
     FLAG_RIDERS,
     FLAG_SHM,
+    FLAG_TAG_AFTER,
     HEADER_BYTES,
     MAX_RIDER_BYTES,
     PAYLOAD_TAG_AT,
@@ -86,6 +93,7 @@ _NONCE_BYTES = 16
 __all__ = [
     "AuthStore",
     "AuthenticationError",
+    "DataMac",
     "DataTag",
     "FrameAuth",
     "JobAuth",
@@ -143,36 +151,69 @@ class FrameAuth:
             h.update(view[start:])
         return h.digest()
 
-    def _data_tag(self, src: int, dst: int, seq: int, parts: Sequence[Any]) -> bytes:
-        """The data tag of the ``seq``-th header from ``src`` to ``dst``: Poly1305 over ``parts`` (the
-        payload and storages sent apart, in order; their sizes are in the header, so the run of bytes
-        is unambiguous) under a key used for this header only."""
+    def _data_mac(self, src: int, dst: int, seq: int) -> DataMac:
+        """The data MAC of the ``seq``-th header from ``src`` to ``dst``: Poly1305 under a key used for
+        this header only, to be fed the payload and storages sent apart, in order (their sizes are in
+        the header, so the run of bytes is unambiguous)."""
         h = self._data_base.copy()
         h.update(_CONTEXT.pack(src, dst, seq))
-        mac = self._poly(h.digest())
+        return DataMac(self._poly(h.digest()))
+
+    def _data_tag(self, src: int, dst: int, seq: int, parts: Sequence[Any]) -> bytes:
+        """The data tag of the ``seq``-th header from ``src`` to ``dst`` over ``parts``."""
+        mac = self._data_mac(src, dst, seq)
         for part in parts:
-            view = byte_view(part) if isinstance(part, torch.Tensor) else memoryview(part).cast("B")
-            for at in range(0, len(view), _DATA_CHUNK):
-                mac.update(view[at : at + _DATA_CHUNK])
-        return bytes(mac.finalize())
+            mac.update(part)
+        return mac.finalize()
+
+    def incoming_mac(self, expected: DataTag) -> DataMac:
+        """For a header sealed tag after: the MAC to feed the data it announced as it arrives (the
+        tag to compare follows the data, see :meth:`check_tag_after`)."""
+        return self._data_mac(self._peer, self._me, expected[1])
+
+    def check_tag_after(self, mac: DataMac, tag: bytes, msg_id: int, peer_name: str) -> None:
+        """Check the tag that followed a message's data (fed to ``mac``) before it is used.
+
+        Raises:
+            AuthenticationError: naming the peer.
+        """
+        if not hmac.compare_digest(mac.finalize(), tag):
+            raise _data_failed(msg_id, peer_name)
 
     def seal(
-        self, view: memoryview, seq: int, used: int, payload: bytes, storages: Sequence[torch.Tensor] = ()
-    ) -> None:
+        self,
+        view: memoryview,
+        seq: int,
+        used: int,
+        payload: bytes,
+        storages: Sequence[torch.Tensor] = (),
+        after_over: int | None = None,
+    ) -> DataMac | None:
         """Tag the header frame in ``view`` (its leading part ends at ``used``), our ``seq``-th on this
         link. ``payload`` and ``storages``: its first message's; what of them travels apart from the
         header (by its flags: a payload not inline, storages neither inline nor in the same-host ring)
-        gets the data tag."""
+        gets the data tag. If a part is over ``after_over`` bytes, the header is sealed tag after
+        (``FLAG_TAG_AFTER``) and the data MAC is returned for the sender to feed as it sends the data
+        and to send its tag after it; else None."""
         _USED.pack_into(view, USED_AT, used)
         (flags,) = _FLAGS.unpack_from(view, _FLAGS_AT)
         parts = sent_apart(
             bool(flags & FLAG_INLINE), bool(flags & (FLAG_INLINE_TENSORS | FLAG_SHM)), payload, storages
         )
-        if parts:
+        mac = None
+        # (data in the same-host ring is not sent in frames: its tag stays in the header)
+        tag_after = after_over is not None and not flags & FLAG_SHM
+        if parts and tag_after and any(_nbytes(p) > after_over for p in parts):
+            flags |= FLAG_TAG_AFTER
+            _FLAGS.pack_into(view, _FLAGS_AT, flags)
+            view[PAYLOAD_TAG_AT:SIZES_AT] = bytes(TAG_BYTES)
+            mac = self._data_mac(self._me, self._peer, seq)
+        elif parts:
             view[PAYLOAD_TAG_AT:SIZES_AT] = self._data_tag(self._me, self._peer, seq, parts)
         tag = self._header_tag(view, self._me, self._peer, seq, flags, used)
         assert tag is not None  # our own encoder keeps the riders after the leading part
         view[TAG_AT:PAYLOAD_TAG_AT] = tag
+        return mac
 
     def check_header(self, view: memoryview, seq: int, peer_name: str) -> DataTag:
         """Check the peer's ``seq``-th header frame, before anything in it is decoded; returns what the
@@ -203,11 +244,42 @@ class FrameAuth:
         """
         tag, seq = expected
         if not hmac.compare_digest(self._data_tag(self._peer, self._me, seq, parts), tag):
-            raise AuthenticationError(
-                f"authentication failed: the data of message {msg_id} from {peer_name} (its payload or "
-                "tensor storages, sent after its header) does not match the MAC in its header (altered "
-                f"on the way); it was dropped unused and the link to {peer_name} is closed"
-            )
+            raise _data_failed(msg_id, peer_name)
+
+
+def _data_failed(msg_id: int, peer_name: str) -> AuthenticationError:
+    return AuthenticationError(
+        f"authentication failed: the data of message {msg_id} from {peer_name} (its payload or tensor "
+        "storages, sent after its header) does not match the MAC sent with it (altered on the way); it "
+        f"was dropped unused and the link to {peer_name} is closed"
+    )
+
+
+def _bytes_of(part: Any) -> memoryview:
+    return byte_view(part) if isinstance(part, torch.Tensor) else memoryview(part).cast("B")
+
+
+def _nbytes(part: Any) -> int:
+    return part.numel() if isinstance(part, torch.Tensor) else len(part)
+
+
+class DataMac:
+    """A data tag being computed: fed the data sent apart from one header, in order."""
+
+    __slots__ = ("_mac",)
+
+    def __init__(self, mac: Any) -> None:
+        self._mac = mac
+
+    def update(self, part: Any) -> None:
+        """Feed ``part`` (a ``uint8`` tensor, bytes or a buffer), a chunk at a time (the GIL is
+        free between two: Poly1305 holds it)."""
+        view = _bytes_of(part)
+        for at in range(0, len(view), _DATA_CHUNK):
+            self._mac.update(view[at : at + _DATA_CHUNK])
+
+    def finalize(self) -> bytes:
+        return bytes(self._mac.finalize())
 
 
 def sent_apart(

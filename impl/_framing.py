@@ -34,6 +34,13 @@ Between processes on one host the first message's data may travel through the se
 ring instead of data frames (``FLAG_SHM``, see ``_same_host``): then u64 ring positions follow the
 storage sizes, one for the payload (unused when the payload is inline) and one for each storage; the
 storages are all in the ring, and no data frame follows the header.
+
+With a job key (``_auth``), a message whose data frames include one over ``GO_AHEAD_BYTES`` (the
+receiver's ``_recv_data``) is sent *tag after* (``FLAG_TAG_AFTER``): its data tag travels in a frame of
+its own (``TAG_BYTES``, a staged data frame) after its data instead of inside the header, and each data
+frame over ``GO_AHEAD_BYTES`` travels in pieces of at most ``PIECE_BYTES`` (one gloo send and receive
+each), so that both ends hash the data while gloo moves it, instead of before (the sender) and after
+(the receiver).
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ from ._same_host import SLOT_BYTES, OutRing
 HEADER_BYTES = 4096
 assert HEADER_BYTES == SLOT_BYTES, "a same-host header slot holds one header frame"
 MAGIC = 0x54574E52  # "TWNR"
-VERSION = 6
+VERSION = 7
 FLAG_INLINE = 1  # the payload is inside the header
 FLAG_CLOSE = 2  # the sender is closing this link (graceful shutdown): no message follows
 FLAG_GRACEFUL = 4  # with FLAG_CLOSE: the sender completed graceful shutdown (an orderly departure)
@@ -60,6 +67,9 @@ FLAG_INLINE_TENSORS = 8  # the storages follow the inline payload inside the hea
 FLAG_RIDERS = 16  # earlier small messages ride at the end of the header (delivered first)
 FLAG_MORE = 32  # further whole messages follow the first one's inline part (see the module docstring)
 FLAG_SHM = 64  # the first message's data is in the sender's shared-memory ring (see the module docstring)
+FLAG_TAG_AFTER = 128  # with a job key: the data tag follows the data (see the module docstring)
+#: with FLAG_TAG_AFTER, a large data frame travels in pieces of at most this many bytes
+PIECE_BYTES = 8 << 20
 
 _FIXED = struct.Struct("<IHHHHiqQIQ")
 #: the ``used`` field's offset (see the module docstring)
@@ -93,6 +103,12 @@ class FrameTooLarge(FrameError):
     """A header announced more bytes than this worker accepts in one message (MAX_MESSAGE_BYTES):
     refused before anything is allocated for them, and the link to that peer fails (the frames that
     would follow cannot be told apart from the next header)."""
+
+
+def pieces(nbytes: int) -> list[tuple[int, int]]:
+    """The spans of the pieces a data frame of ``nbytes`` travels in when sent tag after
+    (``FLAG_TAG_AFTER``; each at most ``PIECE_BYTES``)."""
+    return [(at, min(at + PIECE_BYTES, nbytes)) for at in range(0, nbytes, PIECE_BYTES)]
 
 
 def _max_message_bytes() -> int:
@@ -386,7 +402,7 @@ class Header(Record):
     """A decoded header frame: its first message (the Record fields), the frame's own fields, the
     riders before it and the further messages after it (``more``)."""
 
-    __slots__ = ("ack", "closing", "data_tag", "graceful", "more", "riders", "src")
+    __slots__ = ("ack", "closing", "data_tag", "graceful", "more", "riders", "src", "tag_after")
 
     #: with a job key: what the data sent apart from the header must match (set by the receiver,
     #: which checked the header's own tag before decoding it; see _auth.FrameAuth.check_data)
@@ -413,6 +429,8 @@ class Header(Record):
         self.ack = ack
         self.closing = bool(flags & FLAG_CLOSE)
         self.graceful = bool(flags & FLAG_GRACEFUL)
+        #: the data tag follows the data, which travels in pieces (FLAG_TAG_AFTER)
+        self.tag_after = bool(flags & FLAG_TAG_AFTER)
         #: the further messages of the frame, in the order they were sent (after this one)
         self.more: list[Record] = []
         if self.closing:

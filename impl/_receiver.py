@@ -31,15 +31,17 @@ from twinrpc._future import CALLBACK_ROLE, Future, add_waiter
 from twinrpc._message import Kind, Message
 
 from . import _framing
-from ._auth import AuthenticationError, FrameAuth, sent_apart
+from ._auth import AuthenticationError, DataMac, FrameAuth, sent_apart
 from ._door_watch import DOOR_WATCH
 from ._framing import (
+    TAG_BYTES,
     FrameError,
     FrameTooLarge,
     Header,
     Record,
     check_announced,
     new_header_tensor,
+    pieces,
 )
 from ._interrupt_shield import InterruptShield
 from ._link_state import LinkState
@@ -460,21 +462,27 @@ class Receiver:
         self._staging_work = None
 
     # -- receiving ---------------------------------------------------------------------------------
-    def _recv_data(self, nbytes: int, as_bytes: bool = False) -> Any:
+    def _recv_data(self, nbytes: int, as_bytes: bool = False, mac: DataMac | None = None) -> Any:
         """Receive the next data frame (``nbytes`` long) as a tensor of its own (or as ``bytes``),
         recording for the heartbeat that we wait for the peer: copied out of the staging buffer (whose
-        receive is then posted again), or, for a large frame, received in place."""
+        receive is then posted again), or, for a large frame, received in place. With ``mac`` (a
+        message sent tag after, see ``_framing.FLAG_TAG_AFTER``) the frame is fed to it, a large one
+        piece by piece as the pieces arrive."""
         live = self._live
         live.data_wait = (time.monotonic(), nbytes / MIN_FRAME_RATE)
         try:
             if nbytes > STAGED_BYTES:
                 t = RECV_BUFFERS.take(nbytes)
-                work = self._pg.recv([t], self._src, LARGE_TAG)
+                spans = pieces(nbytes) if mac is not None and nbytes > GO_AHEAD_BYTES else [(0, nbytes)]
+                works = [(self._pg.recv([t[a:b]], self._src, LARGE_TAG), a, b) for a, b in spans]
                 if nbytes > GO_AHEAD_BYTES:
                     # the sender posted the go-ahead's receive before the header, so this send does
                     # not wait for the peer's threads
                     self._pg.send([self._go_ahead], self._src, READY_TAG).wait()
-                work.wait()
+                for work, a, b in works:
+                    work.wait()
+                    if mac is not None:  # while the next piece arrives
+                        mac.update(t[a:b])
                 out: Any = t.numpy().tobytes() if as_bytes else t
             else:
                 with self._post_lock:
@@ -484,6 +492,8 @@ class Receiver:
                 work.wait()
                 staged = self._staging[:nbytes]
                 out = staged.numpy().tobytes() if as_bytes else staged.clone()
+                if mac is not None:
+                    mac.update(out)
                 with self._post_lock:
                     self._staging_work = None  # posted again by the next idle receiver (_repost)
         finally:
@@ -1066,23 +1076,30 @@ class Receiver:
             for record in records:
                 left -= 1
                 try:
+                    mac = None
                     if record.positions is not None:
                         payload, tensors = self._take_from_ring(record)
                     else:
+                        if self._auth is not None and record is header and header.tag_after:
+                            mac = self._auth.incoming_mac(header.data_tag)
                         inline_payload, inline_tensors = record.inline_payload, record.inline_tensors
                         payload = (
                             inline_payload
                             if inline_payload is not None
-                            else self._recv_data(record.payload_len, as_bytes=True)
+                            else self._recv_data(record.payload_len, as_bytes=True, mac=mac)
                         )
                         if inline_tensors is not None:
                             tensors = inline_tensors
                         else:
                             tensors = [
-                                self._recv_data(size) if size else torch.empty(0, dtype=torch.uint8)
+                                self._recv_data(size, mac=mac) if size else torch.empty(0, dtype=torch.uint8)
                                 for size in record.sizes
                             ]
-                    if self._auth is not None:  # before the payload is unpickled, a tensor built
+                    if mac is not None:  # the tag follows the data: checked before any of it is used
+                        assert self._auth is not None
+                        tag = self._recv_data(TAG_BYTES, as_bytes=True)
+                        self._auth.check_tag_after(mac, tag, record.id, state.peer_name)
+                    elif self._auth is not None:  # before the payload is unpickled, a tensor built
                         apart = sent_apart(
                             record.inline_payload is not None,
                             record.inline_tensors is not None or record.positions is not None,

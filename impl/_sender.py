@@ -26,7 +26,7 @@ import torch
 from twinrpc._future import CALLBACK_ROLE
 from twinrpc._message import Kind, Message
 
-from ._auth import FrameAuth
+from ._auth import DataMac, FrameAuth
 from ._framing import (
     HEADER_BYTES,
     SIZES_AT,
@@ -34,6 +34,7 @@ from ._framing import (
     encode_close,
     fits_whole,
     new_header_tensor,
+    pieces,
     ring_fits,
 )
 from ._link_state import LinkState, PeerShutDown
@@ -345,15 +346,18 @@ class Sender:
                 batch.append(q.popleft())
             seq = self.headers_sent
             self.headers_sent = seq + 1
+            mac = None
             if self._auth is not None:
-                self._auth.seal(self._view, seq, enc.used, first.msg.payload, first.msg.tensors)
+                mac = self._auth.seal(
+                    self._view, seq, enc.used, first.msg.payload, first.msg.tensors, GO_AHEAD_BYTES
+                )
             try:
                 # the go-aheads for the message's large frames: posted before the header, so the
                 # receiver's go-ahead never waits for us (a receiver thread must not block in a send)
                 readies = self._post_readies(first.msg, inline, inline_tensors)
                 self._send_header()
                 if not inline or not inline_tensors:
-                    self._send_data(first.msg, inline, inline_tensors, readies)
+                    self._send_data(first.msg, inline, inline_tensors, readies, mac)
             except RuntimeError as exc:
                 error = self._frame_failed(exc, riders)
                 failed += [(entry, error) for entry in batch]
@@ -386,25 +390,44 @@ class Sender:
         return readies
 
     def _send_data(
-        self, msg: Message, inline: bool, inline_tensors: bool, readies: list[tuple[torch.Tensor, Any]]
+        self,
+        msg: Message,
+        inline: bool,
+        inline_tensors: bool,
+        readies: list[tuple[torch.Tensor, Any]],
+        mac: DataMac | None = None,
     ) -> None:
         """The data frames of a frame's first message: its payload unless inline, then its storages. A
-        large frame goes once the peer has posted its receive (its go-ahead, see ``GO_AHEAD_BYTES``)."""
+        large frame goes once the peer has posted its receive (its go-ahead, see ``GO_AHEAD_BYTES``).
+        With ``mac`` (sealed tag after, see ``_framing.FLAG_TAG_AFTER``) each frame is hashed while it
+        is sent, and the data tag follows the last one."""
         go = iter(readies)
         if not inline:
             payload = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8)
-            self._send_frame(payload, len(msg.payload), go)
+            self._send_frame(payload, len(msg.payload), go, mac)
         if not inline_tensors:
             for t in msg.tensors:
                 n = t.numel()
                 if n:
-                    self._send_frame(t, n, go)
+                    self._send_frame(t, n, go, mac)
+        if mac is not None:
+            tag = torch.frombuffer(bytearray(mac.finalize()), dtype=torch.uint8)
+            self._wait_sent(self._pg.send([tag], self._dst, DATA_TAG), len(tag))
 
-    def _send_frame(self, t: torch.Tensor, n: int, go: Any) -> None:
-        """One data frame of ``n`` bytes; over GO_AHEAD_BYTES after its go-ahead (the next of ``go``)."""
+    def _send_frame(self, t: torch.Tensor, n: int, go: Any, mac: DataMac | None = None) -> None:
+        """One data frame of ``n`` bytes; over GO_AHEAD_BYTES after its go-ahead (the next of ``go``).
+        With ``mac``: fed the frame while gloo sends it (a large frame in pieces, see ``pieces``)."""
         if n > GO_AHEAD_BYTES:
             self._wait_sent(next(go)[1], n)  # the peer allocates and posts first: as slow as the frame
-        self._wait_sent(self._pg.send([t], self._dst, DATA_TAG if n <= STAGED_BYTES else LARGE_TAG), n)
+        tag = DATA_TAG if n <= STAGED_BYTES else LARGE_TAG
+        if mac is None:
+            self._wait_sent(self._pg.send([t], self._dst, tag), n)
+            return
+        spans = pieces(n) if n > GO_AHEAD_BYTES else [(0, n)]
+        works = [(self._pg.send([t[a:b]], self._dst, tag), b - a) for a, b in spans]
+        mac.update(t)  # while gloo's threads send it (the GIL is free between chunks)
+        for work, nbytes in works:
+            self._wait_sent(work, nbytes)
 
     def _frame_failed(self, exc: RuntimeError, riders: list[Rider]) -> BaseException:
         """A frame of ours failed in gloo: fail the link (unless it had failed already) and report the

@@ -26,6 +26,9 @@ from _gloo_pair import wait_failed as _wait_failed
 from _spawn_world import bad_peer_world, preloaded_context, run_keyed_world
 from twinrpc.impl._auth import MARK, AuthenticationError, AuthStore, FrameAuth, JobAuth, job_key
 from twinrpc.impl._framing import (
+    _FLAGS,
+    _FLAGS_AT,
+    FLAG_TAG_AFTER,
     HEADER_BYTES,
     PAYLOAD_TAG_AT,
     SIZES_AT,
@@ -143,6 +146,54 @@ def test_data_sent_apart_must_match_the_tag_its_header_carries() -> None:
             receiver.check_data(parts, tag, 1, PEER)
     with pytest.raises(AuthenticationError):
         receiver.check_data([payload, *storages], (tag[0], 4), 1, PEER)
+
+
+def test_large_data_is_sealed_tag_after_and_its_tag_still_covers_every_byte_in_order() -> None:
+    """A storage over the go-ahead size: the header says the tag follows the data (a flag its own tag
+    covers) and carries none; the tag the sender computes while sending matches only the same bytes
+    in the same order, for that header's sequence number."""
+    key = b"k" * 32
+    sender, receiver = FrameAuth(key, 0, 1), FrameAuth(key, 1, 0)
+    big = torch.full((5 << 20,), 3, dtype=torch.uint8)
+    small = torch.arange(200, dtype=torch.uint8)
+    msg = Message(Kind.CALL, 1, 0, 1, b"p" * 5000, [small, big])
+    _, view = new_header_tensor()
+    enc = FrameEncoder(view)
+    enc.first(msg, 0, None)
+    mac = sender.seal(view, 3, enc.used, msg.payload, msg.tensors, after_over=4 << 20)
+    assert mac is not None
+    assert _FLAGS.unpack_from(view, _FLAGS_AT)[0] & FLAG_TAG_AFTER
+    assert bytes(view[PAYLOAD_TAG_AT:SIZES_AT]) == bytes(SIZES_AT - PAYLOAD_TAG_AT)
+    expected = receiver.check_header(view, 3, PEER)
+    assert Header(view, 0, 1).tag_after
+    for part in (msg.payload, small, big):
+        mac.update(part)
+    tag = mac.finalize()
+
+    def check(parts: list[Any], seq: int = 3) -> None:
+        incoming = receiver.incoming_mac((expected[0], seq))
+        for part in parts:
+            incoming.update(part)
+        receiver.check_tag_after(incoming, tag, 1, PEER)
+
+    check([msg.payload, small, big])
+    flipped = big.clone()
+    flipped[(4 << 20) + 17] ^= 1
+    for parts, seq in (
+        ([msg.payload, small, flipped], 3),
+        ([msg.payload, big, small], 3),
+        ([msg.payload, small], 3),
+        ([msg.payload, small, big], 4),
+    ):
+        with pytest.raises(AuthenticationError, match="data of message 1 from 'worker0'"):
+            check(parts, seq)
+    # the same message sealed without a bound (or with its data under it) keeps its tag in the header
+    _, plain = new_header_tensor()
+    enc = FrameEncoder(plain)
+    enc.first(msg, 0, None)
+    assert sender.seal(plain, 3, enc.used, msg.payload, msg.tensors) is None
+    assert not _FLAGS.unpack_from(plain, _FLAGS_AT)[0] & FLAG_TAG_AFTER
+    receiver.check_data([msg.payload, small, big], receiver.check_header(plain, 3, PEER), 1, PEER)
 
 
 def test_store_values_are_authenticated_by_name_and_value() -> None:
@@ -282,8 +333,10 @@ def test_a_replayed_frame_fails_the_link(tmp_path: Path) -> None:
         _end(sender, listener)
 
 
-def test_keyed_links_carry_every_kind_of_frame() -> None:
-    """Inline, coalesced, riders, a payload frame of its own and storages: all arrive, in order."""
+def test_keyed_links_carry_every_kind_of_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inline, coalesced, riders, a payload frame of its own, storages and storages large enough to
+    travel tag after, in pieces: all arrive, in order (over gloo: no same-host ring)."""
+    monkeypatch.setenv("TWINRPC_SHM", "0")
     auth = JobAuth(b"the job's key")
     store = auth.wrap(dist.HashStore())
     failures: list[BaseException] = []
@@ -296,11 +349,17 @@ def test_keyed_links_carry_every_kind_of_frame() -> None:
             for i in range(3, 6):
                 sender.send(Message(Kind.CALL, i, 0, 1, b"small %d" % i), lambda m, e: None)
         sender.send(Message(Kind.CALL, 6, 0, 1, b"last"))
-        got = inbox.wait_for(6)
-        assert [m.id for m in got] == [1, 2, 3, 4, 5, 6]
+        # storages over the go-ahead size: sent tag after, in pieces (impl/_framing.py, FLAG_TAG_AFTER)
+        big = torch.randint(0, 256, (20 << 20,), dtype=torch.uint8)
+        sender.send(Message(Kind.CALL, 7, 0, 1, b"big", [big, torch.arange(5, dtype=torch.uint8), big[:5 << 20]]))
+        sender.send(Message(Kind.CALL, 8, 0, 1, b"after the big one"))
+        got = inbox.wait_for(8)
+        assert [m.id for m in got] == [1, 2, 3, 4, 5, 6, 7, 8]
         assert got[1].payload == b"x" * 10_000 and torch.equal(
             got[1].tensors[0], torch.arange(10, dtype=torch.uint8)
         )
+        assert torch.equal(got[6].tensors[0], big) and torch.equal(got[6].tensors[2], big[: 5 << 20])
+        assert got[7].payload == b"after the big one"
         assert sender.sender.messages_sent > sender.sender.headers_sent - 1
     finally:
         _end(sender, listener)

@@ -668,21 +668,23 @@ def _links(
     return made[me], made[peer]
 
 
+@pytest.mark.parametrize("floats", [4096, 3 << 20], ids=["16 KiB", "12 MiB, tag after, in pieces"])
 def test_a_storage_changed_by_a_relay_on_the_path_fails_the_link_naming_the_peer(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, floats: int
 ) -> None:
     """worker0 -> worker1 crosses a TCP relay (the attacker holds the network between them, not the
     key), worker2 -> worker1 does not (both keyed, over gloo alone: TWINRPC_SHM=0). The relay
-    forwards every byte, and changes one of the 16 KiB storage of 7.0s that worker0 sends: the
-    message is not delivered, worker1's link from worker0 fails naming authentication and worker0,
-    and worker2's messages still arrive."""
+    forwards every byte, and changes one of the storage of 7.0s that worker0 sends (small, or large
+    enough that its tag follows it and it travels in pieces): the message is not delivered,
+    worker1's link from worker0 fails naming authentication and worker0, and worker2's messages
+    still arrive."""
     monkeypatch.setenv("TWINRPC_SHM", "0")
     # the two ends live in this one process, where they would share one gloo device and so one
     # listening address; as in two processes, each end gets a device (and an address) of its own
     monkeypatch.setattr(_pair.SHARED_DEVICES, "get", _pair._Devices)
     store = JobAuth(KEY).wrap(dist.HashStore())
     inbox = Inbox()
-    sevens = torch.full((4096,), 7.0)
+    sevens = torch.full((floats,), 7.0)
     pattern = sevens[:16].view(torch.uint8).numpy().tobytes()
     paths: list[_ThroughRelay] = []
 
