@@ -115,13 +115,19 @@ class PeakThreads:
         import threading
 
         self.peak = 0
+        #: the threads by role at the peak
+        self.roles: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-peak", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(PEAK_EVERY):
-            self.peak = max(self.peak, len(os.listdir("/proc/self/task")) - 1)
+            n = len(os.listdir("/proc/self/task")) - 1
+            if n > self.peak:
+                self.peak = n
+                self.roles = thread_roles()
+                self.roles.pop("bench-peak", None)  # this thread
 
     def stop(self) -> int:
         self._stop.set()
@@ -186,6 +192,7 @@ def worker(system: str, variant: str, calls: int, settle: float, folder: Path) -
         "call_us": statistics.median(times) * 1e6,
         "shutdown_s": t_shutdown,
         "threads_peak": peak_threads,
+        "roles_peak": peak.roles,
         "before": counts_before,
         "during": during,
         "settled": settled,
@@ -254,6 +261,7 @@ def launch(system: str, size: int, variant: str, calls: int, settle: float) -> d
         "call_us": statistics.median(w["call_us"] for w in workers),
         "threads_after_calls": most("during", "threads"),
         "threads_peak": slowest("threads_peak"),
+        "roles_peak": max(workers, key=lambda w: w["threads_peak"])["roles_peak"],
         "threads": most("settled", "threads"),
         "fds": most("settled", "fds"),
         "rss_mb": most("settled", "rss_mb"),
@@ -395,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
                         f" most during init and calls {g['threads_peak']:.0f})"
                         f"  | after shutdown: threads {g['threads_after_shutdown']:.0f}"
                         f" fds {g['fds_after_shutdown']:.0f}\n    threads by role: {g['roles']}"
-                        f"\n    right after the calls: {g['roles_after_calls']}",
+                        f"\n    right after the calls: {g['roles_after_calls']}"
+                        f"\n    at the most: {g['roles_peak']}",
                         flush=True,
                     )
     figs = figures(rounds)
