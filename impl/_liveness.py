@@ -63,8 +63,10 @@ class Liveness:
         Only a peer heard at least once is judged, so a peer still setting up its world is never
         mistaken for a dead one; nor is a silent peer on this host whose process still runs (many
         workers on few cores can keep one from a core for longer than the bound: it is slow, and a
-        dead or stopped one is told apart by its process). Runs on the world's timer thread; never
-        blocks for long (one read of ``/proc`` for a peer past the bound).
+        dead or stopped one is told apart by its process). Seeing its process run counts as hearing
+        from it, so a peer stopped for less than the bound is not cut off, as with heartbeats. Runs
+        on the world's timer thread; never blocks for long (one read of ``/proc`` for a peer on this
+        host that we wait for).
         """
         waiting, sending, heard = self.data_wait, self.sending, self.heard
         if waiting is None and self.header_waiters:
@@ -78,9 +80,12 @@ class Liveness:
         judged = waiting if waiting is not None else sending
         if judged is None:
             return
+        if self._still_runs():
+            self.heard = now  # as good as a heartbeat: a stopped peer is judged from its last one
+            return
         since, allowance = judged
         silent = now - max(since, heard)
-        if silent > threshold + allowance and not self._still_runs():
+        if silent > threshold + allowance:
             self._fail(
                 PeerSilent(
                     f"no frame or heartbeat from it for {silent:.1f} s {what} (limit "
