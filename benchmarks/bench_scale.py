@@ -4,7 +4,8 @@ Each launch is ``torchrun --standalone --nproc-per-node N`` of this script (``--
 Every worker times ``init_rpc``, then a first ``rpc_sync`` to each peer it talks to (every other worker,
 or in the ``2 peers`` variant only its two neighbours, rank - 1 and rank + 1), then ``--calls`` more calls
 to one peer (their median), waits at a barrier (a file per worker) until every worker is done calling,
-reads its threads (``/proc/self/task``), and ``--settle`` seconds later its threads again (by role),
+reads its threads (``/proc/self/task``, by role; and the most it held from ``init_rpc`` until then,
+sampled every 50 ms), and ``--settle`` seconds later its threads again (by role),
 descriptors (``/proc/self/fd``) and resident memory (``VmRSS``); then it times ``rpc.shutdown()``, and
 reads its threads and descriptors once more. The job's figures:
 the slowest worker's times (the job waits for it) and the largest counts of any worker; the call to one
@@ -106,6 +107,38 @@ def thread_roles() -> dict[str, int]:
     return roles
 
 
+class PeakThreads:
+    """The most threads this process holds while it runs, sampled every ``PEAK_EVERY`` seconds by a
+    thread of its own (not counted): a burst between the counts read at fixed points shows here."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak = 0
+        #: the threads by role at the peak
+        self.roles: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-peak", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(PEAK_EVERY):
+            n = len(os.listdir("/proc/self/task")) - 1
+            if n > self.peak:
+                self.peak = n
+                self.roles = thread_roles()
+                self.roles.pop("bench-peak", None)  # this thread
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+#: seconds between two samples of PeakThreads
+PEAK_EVERY = 0.05
+
+
 def worker(system: str, variant: str, calls: int, settle: float, folder: Path) -> None:
     """One torchrun worker: init, calls, counts, shutdown; writes ``folder/<rank>.json``."""
     import logging
@@ -124,6 +157,7 @@ def worker(system: str, variant: str, calls: int, settle: float, folder: Path) -
 
         opts = rpc.TensorPipeRpcBackendOptions(init_method="env://")
     counts_before = process_counts()
+    peak = PeakThreads()
     t0 = time.perf_counter()
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
     t_init = time.perf_counter() - t0
@@ -139,7 +173,9 @@ def worker(system: str, variant: str, calls: int, settle: float, folder: Path) -
         rpc.rpc_sync(one, echo, args=(rank,))
         times.append(time.perf_counter() - t0)
     _barrier(folder, "called", rank, world_size)
+    peak_threads = peak.stop()
     during = process_counts()
+    during["roles"] = thread_roles()
     links = links_held()
     time.sleep(settle)
     settled = process_counts()
@@ -155,6 +191,8 @@ def worker(system: str, variant: str, calls: int, settle: float, folder: Path) -
         "first_calls_s": t_first,
         "call_us": statistics.median(times) * 1e6,
         "shutdown_s": t_shutdown,
+        "threads_peak": peak_threads,
+        "roles_peak": peak.roles,
         "before": counts_before,
         "during": during,
         "settled": settled,
@@ -222,10 +260,13 @@ def launch(system: str, size: int, variant: str, calls: int, settle: float) -> d
         "total_s": max(w["init_s"] + w["first_calls_s"] + w["shutdown_s"] for w in workers),
         "call_us": statistics.median(w["call_us"] for w in workers),
         "threads_after_calls": most("during", "threads"),
+        "threads_peak": slowest("threads_peak"),
+        "roles_peak": max(workers, key=lambda w: w["threads_peak"])["roles_peak"],
         "threads": most("settled", "threads"),
         "fds": most("settled", "fds"),
         "rss_mb": most("settled", "rss_mb"),
         "roles": max((w["settled"]["roles"] for w in workers), key=lambda r: sum(r.values())),
+        "roles_after_calls": max((w["during"]["roles"] for w in workers), key=lambda r: sum(r.values())),
         "threads_before_init": most("before", "threads"),
         "threads_after_shutdown": most("after", "threads"),
         "fds_after_shutdown": most("after", "fds"),
@@ -278,6 +319,7 @@ TABLE = (
     "call_us",
     "shutdown_s",
     "threads_after_calls",
+    "threads_peak",
     "threads",
     "fds",
     "rss_mb",
@@ -357,9 +399,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"  first calls {g['first_calls_s']:6.2f} s  call {g['call_us']:7.0f} us"
                         f"  shutdown {g['shutdown_s']:5.2f} s  threads {g['threads']:4.0f}"
                         f"  fds {g['fds']:5.0f}  RSS {g['rss_mb']:5.0f} MB"
-                        f" (right after the calls {g['threads_after_calls']:.0f})"
+                        f" (right after the calls {g['threads_after_calls']:.0f},"
+                        f" most during init and calls {g['threads_peak']:.0f})"
                         f"  | after shutdown: threads {g['threads_after_shutdown']:.0f}"
-                        f" fds {g['fds_after_shutdown']:.0f}\n    threads by role: {g['roles']}",
+                        f" fds {g['fds_after_shutdown']:.0f}\n    threads by role: {g['roles']}"
+                        f"\n    right after the calls: {g['roles_after_calls']}"
+                        f"\n    at the most: {g['roles_peak']}",
                         flush=True,
                     )
     figs = figures(rounds)

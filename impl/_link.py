@@ -23,7 +23,11 @@ host) blocks inside gloo, and so does a receiver waiting for the rest of a messa
 * with heartbeats (the default), the world's heartbeat tick declares the peer dead once it has been
   silent for ``heartbeat_interval * heartbeat_misses`` seconds (plus ``size / 10 MB/s`` for a large
   frame) while this worker waits for one of its frames or for one of our sends to it to complete; any
-  frame heard from the peer restarts the count, so a live but slow peer is never cut off;
+  frame heard from the peer restarts the count, so a live but slow peer is never cut off, and a peer
+  on this host whose process still runs (not stopped) is never judged by its silence: with many
+  workers on few cores a starved one may miss its heartbeats for longer than the bound
+  (``_peer_process``); such a peer gets no heartbeats through its doorbell either, which would
+  only wake its parked link for nothing;
 * with heartbeats off, each send waits at most ``rpc_timeout`` (plus the size allowance); with
   ``rpc_timeout=0`` too, a stopped peer can block a sender for good, as the user asked.
 
@@ -83,7 +87,7 @@ class PeerLink:
         self._run_elsewhere: Callable[[Callable[[], None]], None] | None = None
         self.state = LinkState(me, peer)
         self.pair = Pair(group, me, peer)
-        self.liveness = Liveness(self.state, self.fail, send_timeout)
+        self.liveness = Liveness(self.state, self.fail, send_timeout, group.rings.peer_process)
         self.riders = Riders(self.state, on_message)
         self.receiver = Receiver(
             self.state, self.pair, self.liveness, self.riders, on_message, self.fail, self._peer_closed, auth
@@ -215,7 +219,14 @@ class PeerLink:
         self.liveness.restart(now)
 
     def send_heartbeat(self) -> None:
-        """Send one heartbeat frame unless the outbox is busy (never blocks; see Sender.send_heartbeat)."""
+        """Send one heartbeat frame unless the outbox is busy (never blocks; see Sender.send_heartbeat).
+        None to a peer on this host that takes our header frames through its doorbell: it judges us by
+        our process (Liveness.judged_by_process), and a heartbeat would wake its parked link every
+        interval (a pool thread per idle link and interval, at 64 workers hundreds of wake-ups a
+        second on each host)."""
+        out = self.pair.rings.out
+        if self.liveness.judged_by_process and out is not None and out.bell is not None:
+            return
         self.sender.send_heartbeat()
 
     def flush_riders(self) -> None:

@@ -14,16 +14,27 @@ acted on:
   a dynamic group's worker that found this group's ``kind`` entry (impl/_group_kind.py).
 * ``gone/<rank>``: ``rank``'s world stopped (``graceful`` or ``abrupt``); a worker connecting to it
   then fails at once, as if the peer's close frame had come.
+* ``proc/<rank>``: ``rank``'s host and process (``announce``), so that a worker on the same host can
+  tell a slow peer from a stopped one (impl/_peer_process.py).
 
 A peer that answers nothing (its process died, or is stopped) fails the connection after the liveness
 bound, as a silent link does: the messages waiting for the link fail with ``WorkerUnavailableError``,
-never hang. :class:`LinkTable` holds the links and the messages waiting for one, and connects each
-pair on a short-lived thread of its own (pairs wait on each other, so one thread for all could wait
-in a cycle).
+never hang. A peer on this host whose process still runs is waited for however long it takes: with
+many workers on few cores, its answer may wait seconds for a core.
+
+:class:`LinkTable` holds the links and the messages waiting for one, and connects the pairs on two
+small sets of short-lived threads (``MAKERS`` each), so that a burst of asks (every worker of a
+large job calling one at once) costs a few threads, not one per peer. Pairs wait on each other, so
+one set for all could wait in a cycle (each of a ring of workers asking the next, with no thread
+left to answer); instead one set *asks* (connects a pair this worker wants) and the other *answers*
+(connects a pair a peer asked for). An answer waits only for the peer's asking thread, which is on
+that very pair already, so answers always finish; and asks wait only for answers.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
 import threading
 import time
@@ -35,6 +46,8 @@ from twinrpc._errors import AuthenticationError
 from twinrpc._message import Message
 
 from ._link import PeerLink, PeerShutDown, PeerSilent
+from ._peer_process import PeerProcess, Verdict
+from ._same_host import host_identity
 from ._stores import WrappedStore
 
 _log = logging.getLogger("twinrpc.impl")
@@ -42,6 +55,8 @@ _log = logging.getLogger("twinrpc.impl")
 #: polling for the peer's answer: first and longest pause between two looks at the store
 _POLL_FIRST = 0.001
 _POLL_MAX = 0.1
+#: threads connecting pairs at once, for each of asking and answering (see the module docstring)
+MAKERS = 4
 #: the watcher's longest pause between two looks at its inbox: what an ask to an idle worker may
 #: wait before it is read, and 10 small store requests a second per idle process
 _WATCH_MAX = 0.1
@@ -121,7 +136,8 @@ class PairAsks:
 
         Raises:
             PeerShutDown: the peer's world has stopped.
-            PeerSilent: no answer within ``seconds``: its process died or is stopped.
+            PeerSilent: no answer within ``seconds``: its process died or is stopped (a peer whose
+                process runs on this host is waited for: it is slow, see ``_runs_here``).
             LinkStopped: this worker's world stopped meanwhile.
             AuthenticationError: the peer's entry is not of this run.
         """
@@ -136,6 +152,9 @@ class PairAsks:
             if self._store.check([gone]):
                 raise PeerShutDown(self._store.get(gone) == b"graceful")
             if time.monotonic() >= deadline:
+                if self._runs_here(peer):  # slow, not dead: wait on, and look again after as long
+                    deadline = time.monotonic() + seconds
+                    continue
                 raise PeerSilent(
                     f"it did not answer this worker's connection within {seconds:g} s (its process "
                     "died, or is stopped or cut off)"
@@ -143,6 +162,21 @@ class PairAsks:
             if stopping.wait(pause):
                 raise LinkStopped("this worker's RPC stopped while connecting")
             pause = min(pause * 2, _POLL_MAX)
+
+    def announce(self) -> None:
+        """Tell the workers on this host which process this worker is (see ``_runs_here``)."""
+        process = PeerProcess.me()
+        if process is not None:
+            self._store.set(f"proc/{self._rank}", host_identity() + b"\n" + process.encode().encode())
+
+    def _runs_here(self, peer: int) -> bool:
+        """Whether ``peer``'s process is known to run on this host, not stopped (see ``announce``)."""
+        key = f"proc/{peer}"
+        if not self._store.check([key]):
+            return False
+        host, _, process = self._store.get(key).partition(b"\n")
+        found = PeerProcess.decode(process.decode(errors="replace"))
+        return host == host_identity() and found is not None and found.verdict() is Verdict.ALIVE
 
     def leave(self, graceful: bool) -> None:
         """This worker's world stops: connections to it fail from now on, and its watcher ends."""
@@ -215,7 +249,13 @@ class LinkTable:
         self._waiting: dict[int, list[Message]] = {}
         #: peers no link could be made to, and why (later sends fail at once with it)
         self._unreachable: dict[int, BaseException] = {}
-        self._connecting: dict[int, threading.Thread] = {}
+        #: peers being connected to or queued for it, by whether we ask (else answer their ask)
+        self._connecting: dict[int, bool] = {}
+        #: peers queued for a maker thread, asks and answers apart (see the module docstring)
+        self._queued: dict[bool, collections.deque[int]] = {True: collections.deque(), False: collections.deque()}
+        #: maker threads running, asks and answers apart
+        self._makers: dict[bool, list[threading.Thread]] = {True: [], False: []}
+        self._maker_ids = itertools.count()
         #: set once this world stops: links being made give up (their waits in the store end)
         self.stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -278,41 +318,72 @@ class LinkTable:
                 self._lock.wait(left)
 
     def _connect(self, peer: int, asking: bool) -> None:
-        """Under the lock: start connecting to ``peer`` on a thread of its own, unless under way."""
-        if peer in self._connecting:
+        """Under the lock: queue ``peer`` for a maker thread (see the module docstring), unless under
+        way. A peer queued to be asked that asks us meanwhile moves to the answers: it waits for us."""
+        queued = self._connecting.get(peer)
+        if queued is not None:
+            if queued and not asking and peer in self._queued[True]:
+                self._queued[True].remove(peer)
+                self._enqueue(peer, asking=False)
             return
         self._waiting.setdefault(peer, [])
-        thread = threading.Thread(
-            target=self._connect_on_thread,
-            args=(peer, asking),
-            name=f"twinrpc-link-{self._rank}-{peer}",
-            daemon=True,
-        )
-        self._connecting[peer] = thread
-        thread.start()
+        self._enqueue(peer, asking)
 
-    def _connect_on_thread(self, peer: int, asking: bool) -> None:
+    def _enqueue(self, peer: int, asking: bool) -> None:
+        """Under the lock: ``peer`` waits for a maker thread of its kind; start one if fewer than
+        MAKERS run."""
+        self._connecting[peer] = asking
+        self._queued[asking].append(peer)
+        makers = self._makers[asking]
+        if len(makers) < MAKERS:
+            kind = "connect" if asking else "answer"
+            thread = threading.Thread(
+                target=self._make_links,
+                args=(asking,),
+                name=f"twinrpc-{kind}-{self._rank}-{next(self._maker_ids)}",
+                daemon=True,
+            )
+            makers.append(thread)
+            thread.start()
+
+    def _make_links(self, asking: bool) -> None:
+        """A maker thread: connect the queued peers of its kind, one at a time; exit when none is left."""
+        me = threading.current_thread()
+        while True:
+            with self._lock:
+                queue = self._queued[asking]
+                if not queue:
+                    self._makers[asking].remove(me)
+                    return
+                peer = queue.popleft()
+            if self.stopping.is_set():
+                self._give_up(peer, LinkStopped("this worker's RPC stopped while connecting"))
+            else:
+                self._connect_peer(peer, asking)
+
+    def _connect_peer(self, peer: int, asking: bool) -> None:
         asks = self._asks
-        assert asks is not None
         try:
+            if asks is None:
+                raise LinkStopped("this worker's RPC has stopped")
             asks.here(peer)
             if asking:
                 asks.ask(peer)
             asks.wait_for(peer, self._silence, self.stopping)
             link = self._make(peer)
-
         except BaseException as exc:
             self._give_up(peer, exc)
             return
         self._start(link)
         with self._lock:
-            # What waited goes first, in order (the outbox sends them before any later send, which
-            # queues behind them); then later sends find the link.
+            # What waited goes first, in order, before any later send (which queues behind them and
+            # finds the link from now on); this thread sends them (no outbox thread started for it).
             for msg in self._waiting.pop(peer, []):
-                link.send_later(msg, self._send_failed)
+                link.sender.enqueue(msg, self._send_failed)
             self.links = {**self.links, peer: link}
             self._connecting.pop(peer, None)
             self._lock.notify_all()
+        link.sender.flush()
 
     def _give_up(self, peer: int, exc: BaseException) -> None:
         with self._lock:
@@ -332,6 +403,7 @@ class LinkTable:
         """Start the thread that answers peers' asks (none without ``asks``)."""
         if self._asks is None:
             return
+        self._asks.announce()
         self._watcher = threading.Thread(target=self._watch, name=f"twinrpc-asks-{self._rank}", daemon=True)
         self._watcher.start()
 
@@ -365,7 +437,7 @@ class LinkTable:
             except Exception as exc:  # the store is gone; so is the watcher's wait
                 _log.debug("twinrpc: rank %d could not post its leaving: %s", self._rank, exc)
         with self._lock:
-            threads = list(self._connecting.values())
+            threads = [*self._makers[True], *self._makers[False]]
         if self._watcher is not None:
             threads.append(self._watcher)
         for thread in threads:

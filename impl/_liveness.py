@@ -2,7 +2,8 @@
 
 The receiver and the sender record here what they wait for (plain field writes on their own path, no
 call); the world's heartbeat tick judges from it (check_alive) and fails the link of a peer that has
-been silent too long while this worker depended on it.
+been silent too long while this worker depended on it. A peer on this host whose process still runs
+is never judged dead for its silence: it is starved of CPU or busy, not gone (``_peer_process``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 
 from ._framing import HEADER_BYTES
 from ._link_state import LinkState
+from ._peer_process import PeerProcess, Verdict
 
 #: bytes per second a peer is allowed to be slow at while sending a large frame (heartbeat allowance)
 MIN_FRAME_RATE = 10e6
@@ -27,9 +29,16 @@ class Liveness:
     (``sending``), and read without a lock by the heartbeat tick (on the world's timer thread)."""
 
     def __init__(
-        self, state: LinkState, fail: Callable[[BaseException], None], send_timeout: float | None
+        self,
+        state: LinkState,
+        fail: Callable[[BaseException], None],
+        send_timeout: float | None,
+        peer_process: PeerProcess | None = None,
     ) -> None:
+        """``peer_process``: the peer's process when it runs on this host (None: another host, or
+        unknown), asked before a silent peer is declared dead."""
         self._state = state
+        self._peer_process = peer_process
         self._fail = fail
         #: seconds (plus the size allowance) a send may wait in gloo before the link is failed; None:
         #: no bound of its own (the heartbeat tick judges stuck sends, see check_alive)
@@ -52,7 +61,12 @@ class Liveness:
         one of our sends waits for the peer to take a frame. Failing the link wakes those waits.
 
         Only a peer heard at least once is judged, so a peer still setting up its world is never
-        mistaken for a dead one. Runs on the world's timer thread; never blocks for long.
+        mistaken for a dead one; nor is a silent peer on this host whose process still runs (many
+        workers on few cores can keep one from a core for longer than the bound: it is slow, and a
+        dead or stopped one is told apart by its process). Seeing its process run counts as hearing
+        from it, so a peer stopped for less than the bound is not cut off, as with heartbeats. Runs
+        on the world's timer thread; never blocks for long (one read of ``/proc`` for a peer on this
+        host that we wait for).
         """
         waiting, sending, heard = self.data_wait, self.sending, self.heard
         if waiting is None and self.header_waiters:
@@ -66,6 +80,9 @@ class Liveness:
         judged = waiting if waiting is not None else sending
         if judged is None:
             return
+        if self._still_runs():
+            self.heard = now  # as good as a heartbeat: a stopped peer is judged from its last one
+            return
         since, allowance = judged
         silent = now - max(since, heard)
         if silent > threshold + allowance:
@@ -76,6 +93,17 @@ class Liveness:
                     "stopped, hung or cut off from this one"
                 )
             )
+
+    @property
+    def judged_by_process(self) -> bool:
+        """Whether the peer runs on this host, so its process, not its heartbeats, tells whether it
+        is alive (see check_alive)."""
+        return self._peer_process is not None
+
+    def _still_runs(self) -> bool:
+        """Whether the peer's process is known to run on this host (a silent peer is then slow)."""
+        process = self._peer_process
+        return process is not None and process.verdict() is Verdict.ALIVE
 
     def restart(self, now: float) -> None:
         """Forget past silence (this process itself was stalled: the peer's frames are still queued)."""

@@ -250,11 +250,21 @@ class Receiver:
         run_elsewhere: Callable[[Callable[[], None]], None] | None,
         defer_callbacks: Callable[[Callable[[], None]], None] | None,
     ) -> None:
-        """Start receiving (see PeerLink.start)."""
+        """Start receiving (see PeerLink.start). A link whose header frames come through the peer's
+        ring starts parked (see LINGER): the peer's first frame starts a receiver, or a caller takes
+        the doorbell back for its reply (receive_until), so a burst of new links holds no thread per
+        link until each has idled out."""
         self._run_elsewhere = run_elsewhere
         self._defer_callbacks = defer_callbacks
-        self._receivers = 1
         self._active_at = time.monotonic()
+        ring = self._rings.inbound
+        if self._headers_in_ring and run_elsewhere is not None:
+            assert ring is not None
+            with self._rx_lock:
+                if ring.arm(0):
+                    self._park(ring, 0)
+                    return
+        self._receivers = 1
         if self._headers_in_ring:
             self._awake = True
             DOOR_WATCH.counted_awake(1)
@@ -289,13 +299,33 @@ class Receiver:
                 # start a receiver if there is none
                 if self._spares:
                     spare = self._spares.pop()
-                else:
+                elif not self._parks_on_hand_off():
                     start = True
                     self._receivers += 1
         if spare is not None:
             spare.release()
         if start:
             self._run_elsewhere(self._receive_more)
+        return True
+
+    def _parks_on_hand_off(self) -> bool:
+        """Under _rx_lock, in hand_off with no receiver left: park the link (see LINGER) rather than
+        start a receiver, while more than PARK_CAP links are awake (a burst of calls from many peers:
+        a receiver per link and hand-off would hold a thread each until they idle out). False: a
+        receiver must start (the link does not park, or the next frame is here already)."""
+        ring = self._rings.inbound
+        if (
+            not self._headers_in_ring
+            or self._receivers
+            or self._turn in self._ready
+            or self._claimed != self._turn
+            or DOOR_WATCH.awake <= PARK_CAP
+        ):
+            return False
+        assert ring is not None
+        if not ring.arm(self._claimed):
+            return False
+        self._park(ring, self._claimed)
         return True
 
     def receive_until(self, fut: Future[Any]) -> None:

@@ -60,6 +60,7 @@ import torch
 from ._byte_view import byte_view
 from ._doorbell import Bell, Doorbell, _fence
 from ._doorbell import available as _doorbell_available
+from ._peer_process import PeerProcess
 
 _log = logging.getLogger("twinrpc.impl")
 
@@ -598,6 +599,9 @@ class Rings:
 
     out: OutRing | None = None
     inbound: InRing | None = None
+    #: the peer's process when it runs on this host (whatever path its data takes): a silent peer
+    #: whose process still runs is slow, not dead (see ``_peer_process``)
+    peer_process: PeerProcess | None = None
 
     def stop(self) -> None:
         """The link ends (see Pair.abandon): tell the peer (``OutRing.hang_up``), and wake a receiver
@@ -658,11 +662,12 @@ def connect(store: Any, me: int, peer: int) -> Rings:
         store.wait([f"shm/{peer}"], _ANSWER_WAIT)
         offer = store.get(f"shm/{peer}")
         if _same_host_offer(offer):
+            _, pid, _, _, peer_door = _OFFER.unpack(offer)
+            rings.peer_process = PeerProcess.of(pid)
             try:
                 rings.inbound = InRing(offer)
             except (OSError, ValueError) as exc:
                 _log.debug("twinrpc: cannot map the ring of rank %d: %s", peer, exc)
-            _, pid, _, _, peer_door = _OFFER.unpack(offer)
             if out is not None and peer_door >= 0 and doorbell_enabled():
                 try:
                     bell = Bell(pid, peer_door)

@@ -461,6 +461,17 @@ class Sender:
         finally:
             live.sending = None
 
+    def enqueue(self, msg: Message, on_error: OnError) -> None:
+        """Queue ``msg`` without sending it: the next frame takes it, in order, before anything queued
+        later (``flush``, or whoever sends next)."""
+        self._queue.append(_Queued(msg, on_error))
+
+    def flush(self) -> None:
+        """Send what is queued from this thread, which may wait for the peer (not a receiver's)."""
+        if self._queue:
+            self.lock.acquire()
+            self._lead(blocking=True)
+
     # -- the outbox --------------------------------------------------------------------------------
     def send_later(self, msg: Message, on_error: OnError) -> None:
         """Send from the link's outbox thread (for threads that must not block, see THREAD_ROLE)."""

@@ -4,8 +4,13 @@ this worker depends on it, riders keep their order, and no part reaches into ano
 
 from __future__ import annotations
 
+import os
 import pathlib
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -15,6 +20,7 @@ from twinrpc.impl._framing import MAX_RIDER_BYTES
 from twinrpc.impl._link_state import LinkState
 from twinrpc.impl._link_table import PairAsks, post_ask
 from twinrpc.impl._liveness import Liveness, PeerSilent
+from twinrpc.impl._peer_process import PeerProcess, Verdict
 from twinrpc.impl._riders import Riders
 from twinrpc.impl._stores import WrappedStore
 
@@ -63,6 +69,32 @@ def test_a_peer_silent_while_a_receiver_waits_for_it_is_declared_silent() -> Non
     live.check_alive(20.0, 1.0)
     assert len(failed) == 1 and isinstance(failed[0], PeerSilent)
     assert "while waiting for one" in str(failed[0])
+
+
+def test_a_silent_peer_on_this_host_is_dead_only_once_its_process_is_stopped() -> None:
+    """Many workers on few cores can keep a peer from a core past the bound: while its process runs
+    it is slow, not dead (the 64-worker job's failure); stopped (SIGSTOP), it is declared silent."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        process = PeerProcess.of(child.pid)
+        assert process is not None
+        state = LinkState(0, 1)
+        failed: list[BaseException] = []
+        live = Liveness(state, failed.append, None, process)
+        live.heard = 10.0
+        live.header_waiters, live.header_since = 1, 5.0
+        live.check_alive(100.0, 1.0)
+        assert failed == []  # seen running at 100.0: as good as a heartbeat then
+        os.kill(child.pid, signal.SIGSTOP)
+        while process.verdict() is Verdict.ALIVE:  # the kernel stops it soon (bounded by the test timeout)
+            time.sleep(0.01)
+        live.check_alive(100.5, 1.0)
+        assert failed == []  # stopped for less than the bound: not cut off yet
+        live.check_alive(102.0, 1.0)
+        assert len(failed) == 1 and isinstance(failed[0], PeerSilent)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_silence_while_nothing_waits_for_the_peer_is_not_held_against_it() -> None:
