@@ -18,7 +18,9 @@ _MODULES = {
     "torch.distributed.optim": "twinrpc.optim",
     "torch.distributed.nn": "twinrpc.nn",
 }
-_IMPORT = re.compile(r"^(\s*)(import|from)\s+(torch\.distributed\.(?:rpc|autograd|optim|nn))\b(.*)$", re.DOTALL)
+_IMPORT = re.compile(
+    r"^(\s*)(import|from)\s+(torch\.distributed\.(?:rpc|autograd|optim|nn))\b(.*)$", re.DOTALL
+)
 
 
 def port_line(line: str) -> str:

@@ -252,7 +252,10 @@ class LinkTable:
         #: peers being connected to or queued for it, by whether we ask (else answer their ask)
         self._connecting: dict[int, bool] = {}
         #: peers queued for a maker thread, asks and answers apart (see the module docstring)
-        self._queued: dict[bool, collections.deque[int]] = {True: collections.deque(), False: collections.deque()}
+        self._queued: dict[bool, collections.deque[int]] = {
+            True: collections.deque(),
+            False: collections.deque(),
+        }
         #: maker threads running, asks and answers apart
         self._makers: dict[bool, list[threading.Thread]] = {True: [], False: []}
         self._maker_ids = itertools.count()

@@ -351,7 +351,9 @@ def test_keyed_links_carry_every_kind_of_frame(monkeypatch: pytest.MonkeyPatch) 
         sender.send(Message(Kind.CALL, 6, 0, 1, b"last"))
         # storages over the go-ahead size: sent tag after, in pieces (impl/_framing.py, FLAG_TAG_AFTER)
         big = torch.randint(0, 256, (20 << 20,), dtype=torch.uint8)
-        sender.send(Message(Kind.CALL, 7, 0, 1, b"big", [big, torch.arange(5, dtype=torch.uint8), big[:5 << 20]]))
+        sender.send(
+            Message(Kind.CALL, 7, 0, 1, b"big", [big, torch.arange(5, dtype=torch.uint8), big[: 5 << 20]])
+        )
         sender.send(Message(Kind.CALL, 8, 0, 1, b"after the big one"))
         got = inbox.wait_for(8)
         assert [m.id for m in got] == [1, 2, 3, 4, 5, 6, 7, 8]

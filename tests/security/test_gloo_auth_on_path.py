@@ -446,7 +446,7 @@ def test_a_static_kind_recorded_in_an_earlier_run_is_refused_by_a_dynamic_joiner
     monkeypatch.setattr(_rendezvous, "_open_store", lambda init, rank, *a: (stores[rank], False))
     earlier = dist.HashStore()
     stores.update({0: earlier, 1: earlier})
-    got, errors = _in_threads(_static_join(stores, ["worker0", "worker1"]), [0, 1])
+    _got, errors = _in_threads(_static_join(stores, ["worker0", "worker1"]), [0, 1])
     assert not errors, errors
     recorded = {k: earlier.get(k) for k in ("twinrpc/0/kind", "twinrpc/0/nonce/0", "twinrpc/0/nonce/1")}
     now = dist.HashStore()
