@@ -353,10 +353,14 @@ def test_a_gradient_that_comes_back_over_rpc_is_adopted_and_later_passes_add_in_
     world: Any, where: str
 ) -> None:
     """The send function gives its gradients away: a Function between it and the leaf returns a
-    tensor nothing else holds, also when it is the sum of a local and a remote gradient."""
+    tensor nothing else holds, also when it is the sum of a local and a remote gradient. PyTorch
+    adopts a gradient that comes back over RPC only when its RPC thread has let go of the message
+    first, a race it almost always wins (spec/autograd.md, DAG-20): twinrpc always adopts it, and
+    on the ``torch`` backend only the value and the in-place later pass are held to."""
     got = world.run_on(0, _across_rpc, where)
     per_pass = 2.0 if where == "behind_send" else 3.0
-    assert got == {"adopted": True, "in_place": True, "value": [[2 * per_pass] * 3] * 2}
+    adopted = got["adopted"] if world.backend == "torch" else True
+    assert got == {"adopted": adopted, "in_place": True, "value": [[2 * per_pass] * 3] * 2}
 
 
 @pytest.mark.spec("DAG-20", "DAG-6")
