@@ -134,7 +134,7 @@ def test_the_committed_results_of_each_comparison_carry_every_figure_with_a_targ
             "bw 64 MiB",
         },
         "bench_dist_autograd": {"step", "iteration"},
-        "bench_two_hosts": {"bw 16 MiB", "bw 64 MiB"},
+        "bench_two_hosts": {"bw 16 MiB", "bw 64 MiB", "bw 16 MiB keyed", "bw 64 MiB keyed"},
         # one figure per job count measured above 1
         "bench_explore": {f"jobs {e['jobs']}" for e in doc["extra"].get("explore", []) if e["jobs"] > 1},
     }[name]
