@@ -1138,6 +1138,8 @@ class Receiver:
                         )
                         if apart:
                             self._auth.check_data(apart, header.data_tag, record.id, state.peer_name)
+                        # not kept past the check: the storages are the handler's (see the del below)
+                        del apart
                 except AuthenticationError as exc:
                     self._refuse(exc)
                     return False
