@@ -79,8 +79,27 @@ def test_memory_that_keeps_growing_after_warm_up_fails_the_verdict(soak: ModuleT
 
 def test_a_thread_or_descriptor_more_than_warm_up_had_fails_the_verdict(soak: ModuleType) -> None:
     warm = [(100 * MiB, 5, 10, 2)] * 4
-    assert _failed(soak, warm + [(100 * MiB, 6, 10, 2)] * 16) == []  # the link's outbox, started late
-    assert _failed(soak, warm + [(100 * MiB, 7, 10, 2)] * 16) == ["worker0 threads"]
+    # the link's outbox and the doorbell watcher, started late
+    assert _failed(soak, warm + [(100 * MiB, 7, 10, 2)] * 16) == []
+    assert _failed(soak, warm + [(100 * MiB, 8, 10, 2)] * 16) == ["worker0 threads"]
     assert _failed(soak, warm + [(100 * MiB, 5, 11, 2)] * 16) == ["worker0 fds"]
     pool_growing = [(100 * MiB, 5, 10, 2 + i) for i in range(20)]
     assert _failed(soak, pool_growing) == ["worker0 pool"]  # past num_worker_threads + receivers
+
+
+def test_only_the_doorbell_watchers_descriptors_may_open_after_warm_up(soak: ModuleType) -> None:
+    base = {"/memfd:twinrpc-ring (deleted)": 2, "anon_inode:[eventfd]": 2, "socket": 3}
+    watcher = {"anon_inode:[eventpoll]": 1, "anon_inode:[eventfd]": 1}
+
+    def failed(later: dict[str, int]) -> list[str]:
+        rows = [(100 * MiB, 5, sum(base.values()), 2)] * 4 + [(100 * MiB, 5, sum(later.values()), 2)] * 16
+        curve = _curve(soak, rows)
+        curve.fd_kinds = [[base] * 4 + [later] * 16, [{}] * 20]
+        return [what for what, d in soak.verdict(curve).items() if not d["ok"]]
+
+    assert failed({**base, "anon_inode:[eventpoll]": 1, "anon_inode:[eventfd]": 3}) == []
+    assert failed({**base, "socket": 4}) == ["worker0 fds"]
+    with_watcher = {k: base.get(k, 0) + watcher.get(k, 0) for k in base.keys() | watcher.keys()}
+    assert failed({**with_watcher, "anon_inode:[eventfd]": 4}) == ["worker0 fds"]  # one eventfd too many
+    verdict = soak.verdict(_curve(soak, [(100 * MiB, 5, 7, 2)] * 4 + [(100 * MiB, 5, 8, 2)] * 16))
+    assert not verdict["worker0 fds"]["ok"]  # without kinds, the count is exact
