@@ -23,9 +23,8 @@ warm-up (pools and allocator arenas reach their working size, lazily created thr
 * file descriptors never exceed the warm-up's maximum (counted exactly, and nothing in twinrpc opens
   one per operation: there is no noise to tolerate), but for those of the process's doorbell watcher
   (``LAZY_FDS``, told apart by kind: an epoll set and an eventfd, impl/_door_watch.py), which starts
-  when a same-host link of the process first parks: a link busy from its first call parks only once
-  it has been idle for a while, or once it is handed from the caller to a receiver, which under load
-  may come late in a load;
+  when a same-host link of the process first parks, and when that is depends on the timing of the
+  link's first calls (seen in CI: about 1 s into the calls load, after its warm-up);
 * threads outside the request pool exceed the warm-up's maximum by at most ``LAZY_THREADS``: the
   threads started on demand are a link's outbox (impl/_sender.py, on the first send from a thread that
   must not block, which a sequential load may reach only late), one per link, so here one, and the
