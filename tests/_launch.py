@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -20,11 +21,37 @@ LAUNCH_TIMEOUT = 240.0
 BAD_EXIT_MARKERS = ("terminate called", "Aborted", "core dumped", "Fatal Python error")
 
 
+#: picks free_port's candidates (its own generator: hypothesis reseeds the global one, which would give
+#: every xdist worker the same ports)
+_PORTS = random.Random()
+#: the lowest port free_port picks
+_LOWEST_PORT = 10_000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago (bound to port 0, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port that is free now, picked at random below the kernel's ephemeral range. A port bound
+    to 0 and released comes from that range, where the client end of every connection (another test's
+    gloo pairs and store clients) takes its port too, so it may be gone by the time the test listens
+    on it (seen: EADDRINUSE from a TCPStore while the suite ran with three workers)."""
+    low, _ = _ephemeral_range()
+    for _ in range(200):
+        port = _PORTS.randrange(_LOWEST_PORT, max(low, _LOWEST_PORT + 1000))
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # every address, as a store server listens
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port between {_LOWEST_PORT} and {low} after 200 tries")
 
 
 @dataclass(frozen=True)
